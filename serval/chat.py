@@ -1,0 +1,43 @@
+"""Chat messages → prompt token ids under the context window, by the chosen policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serval.tokenizer import Tokenizer
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit in the model's context window."""
+
+
+@dataclass
+class ChatPrompt:
+    token_ids: list[int]
+    num_dropped_messages: int = 0  # oldest turns left out by the sliding-window policy
+
+
+def build_chat_prompt(tokenizer: Tokenizer, messages: list[dict], max_prompt_tokens: int,
+                      policy: str = "error") -> ChatPrompt:
+    """Renders ``messages`` with the model's chat template.
+
+    ``policy="error"`` rejects a chat longer than ``max_prompt_tokens``; ``"sliding_window"`` keeps the system
+    prompt and the most recent messages, dropping the oldest turns until it fits."""
+    ids = tokenizer.apply_chat_template(messages)
+    if len(ids) <= max_prompt_tokens:
+        return ChatPrompt(ids)
+    if policy != "sliding_window":
+        raise ContextLengthError(f"the chat is {len(ids)} tokens, more than the {max_prompt_tokens} the context "
+                                 "window leaves for the prompt (the sliding_window context policy drops old turns)")
+    system = [m for m in messages[:1] if m.get("role") == "system"]
+    history = messages[len(system):]
+    for dropped in range(1, len(history)):
+        kept = history[dropped:]
+        # A chat should open with the user's turn: drop an assistant turn left at the front too.
+        if kept[0].get("role") == "assistant":
+            continue
+        ids = tokenizer.apply_chat_template(system + kept)
+        if len(ids) <= max_prompt_tokens:
+            return ChatPrompt(ids, dropped)
+    raise ContextLengthError(f"the last message alone does not fit in the {max_prompt_tokens} prompt tokens the "
+                             "context window leaves")

@@ -1,0 +1,170 @@
+"""The `serval` command: generate, chat, models (and later serve, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from serval.sampling_params import SamplingParams
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="embedded model name, .gguf file or HF directory "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
+                        help="a chat longer than the context: reject it, or drop the oldest turns")
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _build_llm(args: argparse.Namespace):
+    from serval.engine.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+               enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=args.max_model_len,
+               context_policy=args.context_policy)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = _sampling_params(args)
+    start = time.perf_counter()
+    if args.raw:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        outputs = llm.chat([messages + [{"role": "user", "content": p}] for p in args.prompt], params,
+                           use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for output in outputs:
+        print(output.text)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"[{tokens} tokens in {elapsed:.2f} s, {tokens / elapsed:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from serval.chat import build_chat_prompt
+
+    llm = _build_llm(args)
+    engine = llm.engine
+    params = _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("serval chat — an empty line or Ctrl-D quits", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        try:
+            prompt = build_chat_prompt(llm.tokenizer, messages, engine.max_model_len - params.max_tokens,
+                                       engine.config.context_policy)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            messages.pop()
+            continue
+        if prompt.num_dropped_messages:
+            print(f"[context full: dropped the {prompt.num_dropped_messages} oldest messages]", file=sys.stderr)
+        request_id = f"chat-{turn}"
+        turn += 1
+        engine.add_request(request_id, prompt.token_ids, params)
+        print("assistant> ", end="", flush=True)
+        shown = 0
+        answer = ""
+        while True:
+            done = False
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                answer = output.text
+                print(answer[shown:], end="", flush=True)
+                shown = len(answer)
+                done = output.finished
+            if done:
+                break
+        print()
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from serval.model.gguf_file import SUPPORTED_TYPES
+    from serval.model.registry import DEFAULT_MODEL, embedded_models
+
+    print("Embedded models (from PyPI wheels):")
+    for name, path in embedded_models().items():
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"  {name}{default}: {path if path else 'not installed'}")
+    print("Also loads: a Llama-family .gguf file (tensor types " + ", ".join(sorted(SUPPORTED_TYPES)) + ")")
+    print("            or a Hugging Face directory (config.json + *.safetensors, LlamaForCausalLM)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="serval", description="Serval LLM serving engine")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer prompts and exit")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--raw", action="store_true", help="plain completion, without the chat template")
+    gen.add_argument("--system", default=None, help="system prompt")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    models = sub.add_parser("models", help="list the models Serval can load")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"serval: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

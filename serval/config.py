@@ -1,0 +1,106 @@
+"""Configuration: one validated dataclass per concern, built from CLI flags and Python kwargs alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family transformer, read from a GGUF header or a config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF form: {"rope_type": "llama3" | "linear", "factor": ..., ...}
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    architecture: str = "llama"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size and how much memory it may take."""
+
+    block_size: int = 16
+    kv_cache_memory: float = 1.0  # GiB for all layers' keys and values
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests use it to force preemption)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"CacheConfig.block_size must be a positive integer, got {self.block_size!r}")
+        if not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
+            raise ValueError(f"CacheConfig.kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
+            raise ValueError(f"CacheConfig.num_blocks must be an integer >= 2, got {self.num_blocks!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits: tokens per step and sequences per step."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError("SchedulerConfig.max_num_batched_tokens must be a positive integer, "
+                             f"got {self.max_num_batched_tokens!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"SchedulerConfig.max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs: which model, on what, and the cache and scheduler settings."""
+
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's own context length
+    context_policy: str = "error"  # "error" | "sliding_window" (chat: drop the oldest turns)
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("EngineConfig.device is 'cuda' but torch sees no CUDA device")
+        if self.context_policy not in ("error", "sliding_window"):
+            raise ValueError("EngineConfig.context_policy must be 'error' or 'sliding_window', "
+                             f"got {self.context_policy!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,172 @@
+"""Accounting for the paged KV cache: which block holds whose tokens. Ints only; the tensor lives in the runner.
+
+Every block is free (ref_count 0, maybe still holding a cached prefix) or owned (ref_count >= 1).
+Freed blocks keep their contents and their hash, and are evicted least recently used first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from serval.engine.request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    # What the cached block holds (the parent block's hash and its own tokens), to verify a hash hit exactly.
+    key: tuple[int, tuple[int, ...]] | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (oldest first); a dict gives O(1) removal from the middle on a cache hit.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, count: int) -> list[int]:
+        assert count <= len(self.free_queue), "caller checks capacity first"
+        ids = []
+        for _ in range(count):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict its cached prefix
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = block.key = None
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Takes a reference on cached blocks (a prefix hit)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        # Reverse order: a sequence's last blocks are the least likely to be shared, so they are evicted first.
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} released twice"
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+
+    def lookup(self, block_hash: int, key: tuple[int, tuple[int, ...]]) -> int | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].key != key:
+            return None
+        return block_id
+
+    def cache(self, block_id: int, block_hash: int, key: tuple[int, tuple[int, ...]]) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            return
+        block.block_hash, block.key = block_hash, key
+        self.cached.setdefault(block_hash, block_id)
+
+    def num_owned_blocks(self) -> int:
+        return sum(1 for b in self.blocks if b.ref_count > 0)
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class KVCacheManager:
+    """Gives requests the blocks they need, shares cached prefixes, takes blocks back."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The cached blocks of the request's longest cached prefix, and how many tokens they hold.
+
+        At least one token is always left to compute, since the last one's logits are needed."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_hashes(request, max_blocks)
+        hits = []
+        for i in range(max_blocks):
+            block_id = self.pool.lookup(request.block_hashes[i], self._block_key(request, i))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted request's prefix lookup (not the lookups of attempts that had to wait)."""
+        if self.enable_prefix_caching:
+            self.stats.queried_tokens += num_tokens
+            self.stats.hit_tokens += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Makes room for ``num_new_tokens`` more tokens of KV. False (nothing changed) when blocks run out."""
+        computed_blocks = computed_blocks or []
+        num_total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        needed = -(-num_total // self.block_size) - len(request.block_ids) - len(computed_blocks)
+        # Cached blocks that are free now stop being free once the request takes them.
+        reclaimed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0)
+        if needed > self.pool.num_free_blocks - reclaimed:
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            request.block_ids.extend(computed_blocks)
+            request.num_cached_blocks = len(request.block_ids)
+        if needed > 0:
+            request.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publishes the request's newly completed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        self._update_hashes(request, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.cache(request.block_ids[i], request.block_hashes[i], self._block_key(request, i))
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def free(self, request: Request) -> None:
+        self.pool.release(request.block_ids)
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def _block_key(self, request: Request, i: int) -> tuple[int, tuple[int, ...]]:
+        parent = request.block_hashes[i - 1] if i else 0
+        return parent, tuple(request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size))
+
+    def _update_hashes(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            tokens = request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
+            # A strong hash of the chain: Python's hash() of ints collides by construction (2**61 - 1 ≡ 0).
+            digest = hashlib.blake2b(array("q", [parent, *tokens]).tobytes(), digest_size=8).digest()
+            hashes.append(int.from_bytes(digest, "little", signed=True))

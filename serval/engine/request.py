@@ -1,0 +1,78 @@
+"""A request's state as the scheduler sees it: token ids, progress, blocks. Plain data, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from serval.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_tokens: int = 16  # resolved: never past the context window
+    priority: int = 0  # lower runs first
+    group_id: str | None = None  # the n > 1 siblings of one prompt share it
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks, grown as tokens arrive
+    num_cached_blocks: int = 0  # leading blocks already published to the prefix cache
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first scheduling
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def check_stop(self) -> RequestStatus | None:
+        """After a token was appended: did a stop token or a length limit end the request?"""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if len(self.output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,112 @@
+"""Turns a SchedulerOutput into one forward pass over a flat token batch, then samples.
+
+Owns the device side: the model, the preallocated KV cache tensor, per-request random generators.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serval.config import ModelConfig
+from serval.engine.request import Request
+from serval.engine.scheduler import SchedulerOutput
+from serval.layers.attention import AttentionMetadata, PrefillChunk
+from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs
+
+
+def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        cfg: ModelConfig = model.config
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.vocab_size = cfg.vocab_size
+        # The one KV cache allocation: [layer, k/v, block, slot, kv head, head dim]. Steps never allocate more.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=dtype, device=self.device)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Runs the step. Returns the sampled token of each request whose prompt is now fully computed."""
+        counts = out.num_scheduled_tokens
+        decodes = [r for r in out.scheduled if counts[r.request_id] == 1]
+        prefills = [r for r in out.scheduled if counts[r.request_id] > 1]
+        bs = self.block_size
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampling_requests: list[Request] = []
+        logits_indices: list[int] = []
+        for request in decodes + prefills:
+            start = request.num_computed_tokens
+            end = start + counts[request.request_id]
+            input_ids += request.token_ids_slice(start, end)
+            positions += range(start, end)
+            blocks = request.block_ids
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            if end == request.num_tokens:
+                sampling_requests.append(request)
+                logits_indices.append(len(input_ids) - 1)
+        if not input_ids:
+            return {}, {}
+
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        if decodes:
+            seq_lens = [r.num_computed_tokens + 1 for r in decodes]
+            max_blocks = max(len(r.block_ids) for r in decodes)
+            tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes]
+            meta.num_decode_tokens = len(decodes)
+            meta.decode_block_tables = self._tensor(tables)
+            key_pos = torch.arange(max_blocks * bs, device=self.device)
+            meta.decode_mask = (key_pos[None, :] < self._tensor(seq_lens)[:, None])[:, None, None, :]
+        query_start = len(decodes)
+        for request in prefills:
+            n = counts[request.request_id]
+            start = request.num_computed_tokens
+            seq_len = start + n
+            mask = None
+            if start > 0:  # earlier context in the cache: query i sees keys up to its own position
+                q_pos = torch.arange(start, seq_len, device=self.device)
+                mask = torch.arange(seq_len, device=self.device)[None, :] <= q_pos[:, None]
+            table = self._tensor(request.block_ids[: -(-seq_len // bs)])
+            meta.prefills.append(PrefillChunk(query_start, n, seq_len, table, mask))
+            query_start += n
+
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache, meta)
+        if not sampling_requests:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[self._tensor(logits_indices)])
+        rows = [self._sampling_row(r) for r in sampling_requests]
+        result = self.sampler(logits, rows)
+        sampled = {r.request_id: t for r, t in zip(sampling_requests, result.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, result.logprobs) if lp is not None}
+        return sampled, logprobs
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        params = request.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = self.generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+                self.generators[request.request_id] = generator
+        blocked: list[int] = []
+        if len(request.output_token_ids) < params.min_tokens:
+            blocked = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids))
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, generator, blocked)
+
+    def _tensor(self, data: list) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)

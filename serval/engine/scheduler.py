@@ -1,0 +1,153 @@
+"""Token-budget continuous batching.
+
+Each step packs running requests first (decodes and unfinished prompt chunks), then admits waiting
+ones, under ``max_num_batched_tokens`` and ``max_num_seqs``. A long prompt is cut into chunks so it
+never stalls running decodes. When blocks run out, the newest running request is preempted: its
+blocks are freed and it is recomputed later (its generated tokens are kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serval.config import SchedulerConfig
+from serval.engine.kv_cache import KVCacheManager
+from serval.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's plan for the runner: which requests run and how many new tokens each."""
+
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim.request_id in out.num_scheduled_tokens:  # it already had a place in this step
+                    out.scheduled.remove(victim)
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            request = self._next_waiting()
+            if request is None:
+                break
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_hit_tokens, budget)
+            if num_new == 0 or not self.kv_cache.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.remove(request)
+            self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advances the scheduled requests by what was computed; appends sampled tokens and checks stops.
+
+        Returns the requests that got a new token (finished ones included)."""
+        updated = []
+        for request in out.scheduled:
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            self.kv_cache.cache_computed_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a prompt chunk that is not the last one
+            request.output_token_ids.append(token)
+            status = request.check_stop()
+            if status is not None:
+                self.finish_request(request, status)
+            updated.append(request)
+        return updated
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request (stop, length, abort, error) and frees its blocks; a finished request is left alone."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        remaining = request.num_tokens - num_computed
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            # Unchunked, a prompt runs whole. A preempted request that outgrew the whole step budget would then
+            # never run again, so its recompute is chunked anyway.
+            if request.num_preemptions == 0 or remaining <= self.config.max_num_batched_tokens:
+                return 0
+        return min(remaining, budget)
+
+    def _next_waiting(self) -> Request | None:
+        block_size = self.kv_cache.block_size
+        # A group's leader is a running sibling computing prompt blocks the cache did not have.
+        leaders_prefilling = {r.group_id for r in self.running
+                              if r.group_id is not None and r.num_computed_tokens < r.num_prompt_tokens
+                              and r.num_cached_tokens < (r.num_prompt_tokens - 1) // block_size * block_size}
+        candidates = [r for r in self.waiting
+                      # n > 1: siblings wait until the first one's prompt is cached, then share its blocks.
+                      if not (self.kv_cache.enable_prefix_caching and r.group_id in leaders_prefilling)]
+        return min(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(request)

@@ -1,0 +1,51 @@
+"""Rotary position embedding (the "rotate half" layout of Hugging Face Llama), with Llama-3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if kind in (None, "default"):
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= original / low) & (wavelen >= original / high)
+        return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to queries and keys of a flat token batch, by absolute position."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
+        super().__init__()
+        inv_freq = _inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq).float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, KVH, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,106 @@
+"""Reads a Llama-family GGUF file: its header as a ModelConfig, its tensors dequantized under Hugging Face names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from serval.config import ModelConfig
+
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+class GGUFModelFile:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.reader = GGUFReader(self.path)
+        self.architecture = self.field("general.architecture")
+        if self.architecture != "llama":
+            raise ValueError(f"{self.path.name}: architecture {self.architecture!r} is not supported (llama only)")
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def model_config(self) -> ModelConfig:
+        arch = self.architecture
+        hidden = int(self.field(f"{arch}.embedding_length"))
+        heads = int(self.field(f"{arch}.attention.head_count"))
+        names = {t.name for t in self.reader.tensors}
+        vocab = self.field(f"{arch}.vocab_size") or len(self.field("tokenizer.ggml.tokens"))
+        scaling = None
+        if self.field(f"{arch}.rope.scaling.type") in ("linear",):
+            scaling = {"rope_type": "linear", "factor": float(self.field(f"{arch}.rope.scaling.factor"))}
+        return ModelConfig(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self.field(f"{arch}.feed_forward_length")),
+            num_layers=int(self.field(f"{arch}.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self.field(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(self.field(f"{arch}.attention.key_length", hidden // heads)),
+            max_position=int(self.field(f"{arch}.context_length")),
+            rms_norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings="output.weight" not in names,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            architecture=arch,
+            name=str(self.field("general.name", self.path.stem)),
+        )
+
+    def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 tensor) pairs. q/k rows are put back from llama.cpp's RoPE order."""
+        for tensor in self.reader.tensors:
+            qtype = GGMLQuantizationType(tensor.tensor_type)
+            if qtype.name not in SUPPORTED_TYPES:
+                raise ValueError(f"{self.path.name}: tensor {tensor.name} has unsupported type {qtype.name}")
+            name = _hf_name(tensor.name)
+            if name is None:
+                continue
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            array = np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+            weight = torch.from_numpy(array)
+            if name.endswith("q_proj.weight"):
+                weight = _unpermute_rope(weight, config.num_heads)
+            elif name.endswith("k_proj.weight"):
+                weight = _unpermute_rope(weight, config.num_kv_heads)
+            yield name, weight
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m:
+        sub = _LAYER_NAMES.get(m.group(2))
+        return None if sub is None else f"model.layers.{m.group(1)}.{sub}.weight"
+    m = re.fullmatch(r"(\w+)\.weight", gguf_name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        base = _GLOBAL_NAMES[m.group(1)]
+        return f"{base}.weight" if base == "lm_head" else f"model.{base}.weight"
+    return None  # e.g. rope_freqs: derived, not loaded
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # llama.cpp's converter interleaves each head's two rotary halves; undo it for the rotate-half layout.
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)

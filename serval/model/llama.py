@@ -1,0 +1,132 @@
+"""The Llama family (Llama 2/3, SmolLM, ...): RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serval.config import ModelConfig
+from serval.layers.attention import AttentionMetadata, paged_attention
+from serval.layers.linear import Linear
+from serval.layers.norm import RMSNorm
+from serval.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul: one call instead of three per layer and step.
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat token batch. ``kv_caches[i]`` is layer i's [2, blocks, ...] cache."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and
+        gate/up into their merged matrices."""
+        self.tie_weights()  # moving between devices (meta → real) unties shared parameters
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shards = {
+            "q_proj": ("qkv_proj", 0, q_size), "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            offset = None
+            if len(parts) >= 2 and parts[-2] in shards:
+                merged, offset, size = shards[parts[-2]]
+                name = ".".join(parts[:-2] + [merged, parts[-1]])
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            param = params[name]
+            target = param.data if offset is None else param.data[offset: offset + size]
+            if target.shape != tensor.shape:
+                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name if offset is None else f"{name}:{offset}")
+        expected = sum(3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1 for n in params
+                       if not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+        if len(loaded) != expected:
+            raise ValueError(f"checkpoint is missing weights: loaded {len(loaded)} of {expected} tensors")

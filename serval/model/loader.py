@@ -1,0 +1,100 @@
+"""Builds a model on a device and dtype from a GGUF file or a Hugging Face directory (safetensors + config.json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from serval.config import ModelConfig
+from serval.model.gguf_file import GGUFModelFile
+from serval.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM, "llama": LlamaForCausalLM}
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    if path.suffix == ".gguf":
+        return GGUFModelFile(path).model_config()
+    return _hf_model_config(path)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    start = time.perf_counter()
+    if path.suffix == ".gguf":
+        gguf = GGUFModelFile(path)
+        config = gguf.model_config()
+        weights = gguf.weights(config)
+        total = len(gguf.reader.tensors)
+    else:
+        config = _hf_model_config(path)
+        weights = _safetensors_weights(path)
+        total = None
+    model_cls = _ARCHITECTURES[config.architecture]
+    with torch.device("meta"):
+        model = model_cls(config)
+    # Materialise on the target device in fp32, load, then cast: loading is exact, casting happens once.
+    model = model.to_empty(device=device)
+    model.load_weights(_progress(weights, path.name, total))
+    model = model.to(dtype)
+    # Buffers that the meta device left empty (rotary tables) are rebuilt after the move.
+    for module in model.modules():
+        if hasattr(module, "cos"):
+            fresh = type(module)(config.head_dim, config.max_position, config.rope_theta, config.rope_scaling)
+            module.cos, module.sin = fresh.cos.to(device), fresh.sin.to(device)
+    model.eval()
+    logger.info("loaded %s (%s, %s) in %.1f s", path.name, dtype, device, time.perf_counter() - start)
+    return model
+
+
+def _progress(weights: Iterator[tuple[str, torch.Tensor]], label: str,
+              total: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    from tqdm import tqdm
+
+    yield from tqdm(weights, desc=f"loading {label}", total=total, unit="tensor", leave=False, delay=1.0)
+
+
+def _hf_model_config(path: Path) -> ModelConfig:
+    raw = json.loads((path / "config.json").read_text())
+    archs = raw.get("architectures") or [raw.get("model_type", "")]
+    if archs[0] not in _ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {archs[0]!r} is not supported (Llama family only)")
+    heads = raw["num_attention_heads"]
+    rope = raw.get("rope_parameters") or {}
+    eos = raw.get("eos_token_id")
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads", heads),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        max_position=raw.get("max_position_embeddings", 2048),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_scaling=raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        architecture="llama",
+        name=path.name,
+    )
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors files")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).float()

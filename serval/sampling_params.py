@@ -1,0 +1,77 @@
+"""Per-request sampling settings, with the OpenAI / vLLM names, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy. Stop strings are cut from the returned text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    max_tokens: int | None = 16  # None: up to the context window
+    logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled one)
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+               f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty!r}")
+        _check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty!r}")
+        _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative integers")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               f"must be >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
+               f"must be >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
+               f"must be in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {message}")

@@ -1,0 +1,241 @@
+"""Text ↔ token ids for a model: encoding, chat templates and streaming (incremental) detokenization."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    """A model's tokenizer, loaded from a GGUF file or a Hugging Face directory, always offline.
+
+    Encoding and decoding go straight to the Rust ``tokenizers`` backend (fast, no Python-side
+    clean-up), so :meth:`decode` and :class:`IncrementalDetokenizer` agree on the text.
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self._backend = hf_tokenizer.backend_tokenizer
+        # len() counts added tokens too, so every id the tokenizer can produce is < vocab_size.
+        self.vocab_size: int = len(hf_tokenizer)
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        ids = set(eos_token_ids or ())
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        self.eos_token_ids: set[int] = ids
+        self.chat_template: str | None = hf_tokenizer.chat_template or None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Load from a ``.gguf`` file (tokenizer built from its metadata) or a Hugging Face model directory."""
+        path = Path(path).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            hf = _load_hf_tokenizer(path.parent, gguf_file=path.name)
+            meta = _gguf_scalar_metadata(path)
+            # llama.cpp's end-of-generation set: eos plus end-of-turn / end-of-message tokens.
+            keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            eos_ids = {int(meta[k]) for k in keys if isinstance(meta.get(k), int)}
+            return cls(hf, eos_ids)
+        if path.is_dir():
+            hf = _load_hf_tokenizer(path)
+            return cls(hf, _hf_dir_eos_ids(path))
+        raise FileNotFoundError(f"tokenizer path {str(path)!r} is neither a .gguf file nor a directory")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the model's post-processor adds (e.g. BOS)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``; incomplete UTF-8 sequences come out as U+FFFD."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat rendered to text by the model's chat template (special tokens as text)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
+        _check_messages(messages)
+        from jinja2 import TemplateError
+
+        try:
+            return self.hf_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate ...")
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat, ready to be a prompt.
+
+        Raises ``ValueError`` if the model has no chat template or a message is malformed.
+        """
+        # The template writes special tokens (BOS, <|im_start|>) itself, so add none here.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, never emitting broken UTF-8.
+
+    The prefix/read-offset method: decode a small window (a few tokens of already-emitted context plus the
+    new ones) and emit what goes beyond the context's text. A window whose text ends in U+FFFD is a
+    multi-byte character split across tokens; it is held back until the character completes. The
+    context makes leading spaces and the first token after the prompt decode as they do in a full decode,
+    so the deltas join to ``tokenizer.decode(token_ids)`` in the usual case; call :meth:`flush` at the end
+    to get text still held back (an output that ends mid-character).
+    """
+
+    _CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text: str = ""
+        # _window holds ids from the prefix offset on; _read is where the not-yet-emitted ids start in it.
+        self._window: list[int] = list(prompt_token_ids[-self._CONTEXT_TOKENS :])
+        self._read = len(self._window)
+        self._prefix_text: str | None = None  # decode(_window[:_read]), cached while text is held back
+
+    def add(self, token_id: int) -> str:
+        """Append one output token; return the new text ('' while a character is incomplete)."""
+        self.token_ids.append(token_id)
+        self._window.append(token_id)
+        prefix_text = self._prefix()
+        new_text = self._decode(self._window)
+        if new_text.endswith("\ufffd") or len(new_text) < len(prefix_text):
+            return ""
+        return self._emit(new_text[len(prefix_text) :])
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete character comes out as U+FFFD); call once at the end."""
+        if self._read == len(self._window):
+            return ""
+        prefix_text = self._prefix()
+        return self._emit(self._decode(self._window)[len(prefix_text) :])
+
+    def _prefix(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._window[: self._read])
+        return self._prefix_text
+
+    def _emit(self, delta: str) -> str:
+        # The just-emitted ids become the context of the next window; older ones are dropped.
+        del self._window[: self._read]
+        self._read = len(self._window)
+        self._prefix_text = None
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}] is missing {key!r}")
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}].{key} must be a string, got {type(m[key]).__name__}")
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    bars = logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _load_hf_tokenizer(directory: Path, gguf_file: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    with _quiet_transformers():
+        hf = AutoTokenizer.from_pretrained(str(directory), **kwargs)
+    if getattr(hf, "backend_tokenizer", None) is None:
+        raise ValueError(f"no fast (tokenizers) tokenizer could be built for {str(directory)!r}")
+    return hf
+
+
+def _hf_dir_eos_ids(directory: Path) -> set[int]:
+    """End-of-sequence ids from generation_config.json and config.json (an int or a list in either)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = directory / name
+        if not file.is_file():
+            continue
+        value = json.loads(file.read_text()).get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int):
+                ids.add(v)
+    return ids
+
+
+# GGUF value types: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_scalar_metadata(path: Path) -> dict[str, Any]:
+    """The GGUF header's scalar and string key/values; arrays (the vocab, merges) are skipped unread.
+
+    A few dozen milliseconds, where the ``gguf`` package's full reader takes seconds on a 49k-token vocab.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{str(path)!r} is not a GGUF file")
+        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"{str(path)!r}: GGUF version {version} is not supported (need 2 or later)")
+        pos = 24
+        meta: dict[str, Any] = {}
+
+        def read_str(pos: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            return buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+
+        def skip(vtype: int, pos: int) -> int:
+            if vtype in _GGUF_SCALARS:
+                return pos + struct.calcsize(_GGUF_SCALARS[vtype])
+            if vtype == _GGUF_STRING:
+                return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+            if vtype == _GGUF_ARRAY:
+                item_type, count = struct.unpack_from("<IQ", buf, pos)
+                pos += 12
+                if item_type in _GGUF_SCALARS:
+                    return pos + count * struct.calcsize(_GGUF_SCALARS[item_type])
+                for _ in range(count):
+                    pos = skip(item_type, pos)
+                return pos
+            raise ValueError(f"{str(path)!r}: unknown GGUF value type {vtype}")
+
+        for _ in range(n_kv):
+            key, pos = read_str(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if vtype in _GGUF_SCALARS:
+                meta[key] = struct.unpack_from(_GGUF_SCALARS[vtype], buf, pos)[0]
+            elif vtype == _GGUF_STRING:
+                meta[key], _ = read_str(pos)
+            pos = skip(vtype, pos)
+        return meta
