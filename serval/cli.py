@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -119,6 +120,64 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from serval.config import CacheConfig, EngineConfig, SchedulerConfig
+    from serval.engine.async_engine import AsyncEngine
+    from serval.server.app import ServerConfig, create_app
+    from serval.server.filters import BlocklistFilter, NoFilter
+
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        context_policy=args.context_policy,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  enable_chunked_prefill=args.enable_chunked_prefill),
+    )
+    server_config = ServerConfig(
+        served_model_name=args.served_model_name or _model_name(args.model),
+        api_keys=[k for k in (args.api_key or []) if k], protect_health=args.protect_health,
+        protect_metrics=args.protect_metrics, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+        rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
+        output_filter=BlocklistFilter(args.blocklist.split(",")) if args.blocklist else NoFilter(),
+    )
+    print(f"serval: loading {server_config.served_model_name} ...", file=sys.stderr, flush=True)
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    app = create_app(engine, server_config)
+    print(f"serval: engine ready in {engine.engine.load_time:.1f} s; serving on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    _drain_on_sigterm(server, app)
+    server.run()
+    engine.shutdown()
+    return 0
+
+
+def _drain_on_sigterm(server, app) -> None:
+    """SIGTERM: refuse new generations at once (503), let running ones finish (bounded), then exit."""
+    original = server.handle_exit
+
+    def handle_exit(sig, frame):
+        app.state.flags["draining"] = True
+        original(sig, frame)
+
+    server.handle_exit = handle_exit
+
+
+def _model_name(model: str | None) -> str:
+    from pathlib import Path
+
+    from serval.model.registry import DEFAULT_MODEL
+
+    if model is None:
+        return DEFAULT_MODEL
+    return Path(model).stem if Path(model).exists() else model
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from serval.model.gguf_file import SUPPORTED_TYPES
     from serval.model.registry import DEFAULT_MODEL, embedded_models
@@ -150,6 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", action="append", help="require this key (repeatable); env SERVAL_API_KEY too",
+                       default=[os.environ["SERVAL_API_KEY"]] if os.environ.get("SERVAL_API_KEY") else None)
+    serve.add_argument("--protect-health", action="store_true", help="require the API key on /health")
+    serve.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics")
+    serve.add_argument("--max-waiting", type=int, default=256, help="503 past this many queued requests")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key")
+    serve.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key")
+    serve.add_argument("--blocklist", default=None, help="comma-separated words: the output filter ends a "
+                       "stream with finish_reason content_filter when one appears")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish after SIGTERM")
+    _engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the models Serval can load")
     models.set_defaults(func=cmd_models)

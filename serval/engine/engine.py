@@ -43,6 +43,7 @@ class _Group:
     params: SamplingParams
     samples: list[_Sample]
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     error: str | None = None
 
@@ -142,6 +143,11 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += scheduled.total_num_scheduled_tokens
+        step_start = time.monotonic()
+        for request in scheduled.scheduled:
+            group = self.samples[request.request_id][0]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = step_start
         try:
             sampled, logprobs = self.runner.execute(scheduled)
         except Exception as exc:  # a failed forward fails its batch, never the engine
@@ -222,6 +228,8 @@ class LLMEngine:
                                                 list(sample.logprobs) if sample.logprobs is not None else None))
         now = time.monotonic()
         metrics = {"arrival_time": group.arrival_time, "now": now}
+        if group.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = group.first_scheduled_time
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
         cached = max(0, group.samples[0].request.num_cached_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 from serval.chat import build_chat_prompt
@@ -12,6 +13,7 @@ from serval.outputs import RequestOutput
 from serval.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -63,8 +65,11 @@ class LLM:
         prompts = []
         for conversation, params in zip(conversations, params_list):
             room = self.engine.max_model_len - (params.max_tokens or 1)
-            prompts.append(build_chat_prompt(self.tokenizer, conversation, room,
-                                             self.engine.config.context_policy).token_ids)
+            prompt = build_chat_prompt(self.tokenizer, conversation, room, self.engine.config.context_policy)
+            if prompt.num_dropped_messages:
+                logger.warning("context window: dropped the %d oldest messages of a chat",
+                               prompt.num_dropped_messages)
+            prompts.append(prompt.token_ids)
         return self._run(prompts, params_list, use_tqdm, None)
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool,

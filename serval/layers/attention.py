@@ -51,8 +51,10 @@ def paged_attention(
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         tables = meta.decode_block_tables
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [D, KVH, L, D]
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        # index_select, not k_cache[tables]: advanced indexing with a 2-D index is ~100x slower on CPU.
+        shape = (tables.shape[0], tables.shape[1] * block_size, num_kv_heads, head_dim)
+        keys = k_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)  # [D, KVH, L, D]
+        values = v_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
         query = q[:num_decodes].unsqueeze(2)  # [D, H, 1, D]
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale,
                                               enable_gqa=True)
@@ -63,8 +65,8 @@ def paged_attention(
         if chunk.mask is None:  # no earlier context: the chunk's own keys, plain causal
             keys, values = k[start:end], v[start:end]
         else:
-            keys = k_cache[chunk.block_table].flatten(0, 1)[: chunk.seq_len]
-            values = v_cache[chunk.block_table].flatten(0, 1)[: chunk.seq_len]
+            keys = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
+            values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,

@@ -1,0 +1,477 @@
+"""The OpenAI-compatible HTTP server: routes, errors, auth, limits, SSE streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+
+import serval
+from serval.chat import build_chat_prompt
+from serval.engine.async_engine import AsyncEngine, EngineDeadError
+from serval.outputs import RequestOutput
+from serval.server.filters import NoFilter, OutputFilter
+from serval.server.limits import RateLimiter
+from serval.server.metrics import ServerMetrics
+from serval.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+    new_id,
+    now,
+)
+
+logger = logging.getLogger("serval.server")
+request_log = logging.getLogger("serval.requests")
+STATIC = Path(__file__).parent / "static"
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str = "smollm2-135m-instruct"
+    api_keys: list[str] = field(default_factory=list)  # empty: no auth
+    protect_health: bool = False  # require the key on /health too
+    protect_metrics: bool = False
+    max_waiting: int = 256  # load shedding: 503 past this many queued requests
+    max_body_bytes: int = 1 << 20
+    rate_limit_rpm: int | None = None
+    rate_limit_tpm: int | None = None
+    output_filter: OutputFilter = field(default_factory=NoFilter)
+
+
+@dataclass
+class _Choice:
+    """One streamed choice's progress: what was sent, why it ended."""
+
+    index: int
+    sent: str = ""
+    num_tokens: int = 0
+    num_logprobs: int = 0
+    finish_reason: str | None = None
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    app = FastAPI(title="Serval", version=serval.__version__)
+    metrics = ServerMetrics(engine)
+    limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+    tokenizer = engine.engine.tokenizer
+    state = {"draining": False}
+    app.state.engine, app.state.config, app.state.metrics, app.state.flags = engine, config, metrics, state
+
+    # -- errors ---------------------------------------------------------------------------------------------------
+    def error_response(err: OpenAIError) -> JSONResponse:
+        metrics.http_errors.labels(str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(OpenAIError(f"invalid JSON body: {first.get('msg')}", code="invalid_json"))
+        if first.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {'.'.join(loc)}"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        return error_response(OpenAIError(message, param=".".join(loc) or None, code="invalid_value"))
+
+    # -- front door: request id, body size, auth, draining ---------------------------------------------------------
+    @app.middleware("http")
+    async def front_door(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or new_id("req")
+        request.state.request_id = request_id
+        path = request.url.path
+        try:
+            length = int(request.headers.get("content-length") or 0)
+            if length > config.max_body_bytes:
+                raise OpenAIError(f"request body is {length} bytes; the limit is {config.max_body_bytes}",
+                                  status=413, code="request_too_large")
+            protected = path.startswith("/v1") or path in ("/tokenize", "/detokenize") or (
+                path == "/health" and config.protect_health) or (path == "/metrics" and config.protect_metrics)
+            if config.api_keys and protected:
+                auth = request.headers.get("authorization", "")
+                key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
+                if key not in config.api_keys:
+                    raise OpenAIError("invalid or missing API key (send Authorization: Bearer KEY)", status=401,
+                                      type="authentication_error", code="invalid_api_key")
+            if state["draining"] and path.startswith("/v1") and request.method == "POST":
+                raise OpenAIError("the server is shutting down", status=503, type="server_error",
+                                  code="shutting_down")
+        except OpenAIError as err:
+            response = error_response(err)
+        else:
+            response = await call_next(request)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    # -- plain endpoints ---------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            return JSONResponse({"status": "dead", "error": str(engine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": serval.__version__}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": now(),
+                                            "owned_by": "serval", "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/engine/state")
+    async def engine_state():
+        """The live view's data: batch, queue, KV use."""
+        s = engine.snapshot()
+        return {**s.__dict__, "max_model_len": engine.engine.max_model_len, "alive": engine.is_alive}
+
+    @app.get("/")
+    async def index():
+        return FileResponse(STATIC / "index.html")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = _chat_ids(body.messages, 1)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(body.model)
+        vocab = engine.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise OpenAIError(f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    # -- generation --------------------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model)
+        prompts = _completion_prompts(body.prompt)
+        logprobs = body.logprobs
+        params = _params(body, body.max_tokens, logprobs)
+        return await _serve(request, body, [(p, p if isinstance(p, str) else None) for p in prompts], params,
+                            chat=False, echo=body.echo)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        ids = _chat_ids(body.messages, max_tokens or 1)
+        params = _params(body, max_tokens, logprobs)
+        return await _serve(request, body, [(ids, None)], params, chat=True, echo=False)
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def _check_model(model: str | None) -> None:
+        if model is not None and model != config.served_model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
+                              code="model_not_found")
+
+    def _completion_prompts(prompt) -> list:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise OpenAIError("prompt must not be empty", param="prompt", code="invalid_value")
+        return prompts
+
+    def _chat_ids(messages, max_tokens: int) -> list[int]:
+        as_dicts = [m.model_dump(exclude_none=True) for m in messages]
+        for m in as_dicts:
+            if m.get("role") == "developer":
+                m["role"] = "system"
+            m.setdefault("content", "")
+        try:
+            room = engine.engine.max_model_len - max_tokens
+            return build_chat_prompt(tokenizer, as_dicts, room, engine.engine.config.context_policy).token_ids
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="messages", code="context_length_exceeded"
+                              if "context" in str(exc) else "invalid_value") from exc
+
+    def _params(body, max_tokens, logprobs):
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            param = str(exc).split()[0].removeprefix("SamplingParams.")
+            raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
+
+    async def _serve(request: Request, body, prompts: list, params, chat: bool, echo: bool):
+        snapshot = engine.snapshot()
+        if snapshot.num_waiting >= config.max_waiting:
+            raise OpenAIError("the server is overloaded; try again later", status=503, type="server_error",
+                              code="overloaded", headers={"Retry-After": "1"})
+        if limiter.enabled:
+            key = _client_key(request)
+            cost = sum(len(p) if isinstance(p, list) else len(p) // 4 + 1 for p, _ in prompts)
+            cost += (params.max_tokens or 256) * params.n * len(prompts)
+            wait = limiter.acquire(key, cost)
+            if wait is not None:
+                raise OpenAIError("rate limit exceeded for this key", status=429, type="rate_limit_exceeded",
+                                  code="rate_limit_exceeded", headers={"Retry-After": str(int(wait))})
+        request_id = request.state.request_id
+        started = time.monotonic()
+        streams = []
+        try:
+            for i, (prompt, _) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(engine.generate(rid, prompt, params, priority=body.priority))
+            firsts = [await anext_or_none(s) for s in streams]  # raises ValueError for bad input, before any byte
+        except ValueError as exc:
+            for s in streams:
+                await s.aclose()
+            message = str(exc)
+            param = "max_tokens" if "max_tokens" in message else ("messages" if chat else "prompt")
+            code = "context_length_exceeded" if "context" in message else "invalid_value"
+            raise OpenAIError(message, param=param, code=code) from exc
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), status=503, type="server_error", code="engine_dead") from exc
+        model = config.served_model_name
+        response_id = new_id("chatcmpl" if chat else "cmpl")
+        merged = _merge(streams, firsts)
+        log = {"request_id": request_id, "endpoint": "chat" if chat else "completions", "stream": body.stream}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        finals: dict[int, RequestOutput] = {}
+        choices: dict[int, _Choice] = {}
+        async for prompt_index, output in _observe(merged, choices, params.n, started):
+            finals[prompt_index] = output
+        result = _full_response(finals, choices, prompts, params, chat, echo, response_id, model)
+        _log_request(log, result["usage"], started)
+        return result
+
+    async def _observe(merged, choices: dict[int, _Choice], n: int, started: float):
+        """Applies the output filter and records metrics on the way through; yields (prompt index, output)."""
+        last_token_time: dict[int, float] = {}
+        async for prompt_index, output in merged:
+            now_t = time.monotonic()
+            arrival = output.metrics.get("arrival_time", started)
+            for completion in output.outputs:
+                key = prompt_index * n + completion.index
+                choice = choices.setdefault(key, _Choice(key))
+                if choice.finish_reason is not None:
+                    continue
+                new_tokens = len(completion.token_ids) - choice.num_tokens
+                if new_tokens > 0:
+                    if choice.num_tokens == 0:
+                        metrics.ttft.observe(now_t - arrival)
+                    elif key in last_token_time:
+                        metrics.itl.observe(now_t - last_token_time[key])
+                    last_token_time[key] = now_t
+                blocked_at = config.output_filter.find(completion.text)
+                if blocked_at is not None:
+                    completion.text = completion.text[:blocked_at]
+                    completion.finish_reason = "content_filter"
+            if output.finished or all(c.finish_reason == "content_filter" for c in output.outputs):
+                metrics.e2e.observe(now_t - arrival)
+                if "first_scheduled_time" in output.metrics:
+                    metrics.queue_time.observe(output.metrics["first_scheduled_time"] - arrival)
+                metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+                metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+                for c in output.outputs:
+                    metrics.request_success.labels(c.finish_reason or "abort").inc()
+                if output.error:
+                    raise OpenAIError(output.error, status=500, type="server_error", code="internal_error")
+                if not output.finished:
+                    output.finished = True
+                    engine.abort(output.request_id)
+            yield prompt_index, output
+
+    def _full_response(finals, choices, prompts, params, chat, echo, response_id, model) -> dict:
+        out_choices = []
+        prompt_tokens = completion_tokens = cached = 0
+        for prompt_index in sorted(finals):
+            output = finals[prompt_index]
+            prompt_tokens += len(output.prompt_token_ids)
+            cached += output.num_cached_tokens
+            for c in output.outputs:
+                completion_tokens += len(c.token_ids)
+                index = prompt_index * params.n + c.index
+                if chat:
+                    out_choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                                        "logprobs": _chat_logprobs(tokenizer, c.logprobs or [])
+                                        if params.logprobs is not None else None,
+                                        "finish_reason": c.finish_reason})
+                else:
+                    text = (prompts[prompt_index][1] or tokenizer.decode(output.prompt_token_ids)) + c.text \
+                        if echo else c.text
+                    out_choices.append({"index": index, "text": text,
+                                        "logprobs": _completion_logprobs(tokenizer, c.logprobs or [], 0)
+                                        if params.logprobs is not None else None,
+                                        "finish_reason": c.finish_reason})
+        usage = _usage(prompt_tokens, completion_tokens, cached)
+        return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                "model": model, "choices": out_choices, "usage": usage}
+
+    async def _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log):
+        choices: dict[int, _Choice] = {}
+        created = now()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        prompt_tokens = completion_tokens = cached = 0
+
+        def chunk(choice_list, usage=None) -> str:
+            payload = {"id": response_id, "object": obj, "created": created, "model": model,
+                       "choices": choice_list}
+            if include_usage:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(prompts) * params.n)])
+            async for prompt_index, output in _observe(merged, choices, params.n, started):
+                pieces = []
+                for c in output.outputs:
+                    choice = choices[prompt_index * params.n + c.index]
+                    if choice.finish_reason is not None:
+                        continue
+                    delta = c.text[len(choice.sent):]
+                    if echo and not choice.sent and choice.num_tokens == 0:
+                        delta = (prompts[prompt_index][1] or tokenizer.decode(output.prompt_token_ids)) + delta
+                    new_logprobs = (c.logprobs or [])[choice.num_logprobs:]
+                    choice.num_tokens = len(c.token_ids)
+                    choice.num_logprobs += len(new_logprobs)
+                    if not delta and not c.finish_reason:
+                        continue
+                    choice.sent = c.text
+                    choice.finish_reason = c.finish_reason
+                    lp = None
+                    if params.logprobs is not None and new_logprobs:
+                        lp = (_chat_logprobs(tokenizer, new_logprobs) if chat
+                              else _completion_logprobs(tokenizer, new_logprobs, len(choice.sent) - len(delta)))
+                    if chat:
+                        pieces.append({"index": choice.index, "delta": {"content": delta} if delta else {},
+                                       "logprobs": lp, "finish_reason": c.finish_reason})
+                    else:
+                        pieces.append({"index": choice.index, "text": delta, "logprobs": lp,
+                                       "finish_reason": c.finish_reason})
+                if output.finished:
+                    prompt_tokens += len(output.prompt_token_ids)
+                    cached += output.num_cached_tokens
+                    completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+                if pieces:
+                    yield chunk(pieces)
+            usage = _usage(prompt_tokens, completion_tokens, cached)
+            if include_usage:
+                yield chunk([], usage)
+            _log_request(log, usage, started)
+            yield "data: [DONE]\n\n"
+        except OpenAIError as err:
+            yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await merged.aclose()
+
+    return app
+
+
+async def anext_or_none(stream):
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several request streams (a completions call with many prompts), tagging each output."""
+    for i, first in enumerate(firsts):
+        if first is not None:
+            yield i, first
+    pending = {i: s for i, (s, f) in enumerate(zip(streams, firsts)) if f is not None and not f.finished}
+    tasks = {asyncio.ensure_future(anext_or_none(s)): i for i, s in pending.items()}
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = tasks.pop(task)
+                output = task.result()
+                if output is None:
+                    continue
+                yield i, output
+                if not output.finished:
+                    tasks[asyncio.ensure_future(anext_or_none(streams[i]))] = i
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            await s.aclose()  # aborts whatever is still running (client gone)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _client_key(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    if auth.startswith("Bearer "):
+        return "key:" + auth.removeprefix("Bearer ").strip()
+    return "ip:" + (request.client.host if request.client else "unknown")
+
+
+def _log_request(log: dict, usage: dict, started: float) -> None:
+    request_log.info(json.dumps({**log, "prompt_tokens": usage["prompt_tokens"],
+                                 "completion_tokens": usage["completion_tokens"],
+                                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                 "latency_s": round(time.monotonic() - started, 4)}))
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(tokenizer, logprobs, text_offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for lp in logprobs:
+        text = _token_text(tokenizer, lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        top.append({_token_text(tokenizer, t): v for t, v in lp.top.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer, logprobs) -> dict:
+    content = []
+    for lp in logprobs:
+        text = _token_text(tokenizer, lp.token_id)
+        tops = [(_token_text(tokenizer, t), v) for t, v in lp.top.items()]
+        content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in tops]})
+    return {"content": content}

@@ -1,0 +1,58 @@
+"""Prometheus metrics, named in vLLM's style (``serval:...``), one registry per server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from serval.engine.async_engine import AsyncEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                    80.0)
+
+
+class _EngineCollector:
+    """Reads the engine's live state at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.snapshot()
+        yield GaugeMetricFamily("serval:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield GaugeMetricFamily("serval:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield GaugeMetricFamily("serval:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                                s.kv_cache_usage)
+        yield GaugeMetricFamily("serval:kv_cache_blocks_owned", "KV blocks owned by live requests.",
+                                s.num_blocks - s.num_free_blocks)
+        yield GaugeMetricFamily("serval:kv_cache_blocks_total", "KV blocks in the cache.", s.num_blocks)
+        yield CounterMetricFamily("serval:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  s.prefix_cache_queried_tokens)
+        yield CounterMetricFamily("serval:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  s.prefix_cache_hit_tokens)
+        yield CounterMetricFamily("serval:num_preemptions", "Requests preempted for lack of KV blocks.",
+                                  s.num_preemptions)
+        yield GaugeMetricFamily("serval:engine_alive", "1 while the engine loop runs.", int(self.engine.is_alive))
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("serval:time_to_first_token_seconds", "Time to first token.", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("serval:inter_token_latency_seconds", "Time between streamed tokens.", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("serval:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.queue_time = Histogram("serval:request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    registry=r, buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("serval:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("serval:generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter("serval:request_success", "Finished requests by reason.",
+                                       ["finished_reason"], registry=r)
+        self.http_errors = Counter("serval:http_errors", "Error responses by status.", ["status"], registry=r)
+        r.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
