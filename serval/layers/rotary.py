@@ -13,6 +13,8 @@ def _inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> t
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     if kind in (None, "default"):
         return inv_freq
+    if kind == "divisors":  # per-frequency, as llama.cpp's rope_freqs tensor gives them
+        return inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float64)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor

@@ -50,6 +50,11 @@ class GGUFModelFile:
         scaling = None
         if self.field(f"{arch}.rope.scaling.type") in ("linear",):
             scaling = {"rope_type": "linear", "factor": float(self.field(f"{arch}.rope.scaling.factor"))}
+        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:
+            # llama.cpp stores Llama 3.1+ RoPE scaling as one divisor per rotary frequency, not in the header.
+            divisors = np.array(dequantize(freqs.data, GGMLQuantizationType(freqs.tensor_type)), dtype=np.float64)
+            scaling = {"rope_type": "divisors", "divisors": divisors.reshape(-1).tolist()}
         return ModelConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,

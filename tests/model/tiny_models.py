@@ -1,0 +1,257 @@
+"""Tiny random Llamas built in the test (Hugging Face reference, safetensors and GGUF forms), and the
+runner-style metadata to drive our model over a paged KV cache without an engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from serval.layers.attention import AttentionMetadata, PrefillChunk
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False)
+# K-quants pack 256 weights per super-block, so every row (hidden or intermediate wide) must be a multiple of 256.
+TINY_K = {**TINY, "hidden_size": 256, "intermediate_size": 512}
+
+
+def tiny_llama(seed: int = 0, **overrides) -> HFLlama:
+    """A random fp32 Hugging Face Llama, with weights at a scale that makes logits O(1) (HF's own init, std 0.02,
+    gives near-zero logits that would hide errors) and norm weights away from 1 (so swapped norms show)."""
+    torch.manual_seed(seed)
+    model = HFLlama(LlamaConfig(**{**TINY, **overrides})).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif "embed_tokens" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:  # Linear [out, in]
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+    return model
+
+
+@torch.no_grad()
+def hf_logits(model: HFLlama, ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """[T, vocab] float32 logits of one sequence."""
+    ids = torch.as_tensor(ids).view(1, -1)
+    return model(input_ids=ids).logits[0].float()
+
+
+# --- driving our model: a mirror of ModelRunner.execute's metadata, without requests or a scheduler ---
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a step: its new tokens, how many it already has in the cache, and its blocks."""
+
+    new_tokens: list[int]
+    num_computed: int
+    blocks: list[int]
+
+
+def new_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    cfg = model.config
+    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+
+
+def build_step(seqs: list[SeqStep], block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                              list[int]]:
+    """input_ids, positions, metadata, and each sequence's last-token index in the flat batch (in ``seqs`` order).
+
+    Built as ModelRunner.execute builds it: decodes (one new token) first, then prefill chunks."""
+    order = [i for i, s in enumerate(seqs) if len(s.new_tokens) == 1] + \
+            [i for i, s in enumerate(seqs) if len(s.new_tokens) > 1]
+    decodes = [seqs[i] for i in order if len(seqs[i].new_tokens) == 1]
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    last = [0] * len(seqs)
+    for i in order:
+        s = seqs[i]
+        start, end = s.num_computed, s.num_computed + len(s.new_tokens)
+        ids += s.new_tokens
+        positions += range(start, end)
+        slots += [s.blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        last[i] = len(ids) - 1
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots))
+    if decodes:
+        max_blocks = max(len(s.blocks) for s in decodes)
+        meta.num_decode_tokens = len(decodes)
+        meta.decode_block_tables = torch.tensor([s.blocks + [0] * (max_blocks - len(s.blocks)) for s in decodes])
+        seq_lens = torch.tensor([s.num_computed + 1 for s in decodes])
+        meta.decode_mask = (torch.arange(max_blocks * block_size)[None, :] < seq_lens[:, None])[:, None, None, :]
+    query_start = len(decodes)
+    for i in order[len(decodes):]:
+        s = seqs[i]
+        n, start = len(s.new_tokens), s.num_computed
+        seq_len = start + n
+        mask = None
+        if start > 0:
+            mask = torch.arange(seq_len)[None, :] <= torch.arange(start, seq_len)[:, None]
+        table = torch.tensor(s.blocks[: -(-seq_len // block_size)])
+        meta.prefills.append(PrefillChunk(query_start, n, seq_len, table, mask))
+        query_start += n
+    return torch.tensor(ids), torch.tensor(positions), meta, last
+
+
+@torch.inference_mode()
+def run_step(model: torch.nn.Module, kv: torch.Tensor, seqs: list[SeqStep], block_size: int,
+             last_only: bool = False) -> list[torch.Tensor]:
+    """One forward over the flat batch; each sequence's float32 logits [len(new_tokens), vocab] (or [1, vocab] with
+    ``last_only``), in ``seqs`` order."""
+    ids, positions, meta, last = build_step(seqs, block_size)
+    hidden = model(ids, positions, kv, meta)
+    if last_only:
+        return list(model.compute_logits(hidden[torch.tensor(last)]).float().unsqueeze(1))
+    logits = model.compute_logits(hidden).float()
+    return [logits[end - len(s.new_tokens) + 1: end + 1] for s, end in zip(seqs, last)]
+
+
+@torch.inference_mode()
+def full_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """[T, vocab] float32 logits of one sequence from an empty cache, in one prefill."""
+    num_blocks = -(-len(ids) // block_size)
+    kv = new_kv_cache(model, num_blocks, block_size, model.embed_tokens.weight.dtype)
+    ids_t, positions, meta, _ = build_step([SeqStep(list(ids), 0, list(range(num_blocks)))], block_size)
+    return model.compute_logits(model(ids_t, positions, kv, meta)).float()
+
+
+# --- GGUF files as llama.cpp's converter writes them ---
+
+QUANTIZABLE = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+# gguf-py can dequantize these but its quantize() raises NotImplementedError; tests synthesize random valid blocks.
+K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# Byte offsets of each block's float16 scale fields (d, dmin), from gguf.quants' block layouts.
+_K_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+_GGUF_LAYER = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    name = hf_name.removeprefix("model.").removesuffix(".weight")
+    if name.startswith("layers."):
+        _, layer, sub = name.split(".", 2)
+        return f"blk.{layer}.{_GGUF_LAYER[sub]}.weight"
+    return {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[name] + ".weight"
+
+
+def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (rotate-half → interleaved pairs)."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Stored bytes (or float array) for ``w`` in ``qtype``. K-quants cannot be quantized by gguf-py: for them the
+    result is random valid blocks whose dequantized values have ``w``'s shape and standard deviation, not its values."""
+    t = GGMLQuantizationType[qtype]
+    if qtype == "F32":
+        return w.astype(np.float32)
+    if qtype not in _K_F16_FIELDS:
+        return gguf.quants.quantize(w.astype(np.float32), t)
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[t]
+    rows, cols = w.shape
+    blocks = rng.integers(0, 256, size=(rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(0.5, 1.0, size=(blocks.shape[0], len(_K_F16_FIELDS[qtype])))
+
+    def with_scales(factor: float) -> np.ndarray:
+        out = blocks.copy()
+        for j, offset in enumerate(_K_F16_FIELDS[qtype]):
+            out[:, offset:offset + 2] = (scales[:, j] * factor).astype(np.float16)[:, None].view(np.uint8)
+        return out.reshape(rows, -1)
+
+    # Dequantized values are linear in the block scales: rescale them once to reach w's spread.
+    probe = gguf.quants.dequantize(with_scales(1.0), t)
+    return with_scales(float(w.std()) / float(probe.std()))
+
+
+def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Writes ``hf`` as llama.cpp's converter would, 2-D weights in ``qtype`` and norms in F32, RoPE scaling as the
+    converter records it (linear: header keys; llama3: a ``rope_freqs`` tensor). Returns the weights the file really
+    holds, under Hugging Face names, dequantized and un-permuted (what a correct loader must produce)."""
+    cfg = hf.config
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg.head_dim, rope))
+    elif rope.get("rope_type", "default") != "default":
+        raise NotImplementedError(rope)
+    stored: dict[str, np.ndarray] = {}
+    for hf_name, param in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = param.detach().float().numpy()
+        if array.ndim == 1:
+            w.add_tensor(gguf_tensor_name(hf_name), array)
+            stored[hf_name] = array
+            continue
+        n_head = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+        permuted = "q_proj" in hf_name or "k_proj" in hf_name
+        if permuted:
+            array = permute_rope(array, n_head)
+        data = encode(array, qtype, rng)
+        t = GGMLQuantizationType[qtype]
+        w.add_tensor(gguf_tensor_name(hf_name), data, raw_dtype=None if qtype == "F32" else t)
+        values = gguf.quants.dequantize(data, t).reshape(array.shape).astype(np.float32)
+        stored[hf_name] = unpermute_rope(values, n_head) if permuted else values
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def llama3_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter stores as ``rope_freqs.weight`` for Llama 3.1+ models
+    (convert_hf_to_gguf.py, llama.cpp PR #8676): llama.cpp divides each rotary frequency by its factor."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
