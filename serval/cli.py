@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -127,7 +128,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serval.engine.async_engine import AsyncEngine
     from serval.server.app import ServerConfig, create_app
     from serval.server.filters import BlocklistFilter, NoFilter
+    from serval.server.tls import TLSConfig
 
+    tls = TLSConfig(certfile=args.ssl_certfile, keyfile=args.ssl_keyfile, keyfile_password=args.ssl_keyfile_password,
+                    ca_certs=args.ssl_ca_certs, cert_reqs=args.ssl_cert_reqs)
+    tls.validate()  # before the model loads: a bad certificate fails in a second, with one line
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         context_policy=args.context_policy,
@@ -147,10 +152,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_config(config)
     engine.start()
     app = create_app(engine, server_config)
-    print(f"serval: engine ready in {engine.engine.load_time:.1f} s; serving on http://{args.host}:{args.port}",
+    scheme = "https" if tls.enabled else "http"
+    print(f"serval: engine ready in {engine.engine.load_time:.1f} s; serving on {scheme}://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+                                           timeout_graceful_shutdown=args.shutdown_timeout, **tls.uvicorn_kwargs()))
     _drain_on_sigterm(server, app)
     server.run()
     engine.shutdown()
@@ -163,7 +169,12 @@ def _drain_on_sigterm(server, app) -> None:
 
     def handle_exit(sig, frame):
         app.state.flags["draining"] = True
-        original(sig, frame)
+        if sig == signal.SIGTERM:
+            # uvicorn's own handler re-raises a captured SIGTERM once it has shut down, which kills the process
+            # (exit -15) before the engine stops; a drained SIGTERM is a clean exit.
+            server.should_exit = True
+        else:
+            original(sig, frame)
 
     server.handle_exit = handle_exit
 
@@ -226,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "stream with finish_reason content_filter when one appears")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
+    serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
+    serve.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key")
+    serve.add_argument("--ssl-keyfile-password", default=None)
+    serve.add_argument("--ssl-ca-certs", default=None, help="CA bundle for client certificates (mutual TLS)")
+    serve.add_argument("--ssl-cert-reqs", default="none", choices=["none", "optional", "required"],
+                       help="whether clients must present a certificate signed by --ssl-ca-certs")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
