@@ -57,6 +57,10 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Adds sent to the engine thread that it has not taken yet: they are waiting too, or a burst arriving
+        # within one step would all see an empty queue and slip past load shedding.
+        self._num_pending_adds = 0
+        self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -112,6 +116,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(asyncio.Queue(), loop)
+        with self._pending_lock:
+            self._num_pending_adds += 1
         self._commands.put(("add", request_id, prompt, params, priority, stream, accepted))
         self._wake.set()
         try:
@@ -129,7 +135,7 @@ class AsyncEngine:
         e = self.engine
         kv = e.kv_cache
         return EngineSnapshot(
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
+            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + self._num_pending_adds,
             kv_cache_usage=kv.usage, num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
             prefix_cache_queried_tokens=kv.stats.queried_tokens, prefix_cache_hit_tokens=kv.stats.hit_tokens,
             num_preemptions=e.scheduler.num_preemptions, num_steps=e.stats.num_steps,
@@ -171,6 +177,9 @@ class AsyncEngine:
                 except Exception as exc:
                     stream.loop.call_soon_threadsafe(_settle, accepted, exc)
                     continue
+                finally:
+                    with self._pending_lock:
+                        self._num_pending_adds -= 1
                 self._streams[request_id] = stream
                 stream.loop.call_soon_threadsafe(_settle, accepted, None)
             elif command[0] == "abort":

@@ -98,6 +98,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         path = request.url.path
         try:
             length = int(request.headers.get("content-length") or 0)
+            if "content-length" not in request.headers and request.method in ("POST", "PUT", "PATCH"):
+                length = await _read_chunked_body(request, config.max_body_bytes)
             if length > config.max_body_bytes:
                 raise OpenAIError(f"request body is {length} bytes; the limit is {config.max_body_bytes}",
                                   status=413, code="request_too_large")
@@ -212,8 +214,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
             if m.get("role") == "developer":
                 m["role"] = "system"
             m.setdefault("content", "")
+        room = engine.engine.max_model_len - max_tokens
+        if room <= 0:  # the chat is not at fault: say so, not "the chat is N tokens, more than -M"
+            raise OpenAIError(f"max_tokens={max_tokens} leaves no room for the prompt in this model's context of "
+                              f"{engine.engine.max_model_len} tokens", param="max_tokens",
+                              code="context_length_exceeded")
         try:
-            room = engine.engine.max_model_len - max_tokens
             return build_chat_prompt(tokenizer, as_dicts, room, engine.engine.config.context_policy).token_ids
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages", code="context_length_exceeded"
@@ -429,6 +435,19 @@ async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, Reques
             task.cancel()
         for s in streams:
             await s.aclose()  # aborts whatever is still running (client gone)
+
+
+async def _read_chunked_body(request: Request, limit: int) -> int:
+    """Reads a body sent without a Content-Length (chunked), stopping past ``limit`` bytes; returns its size.
+    What was read is kept as the request's body, which Starlette hands on to the route."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return size
+        chunks.append(chunk)
+    request._body = b"".join(chunks)  # Request.body()'s own cache
+    return size
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:

@@ -1,0 +1,168 @@
+"""Every refusal is an HTTP status a client can act on, with OpenAI's error object as the body."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = "smollm2-135m-instruct"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = "any",
+                        type: str = "invalid_request_error") -> dict:
+    """The response has ``status`` and exactly OpenAI's ``{"error": {message, type, param, code}}``."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert list(body) == ["error"]
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == type
+    if param != "any":
+        assert error["param"] == param, error
+    return error
+
+
+def post(server, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", headers={**server.headers, **(headers or {})}, timeout=60, **kwargs)
+
+
+# -- 400: the request is wrong -----------------------------------------------------------------------------------------
+BAD_REQUESTS = {  # case: (path, body, the param the error names)
+    "temperature-wrong-type": ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    "temperature-too-high": ("/v1/completions", {"prompt": "hi", "temperature": 5}, "temperature"),
+    "top_p-zero": ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    "n-zero": ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    "logprobs-too-many": ("/v1/completions", {"prompt": "hi", "logprobs": 30}, "logprobs"),
+    "max_tokens-zero": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "max_tokens-past-context": ("/v1/completions", {"prompt": "hi", "max_tokens": 1_000_000}, "max_tokens"),
+    "prompt-empty": ("/v1/completions", {"prompt": ""}, "prompt"),
+    "prompt-empty-list": ("/v1/completions", {"prompt": []}, "prompt"),
+    "prompt-missing": ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    "unknown-field": ("/v1/completions", {"prompt": "hi", "best_of_everything": True}, "best_of_everything"),
+    "chat-messages-empty": ("/v1/chat/completions", {"messages": []}, "messages"),
+    "chat-max_tokens-past-context": ("/v1/chat/completions", {"messages": HI, "max_tokens": 1_000_000},
+                                     "max_tokens"),
+    "chat-temperature-negative": ("/v1/chat/completions", {"messages": HI, "temperature": -1}, "temperature"),
+    "chat-top_logprobs-too-many": ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 30},
+                                   "top_logprobs"),
+    "chat-top_logprobs-without-logprobs": ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2},
+                                           "top_logprobs"),
+    "chat-unknown-role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
+                          "messages.0.role"),
+    "chat-unknown-field": ("/v1/chat/completions", {"messages": HI, "frobnicate": 1}, "frobnicate"),
+    "tokenize-nothing": ("/tokenize", {}, "prompt"),
+    "detokenize-negative-id": ("/detokenize", {"tokens": [-1]}, "tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_is_400(server, case):
+    path, body, param = BAD_REQUESTS[case]
+    assert_openai_error(post(server, path, json={"model": MODEL, **body}), 400, param)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_invalid_json_is_400(server, path):
+    r = post(server, path, content=b'{"prompt": "hi",', headers={"Content-Type": "application/json"})
+    error = assert_openai_error(r, 400)
+    assert error["code"] == "invalid_json"
+    r = post(server, path, content=b"[1, 2]", headers={"Content-Type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_the_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", temperature=5)
+    assert info.value.status_code == 400 and info.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1_000_000)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-17", messages=HI)
+    assert info.value.code == "model_not_found"
+
+
+# -- 404: no such model ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": HI}),
+    ("/tokenize", {"prompt": "hi"}),
+])
+def test_unknown_model_is_404(server, path, body):
+    error = assert_openai_error(post(server, path, json={"model": "gpt-17", **body}), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+# -- 401: API keys ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method, path, body", [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 1}),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+])
+def test_api_key_required_on_api_routes(guarded, method, path, body):
+    url = f"{guarded.url}{path}"
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": guarded.api_key}):
+        r = httpx.request(method, url, json=body, headers=headers, timeout=30)
+        error = assert_openai_error(r, 401, type="authentication_error")
+        assert error["code"] == "invalid_api_key"
+    if method == "GET":
+        assert httpx.get(url, headers=guarded.headers, timeout=30).status_code == 200
+
+
+def test_openai_client_with_wrong_key_gets_authentication_error(guarded):
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client(api_key="sk-wrong").models.list()
+    assert [m.id for m in guarded.client().models.list().data] == [MODEL]
+
+
+def test_health_and_metrics_open_without_protect_flags(guarded):
+    assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{guarded.url}/metrics", timeout=10).status_code == 200
+    assert httpx.get(f"{guarded.url}/version", timeout=10).status_code == 200
+
+
+# -- 413: body too large ---------------------------------------------------------------------------------------------
+def test_body_over_the_limit_is_413(guarded):
+    big = {"model": MODEL, "prompt": "word " * 2000, "max_tokens": 1}  # > 4096 bytes
+    error = assert_openai_error(post(guarded, "/v1/completions", json=big), 413)
+    assert error["code"] == "request_too_large"
+    # without a Content-Length (chunked upload) the limit holds too
+    payload = httpx.Request("POST", "/", json=big).content
+    r = post(guarded, "/v1/completions", content=iter([payload[:2000], payload[2000:]]),
+             headers={"Content-Type": "application/json"})
+    assert_openai_error(r, 413)
+    small = {"model": MODEL, "prompt": "word", "max_tokens": 1}
+    assert post(guarded, "/v1/completions", json=small).status_code == 200
+    chunked = httpx.Request("POST", "/", json=small).content  # a chunked body under the limit reaches the route
+    r = post(guarded, "/v1/completions", content=iter([chunked[:10], chunked[10:]]),
+             headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+# -- 429: rate limit per key ---------------------------------------------------------------------------------------
+def test_rate_limit_is_429_with_retry_after(guarded):
+    other_key = guarded.api_keys[1]  # this test spends only this key's budget
+    client = guarded.client(api_key=other_key)
+    admitted, limited = 0, None
+    for _ in range(30):
+        try:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            admitted += 1
+        except openai.RateLimitError as exc:
+            limited = exc
+            break
+    assert limited is not None, "30 requests admitted under a 12/minute limit"
+    assert admitted >= 12  # the bucket starts full
+    retry_after = limited.response.headers["retry-after"]
+    assert int(retry_after) >= 1
+    error = assert_openai_error(limited.response, 429, type="rate_limit_exceeded")
+    assert error["code"] == "rate_limit_exceeded"
+    # the limit is per key: the first key is still served
+    r = guarded.client().completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert r.choices[0].finish_reason == "length"

@@ -1,0 +1,165 @@
+"""Faults a server must survive: clients that vanish, overload, and SIGTERM while streams are running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def small(_launched):
+    """The single-sequence server: --max-num-seqs 1 --max-waiting 1 --api-key --protect-health. The graceful
+    shutdown test stops it, so it is the last test here to use it."""
+    return _launched["small"].wait_ready()
+
+
+def assert_openai_error(response: httpx.Response, status: int, type: str) -> None:
+    assert response.status_code == status, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert response.json()["error"]["type"] == type
+
+
+def wait_for(condition, timeout: float, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def sse_events(lines) -> list[dict | str]:
+    """Parsed `data:` payloads of an SSE line iterator (the final "[DONE]" stays a string)."""
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_disconnect_storm_frees_everything(server):
+    body = {"model": MODEL, "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def start_and_leave(i: int) -> int:
+        chunks = 0
+        async with httpx.AsyncClient(timeout=120) as http:
+            async with http.stream("POST", f"{server.url}/v1/completions",
+                                   json={**body, "prompt": f"Story {i}: once upon a time"}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        chunks += 1
+                        if chunks == 3:
+                            break  # leaving the block closes the connection mid-stream
+        return chunks
+
+    async def storm() -> list[int]:
+        return await asyncio.gather(*(start_and_leave(i) for i in range(16)))
+
+    assert asyncio.run(storm()) == [3] * 16
+
+    def idle() -> bool:
+        m = server.metrics()
+        return (m["serval:kv_cache_blocks_owned"] == 0 and m["serval:num_requests_running"] == 0
+                and m["serval:num_requests_waiting"] == 0)
+
+    assert wait_for(idle, timeout=10), server.metrics()
+    state = httpx.get(f"{server.url}/engine/state", timeout=10).json()
+    assert state["num_running"] == 0 and state["num_free_blocks"] == state["num_blocks"]
+    r = server.client().completions.create(model=MODEL, prompt="After the storm,", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+def test_metrics_count_requests_and_latencies(server):
+    client = server.client()
+    before = server.metrics()
+    stream = client.completions.create(model=MODEL, prompt="Metrics matter because", max_tokens=5, temperature=0,
+                                       stream=True)
+    assert len([c for c in stream]) >= 1
+    after = server.metrics()
+    assert after["serval:generation_tokens_total"] - before["serval:generation_tokens_total"] >= 5
+    assert after["serval:time_to_first_token_seconds_count"] > before["serval:time_to_first_token_seconds_count"]
+    assert after["serval:e2e_request_latency_seconds_count"] > before["serval:e2e_request_latency_seconds_count"]
+    assert after["serval:engine_alive"] == 1 and after["serval:kv_cache_blocks_total"] > 0
+
+
+def test_protect_health_requires_the_key(small):
+    assert httpx.get(f"{small.url}/health", timeout=10).status_code == 401
+    assert httpx.get(f"{small.url}/health", headers=small.headers, timeout=10).json() == {"status": "ok"}
+
+
+def test_overload_is_503_and_the_admitted_complete(small):
+    """One running, one waiting: of six at once, the rest are shed with 503 and the admitted ones finish."""
+
+    async def burst():
+        async with small.async_client() as client:
+            async def one(i: int):
+                try:
+                    return await client.completions.create(model=MODEL, prompt=f"Tale {i}:", max_tokens=24,
+                                                           temperature=0, extra_body={"ignore_eos": True})
+                except openai.APIStatusError as exc:
+                    return exc
+
+            return await asyncio.gather(*(one(i) for i in range(6)))
+
+    results = asyncio.run(burst())
+    shed = [r for r in results if isinstance(r, openai.APIStatusError)]
+    served = [r for r in results if not isinstance(r, openai.APIStatusError)]
+    assert shed, results
+    for e in shed:
+        assert_openai_error(e.response, 503, type="server_error")
+        assert e.response.headers.get("retry-after")
+    assert 1 <= len(served) <= 2, results
+    assert all(r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length" for r in served)
+    assert small.client().completions.create(model=MODEL, prompt="Calm again", max_tokens=2).usage
+
+
+def test_sigterm_drains_running_streams_then_exits(small):
+    """Keep this test last in the file: it stops the `small` server."""
+    shutdown_timeout = float(small.args[small.args.index("--shutdown-timeout") + 1])
+    events: list = []
+    first_chunk = threading.Event()
+
+    def stream():
+        body = {"model": MODEL, "prompt": "A long poem about the sea:", "max_tokens": 64, "ignore_eos": True,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{small.url}/v1/completions", json=body, headers=small.headers,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                events.extend(sse_events([line]))
+                first_chunk.set()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert first_chunk.wait(60)
+    small.proc.send_signal(signal.SIGTERM)
+    sent_at = time.monotonic()
+    time.sleep(0.5)  # the signal handler runs on the server's main thread
+
+    # During the drain a new request is refused: the listener is closed, or the server answers 503.
+    try:
+        late = httpx.post(f"{small.url}/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 1},
+                          headers=small.headers, timeout=10)
+    except httpx.TransportError:
+        pass
+    else:
+        assert_openai_error(late, 503, type="server_error")
+    assert reader.is_alive(), "the stream ended before the drain could be observed"
+
+    reader.join(shutdown_timeout + 10)
+    assert not reader.is_alive()
+    assert events and events[-1] == "[DONE]"
+    choices = [c for e in events[:-1] for c in e["choices"]]
+    assert choices[-1]["finish_reason"] == "length" and "".join(c["text"] for c in choices)
+    assert events[-2]["usage"]["completion_tokens"] == 64  # all of it, not cut off by the shutdown
+
+    rc = small.proc.wait(shutdown_timeout + 10)
+    assert rc == 0, small.log()[-3000:]
+    assert time.monotonic() - sent_at < shutdown_timeout

@@ -1,0 +1,287 @@
+"""The OpenAI API as a client sees it, through the official `openai` package, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+
+import serval
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = "smollm2-135m-instruct"
+KOREA = [{"role": "user", "content": "What is the capital city of Korea?"}]
+BLOCKED_WORD = "Seoul"  # on the guarded server's blocklist; the model says it for KOREA
+PROMPT = "The three primary colors are"
+
+
+def tokenize(server, **body) -> list[int]:
+    r = httpx.post(f"{server.url}/tokenize", json=body, headers=server.headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+def collect_completion_stream(stream) -> tuple[str, str | None, object]:
+    """(text, finish_reason, usage) of a one-choice completions stream."""
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+def collect_chat_stream(stream) -> tuple[str, str | None, object, list]:
+    """(content, finish_reason, usage, chunks) of a one-choice chat stream."""
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = next((c.choices[0].finish_reason for c in reversed(chunks) if c.choices and c.choices[0].finish_reason),
+                  None)
+    usage = next((c.usage for c in chunks if c.usage is not None), None)
+    return content, finish, usage, chunks
+
+
+# -- plain endpoints -----------------------------------------------------------------------------------------------
+def test_health_version_and_models(server, client):
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/version", timeout=10).json() == {"version": serval.__version__}
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    state = httpx.get(f"{server.url}/engine/state", timeout=10).json()
+    assert state["alive"] is True and state["num_blocks"] > 0
+
+
+def test_tokenize_detokenize_round_trip(server):
+    text = "Serval serves small models, quickly."
+    ids = tokenize(server, prompt=text, add_special_tokens=False)
+    assert ids and all(isinstance(t, int) for t in ids)
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=30)
+    assert r.status_code == 200 and r.json()["prompt"] == text
+
+
+# -- completions and chat --------------------------------------------------------------------------------------------
+def test_completion_stream_equals_non_stream(server, client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    choice = full.choices[0]
+    assert choice.text and choice.finish_reason in ("length", "stop") and choice.index == 0
+    assert full.object == "text_completion" and full.model == MODEL
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    text, finish, usage = collect_completion_stream(stream)
+    assert text == choice.text
+    assert finish == choice.finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens == len(tokenize(server, prompt=PROMPT))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(server, client):
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "Name a fruit that is yellow."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert full.object == "chat.completion"
+    assert full.usage.prompt_tokens == len(tokenize(server, messages=messages))
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    content, finish, usage, chunks = collect_chat_stream(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert content == message.content
+    assert finish == full.choices[0].finish_reason
+    # the usage chunk comes last and has no choices
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stream_without_include_usage_has_no_usage(client):
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks and all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_repeated_long_prompt_reports_cached_tokens(server, client):
+    prompt = f"Note {uuid.uuid4().hex}. " + "Serval is a small wild cat of Africa with long legs. " * 12
+    num_prompt_tokens = len(tokenize(server, prompt=prompt))
+    assert num_prompt_tokens > 64
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == num_prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < num_prompt_tokens
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_n_choices_have_their_indices(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7, n=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason in ("length", "stop") for c in r.choices)
+    assert r.usage.completion_tokens >= 3
+
+    stream = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6, temperature=1.0, seed=7, n=2,
+                                            stream=True)
+    finished = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert sorted(finished) == [0, 1]
+
+
+def test_stop_string_cuts_the_text(client):
+    prompt = "Count: 1, 2, 3, 4, 5,"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = words[2]
+    expected = full[: full.index(stop)]
+
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == expected
+    assert stop not in cut.choices[0].text
+    assert cut.choices[0].finish_reason == "stop"
+
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                       stream=True)
+    text, finish, _ = collect_completion_stream(stream)
+    assert text == expected and finish == "stop"
+
+
+def test_completion_logprobs_shape(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0
+        assert 1 <= len(top) <= 2
+        assert top[token] == pytest.approx(max(top.values()))  # greedy: the chosen token is the likeliest
+
+
+def test_chat_logprobs_shape(client):
+    r = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and t.bytes == list(t.token.encode())
+        assert len(t.top_logprobs) == 2
+        assert t.logprob == pytest.approx(max(top.logprob for top in t.top_logprobs))
+
+    without = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=2, temperature=0)
+    assert without.choices[0].logprobs is None
+
+
+def test_seeded_sampling_repeats(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=1234)
+    first = client.completions.create(**kwargs).choices[0].text
+    second = client.completions.create(**kwargs).choices[0].text
+    assert first == second
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,
+                temperature=1.0, seed=99)
+    assert (client.chat.completions.create(**chat).choices[0].message.content
+            == client.chat.completions.create(**chat).choices[0].message.content)
+
+
+def test_vllm_sampling_extras_are_accepted(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=3, extra_body={
+        "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 8,
+        "stop_token_ids": [2]})
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+
+
+# -- concurrency ----------------------------------------------------------------------------------------------------
+def test_32_concurrent_streams_match_one_by_one(server):
+    prompts = [f"Here is fact number {i} about the ocean:" for i in range(32)]
+
+    async def run(indices: list[int], concurrent: bool) -> dict[int, tuple[str, str, int]]:
+        async with server.async_client() as aclient:
+            async def one(i: int) -> tuple[str, str, int]:
+                stream = await aclient.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16,
+                                                          temperature=0, stream=True,
+                                                          stream_options={"include_usage": True})
+                text, finish, usage = "", None, None
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                    for c in chunk.choices:
+                        text += c.text
+                        finish = c.finish_reason or finish
+                return text, finish, usage.completion_tokens
+
+            if concurrent:
+                return dict(zip(indices, await asyncio.gather(*(one(i) for i in indices))))
+            return {i: await one(i) for i in indices}
+
+    together = asyncio.run(run(list(range(32)), concurrent=True))
+    assert len(together) == 32
+    for text, finish, num_tokens in together.values():
+        assert finish in ("length", "stop") and text
+        assert num_tokens == 16 or finish == "stop"
+    # One by one is slow on two cores: check every fourth prompt (8 of 32) against its solo run.
+    alone = asyncio.run(run(list(range(0, 32, 4)), concurrent=False))
+    for i, result in alone.items():
+        assert together[i] == result, f"prompt {i}: batched {together[i]!r} != alone {result!r}"
+
+
+# -- request ids and the request log ---------------------------------------------------------------------------------
+def test_request_id_is_echoed_generated_and_logged(server):
+    rid = f"test-{uuid.uuid4().hex}"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == rid
+
+    generated = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).headers["x-request-id"]
+    other = httpx.get(f"{server.url}/health", timeout=10).headers["x-request-id"]
+    assert generated and other and generated != other and rid not in (generated, other)
+
+    def request_log() -> list[dict]:
+        records = []
+        for line in server.log().splitlines():
+            if "serval.requests" in line:
+                records.append(json.loads(line[line.index("{"):]))
+        return records
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(rec["request_id"] == generated for rec in request_log()):
+        time.sleep(0.2)
+    mine = [rec for rec in request_log() if rec["request_id"] == rid]
+    assert len(mine) == 1, mine
+    assert mine[0]["endpoint"] == "completions" and mine[0]["completion_tokens"] == 2
+    assert mine[0]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert any(rec["request_id"] == generated for rec in request_log())
+
+
+# -- the output filter -------------------------------------------------------------------------------------------------
+def test_blocklist_ends_with_content_filter(server, guarded):
+    plain = server.client().chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0)
+    assert BLOCKED_WORD in plain.choices[0].message.content  # the model does say it, unfiltered
+
+    client = guarded.client()
+    r = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason == "content_filter"
+    assert BLOCKED_WORD.lower() not in r.choices[0].message.content.lower()
+    assert plain.choices[0].message.content.startswith(r.choices[0].message.content)
+
+    stream = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0, stream=True)
+    content, finish, _, _ = collect_chat_stream(stream)
+    assert finish == "content_filter"
+    assert BLOCKED_WORD.lower() not in content.lower()
+    assert content == r.choices[0].message.content
