@@ -301,6 +301,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 if blocked_at is not None:
                     completion.text = completion.text[:blocked_at]
                     completion.finish_reason = "content_filter"
+                elif completion.finish_reason is None:  # a word still being written may yet be a blocked one
+                    completion.text = completion.text[:config.output_filter.safe_length(completion.text)]
             if output.finished or all(c.finish_reason == "content_filter" for c in output.outputs):
                 metrics.e2e.observe(now_t - arrival)
                 if "first_scheduled_time" in output.metrics:

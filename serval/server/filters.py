@@ -10,10 +10,16 @@ class OutputFilter(Protocol):
     def find(self, text: str) -> int | None:
         """Index in ``text`` where disallowed content starts, or None when the text is fine."""
 
+    def safe_length(self, text: str) -> int:
+        """How much of an unfinished text may be shown: what follows could still complete a blocked word."""
+
 
 class NoFilter:
     def find(self, text: str) -> int | None:
         return None
+
+    def safe_length(self, text: str) -> int:
+        return len(text)
 
 
 class BlocklistFilter:
@@ -24,7 +30,20 @@ class BlocklistFilter:
         if not words:
             raise ValueError("the blocklist filter needs at least one word")
         self.pattern = re.compile(r"\b(" + "|".join(map(re.escape, words)) + r")\b", re.IGNORECASE)
+        self.max_words = max(len(w.split()) for w in words)
 
     def find(self, text: str) -> int | None:
         match = self.pattern.search(text)
         return None if match is None else match.start()
+
+    def safe_length(self, text: str) -> int:
+        end = len(text)
+        partial = re.search(r"\w+$", text)  # a word still being written: "Seo" may become "Seoul"
+        if partial:
+            end = partial.start()
+        for _ in range(self.max_words - 1):  # whole words that may open a blocked phrase
+            word = re.search(r"\w+\W*$", text[:end])
+            if word is None:
+                break
+            end = word.start()
+        return end

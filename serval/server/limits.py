@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -22,7 +23,9 @@ class _Bucket:
 class RateLimiter:
     """Admits a request when both of its key's buckets hold enough; otherwise says how long to wait."""
 
-    def __init__(self, requests_per_minute: int | None, tokens_per_minute: int | None) -> None:
+    def __init__(self, requests_per_minute: int | None, tokens_per_minute: int | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.rpm = requests_per_minute
         self.tpm = tokens_per_minute
         self._buckets: dict[tuple[str, str], _Bucket] = {}
@@ -34,7 +37,7 @@ class RateLimiter:
 
     def acquire(self, key: str, num_tokens: int) -> float | None:
         """None when admitted (and charged); else seconds until it could be."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             checks = []
             if self.rpm:

@@ -1,0 +1,101 @@
+"""The server's guards on their own: rate-limit buckets, the blocklist filter, and /health when the loop dies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from serval.config import CacheConfig, EngineConfig
+from serval.engine.async_engine import AsyncEngine
+from serval.engine.engine import LLMEngine
+from serval.server.app import create_app
+from serval.server.filters import BlocklistFilter
+from serval.server.limits import RateLimiter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_requests_per_minute_bucket_refills_over_time():
+    clock = Clock()
+    limiter = RateLimiter(requests_per_minute=3, tokens_per_minute=None, clock=clock)
+    assert [limiter.acquire("k", 1) for _ in range(3)] == [None, None, None]
+    wait = limiter.acquire("k", 1)
+    assert wait is not None and 1 <= wait <= 20  # one request refills in 20 s
+    assert limiter.acquire("other-key", 1) is None  # buckets are per key
+    clock.now += 20
+    assert limiter.acquire("k", 1) is None
+
+
+def test_tokens_per_minute_bucket_charges_tokens():
+    clock = Clock()
+    limiter = RateLimiter(requests_per_minute=None, tokens_per_minute=600, clock=clock)
+    assert limiter.acquire("k", 500) is None
+    wait = limiter.acquire("k", 200)  # 100 left, 100 more needed at 10 tokens/s
+    assert wait == 10
+    clock.now += 10
+    assert limiter.acquire("k", 200) is None
+    assert limiter.acquire("k", 601) == 60  # more than a minute's worth can never pass
+
+
+def test_blocklist_finds_whole_words_only():
+    f = BlocklistFilter(["Seoul", "bad phrase"])
+    assert f.find("The capital is Seoul.") == len("The capital is ")
+    assert f.find("the capital is seoul") is not None  # case-insensitive
+    assert f.find("Seoulite cuisine") is None  # a word, not a substring
+    assert f.find("a bad phrase here") == 2
+
+
+def test_blocklist_holds_back_what_could_still_become_a_blocked_word():
+    f = BlocklistFilter(["Seoul"])
+    assert "The capital is Seo"[: f.safe_length("The capital is Seo")] == "The capital is "
+    assert f.safe_length("The capital is ") == len("The capital is ")
+    phrase = BlocklistFilter(["bad phrase"])
+    assert "It is a bad "[: phrase.safe_length("It is a bad ")] == "It is a "
+
+
+def test_blocklist_needs_a_word():
+    with pytest.raises(ValueError, match="at least one word"):
+        BlocklistFilter([" ", ""])
+
+
+@pytest.mark.slow
+def test_health_fails_when_the_engine_loop_dies(smollm_fp32):
+    model, tokenizer = smollm_fp32
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, cache=CacheConfig(num_blocks=64)),
+                       model=model, tokenizer=tokenizer)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    app = create_app(async_engine)
+
+    def broken_step():
+        raise RuntimeError("simulated fault in the engine loop")
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://serval") as client:
+            assert (await client.get("/health")).status_code == 200
+            engine.step = broken_step  # the next step kills the loop
+            response = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+            assert response.status_code in (500, 503)
+            assert "error" in response.json()
+            for _ in range(50):
+                if not async_engine.is_alive:
+                    break
+                await asyncio.sleep(0.1)
+            health = await client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "dead"
+            late = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+            assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
