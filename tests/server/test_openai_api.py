@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 import serval
+from serval.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -209,7 +210,7 @@ def test_vllm_sampling_extras_are_accepted(client):
 
 
 # -- concurrency ----------------------------------------------------------------------------------------------------
-def test_32_concurrent_streams_match_one_by_one(server):
+def test_32_concurrent_streams_match_one_by_one(server, make_llm):
     prompts = [f"Here is fact number {i} about the ocean:" for i in range(32)]
 
     async def run(indices: list[int], concurrent: bool) -> dict[int, tuple[str, str, int]]:
@@ -235,7 +236,12 @@ def test_32_concurrent_streams_match_one_by_one(server):
     for text, finish, num_tokens in together.values():
         assert finish in ("length", "stop") and text
         assert num_tokens == 16 or finish == "stop"
-    # One by one is slow on two cores: check every fourth prompt (8 of 32) against its solo run.
+    # Every stream equals the offline engine's greedy text for its prompt, on the same float32 weights (the
+    # engine tests prove offline results do not depend on batching)...
+    offline = make_llm().generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    for i, output in enumerate(offline):
+        assert together[i][0] == output.outputs[0].text, f"prompt {i}: {together[i][0]!r} != {output.text!r}"
+    # ...and, through the server itself, one by one (slow on two cores: every fourth prompt).
     alone = asyncio.run(run(list(range(0, 32, 4)), concurrent=False))
     for i, result in alone.items():
         assert together[i] == result, f"prompt {i}: batched {together[i]!r} != alone {result!r}"
