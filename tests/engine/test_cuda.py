@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import requires_model
+from real_model import requires_model
 
 from serval import LLM, SamplingParams
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 import trustme
-from conftest import LOAD_TIMEOUT_S, SERVAL, Server
+from serverproc import LOAD_TIMEOUT_S, SERVAL, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

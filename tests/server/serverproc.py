@@ -1,0 +1,107 @@
+"""A real `serval serve` process on a free loopback port, and the settings the server tests share."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+
+SERVAL = Path(sys.executable).parent / "serval"
+LOAD_TIMEOUT_S = 240.0  # two slow shared cores: a load can take a minute when the machine is busy
+
+# The guarded server's settings; the tests that use it name the same values.
+GUARDED_KEYS = ["sk-serval-test", "sk-serval-other"]  # the rate-limit test spends only the second key's budget
+GUARDED_RPM = 12
+GUARDED_MAX_BODY = 4096
+GUARDED_BLOCKLIST = "Seoul,forbiddenword"
+SMALL_KEY = "sk-serval-small"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One `serval serve` subprocess; its stderr (the request log included) goes to ``log_path``."""
+
+    args: list[str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    api_keys: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_key(self) -> str | None:
+        return self.api_keys[0] if self.api_keys else None
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def start(self) -> Server:
+        cmd = [str(SERVAL), "--log-level", "INFO", "serve", "--port", str(self.port), "--dtype", "float32",
+               *self.args]
+        env = {k: v for k, v in os.environ.items() if k != "SERVAL_API_KEY"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_ready(self, timeout: float = LOAD_TIMEOUT_S) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serval serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", headers=self.headers, timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"serval serve not healthy after {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, api_key: str | None = None, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key or "unused", max_retries=0,
+                             timeout=120, **kwargs)
+
+    def async_client(self, api_key: str | None = None, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key or "unused",
+                                  max_retries=0, timeout=180, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics, by name."""
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
