@@ -273,13 +273,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finals: dict[int, RequestOutput] = {}
         choices: dict[int, _Choice] = {}
-        async for prompt_index, output in _observe(merged, choices, params.n, started):
+        async for prompt_index, output in _observe(merged, choices, params.n, started, log):
             finals[prompt_index] = output
         result = _full_response(finals, choices, prompts, params, chat, echo, response_id, model)
         _log_request(log, result["usage"], started)
         return result
 
-    async def _observe(merged, choices: dict[int, _Choice], n: int, started: float):
+    async def _observe(merged, choices: dict[int, _Choice], n: int, started: float, log: dict):
         """Applies the output filter and records metrics on the way through; yields (prompt index, output)."""
         last_token_time: dict[int, float] = {}
         async for prompt_index, output in merged:
@@ -307,6 +307,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 metrics.e2e.observe(now_t - arrival)
                 if "first_scheduled_time" in output.metrics:
                     metrics.queue_time.observe(output.metrics["first_scheduled_time"] - arrival)
+                    log["queue_s"] = round(output.metrics["first_scheduled_time"] - arrival, 4)
+                if "first_token_time" in output.metrics:
+                    log["ttft_s"] = round(output.metrics["first_token_time"] - arrival, 4)
+                log["finish_reasons"] = [c.finish_reason for c in output.outputs]
                 metrics.prompt_tokens.inc(len(output.prompt_token_ids))
                 metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
                 for c in output.outputs:
@@ -361,7 +365,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(prompts) * params.n)])
-            async for prompt_index, output in _observe(merged, choices, params.n, started):
+            async for prompt_index, output in _observe(merged, choices, params.n, started, log):
                 pieces = []
                 for c in output.outputs:
                     choice = choices[prompt_index * params.n + c.index]

@@ -272,6 +272,8 @@ def test_request_id_is_echoed_generated_and_logged(server):
     assert len(mine) == 1, mine
     assert mine[0]["endpoint"] == "completions" and mine[0]["completion_tokens"] == 2
     assert mine[0]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert 0 <= mine[0]["queue_s"] <= mine[0]["ttft_s"] <= mine[0]["latency_s"]  # timings, in order
+    assert mine[0]["finish_reasons"] == ["length"]
     assert any(rec["request_id"] == generated for rec in request_log())
 
 
