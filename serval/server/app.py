@@ -119,6 +119,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         else:
             response = await call_next(request)
         response.headers["X-Request-Id"] = request_id
+        dropped = getattr(request.state, "dropped_messages", 0)
+        if dropped:
+            response.headers["X-Serval-Dropped-Messages"] = str(dropped)
         return response
 
     # -- plain endpoints ---------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        ids = _chat_ids(body.messages, max_tokens or 1)
+        ids = _chat_ids(body.messages, max_tokens or 1, request)
         params = _params(body, max_tokens, logprobs)
         return await _serve(request, body, [(ids, None)], params, chat=True, echo=False)
 
@@ -208,7 +211,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
             raise OpenAIError("prompt must not be empty", param="prompt", code="invalid_value")
         return prompts
 
-    def _chat_ids(messages, max_tokens: int) -> list[int]:
+    def _chat_ids(messages, max_tokens: int, request: Request | None = None) -> list[int]:
         as_dicts = [m.model_dump(exclude_none=True) for m in messages]
         for m in as_dicts:
             if m.get("role") == "developer":
@@ -220,7 +223,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                               f"{engine.engine.max_model_len} tokens", param="max_tokens",
                               code="context_length_exceeded")
         try:
-            return build_chat_prompt(tokenizer, as_dicts, room, engine.engine.config.context_policy).token_ids
+            prompt = build_chat_prompt(tokenizer, as_dicts, room, engine.engine.config.context_policy)
+            if request is not None and prompt.num_dropped_messages:  # the sliding-window policy says what it did
+                request.state.dropped_messages = prompt.num_dropped_messages
+            return prompt.token_ids
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages", code="context_length_exceeded"
                               if "context" in str(exc) else "invalid_value") from exc

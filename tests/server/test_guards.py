@@ -99,3 +99,35 @@ def test_health_fails_when_the_engine_loop_dies(smollm_fp32):
         asyncio.run(scenario())
     finally:
         async_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_sliding_window_chat_reports_dropped_turns(smollm_fp32):
+    model, tokenizer = smollm_fp32
+    config = EngineConfig(dtype="float32", max_model_len=160, context_policy="sliding_window",
+                          cache=CacheConfig(num_blocks=64))
+    async_engine = AsyncEngine(LLMEngine(config, model=model, tokenizer=tokenizer))
+    async_engine.start()
+    app = create_app(async_engine)
+    history = []
+    for i in range(8):
+        history += [{"role": "user", "content": f"Tell me fact number {i} about the sea."},
+                    {"role": "assistant", "content": f"Fact {i}: the sea is large and full of salty water."}]
+    history.append({"role": "user", "content": "What is the capital city of Korea?"})
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://serval") as client:
+            body = {"messages": history, "max_tokens": 16, "temperature": 0}
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            dropped = int(response.headers["x-serval-dropped-messages"])
+            assert dropped > 0 and dropped % 2 == 0  # whole turns, oldest first
+            assert response.json()["usage"]["prompt_tokens"] + 16 <= 160
+            short = await client.post("/v1/chat/completions", json={**body, "messages": history[-1:]})
+            assert "x-serval-dropped-messages" not in short.headers
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
