@@ -24,6 +24,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="weight-only int8 linears: half the bytes read per decode step")
     parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
                         help="a chat longer than the context: reject it, or drop the oldest turns")
 
@@ -46,7 +48,7 @@ def _build_llm(args: argparse.Namespace):
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=args.max_model_len,
-               context_policy=args.context_policy)
+               context_policy=args.context_policy, quantization=args.quantization)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -135,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tls.validate()  # before the model loads: a bad certificate fails in a second, with one line
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        context_policy=args.context_policy,
+        context_policy=args.context_policy, quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

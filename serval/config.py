@@ -84,6 +84,7 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length
     context_policy: str = "error"  # "error" | "sliding_window" (chat: drop the oldest turns)
+    quantization: str | None = None  # None | "int8" (weight-only, per-row scales)
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -98,6 +99,8 @@ class EngineConfig:
         if self.context_policy not in ("error", "sliding_window"):
             raise ValueError("EngineConfig.context_policy must be 'error' or 'sliding_window', "
                              f"got {self.context_policy!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"EngineConfig.quantization must be None or 'int8', got {self.quantization!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
 

@@ -71,7 +71,7 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.tokenizer = tokenizer or Tokenizer.load(path)
-        self.model = model or load_model(path, config.torch_dtype, config.device)
+        self.model = model or load_model(path, config.torch_dtype, config.device, config.quantization)
         self.stats = EngineStats()
         model_config = self.model.config
         cache = config.cache

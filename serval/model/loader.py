@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from serval.config import ModelConfig
+from serval.layers.linear import quantize_linears
 from serval.model.gguf_file import GGUFModelFile
 from serval.model.llama import LlamaForCausalLM
 
@@ -25,7 +26,8 @@ def load_model_config(path: Path) -> ModelConfig:
     return _hf_model_config(path)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+               quantization: str | None = None) -> LlamaForCausalLM:
     start = time.perf_counter()
     if path.suffix == ".gguf":
         gguf = GGUFModelFile(path)
@@ -48,6 +50,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         if hasattr(module, "cos"):
             fresh = type(module)(config.head_dim, config.max_position, config.rope_theta, config.rope_scaling)
             module.cos, module.sin = fresh.cos.to(device), fresh.sin.to(device)
+    if quantization:
+        quantize_linears(model, quantization)
     model.eval()
     logger.info("loaded %s (%s, %s) in %.1f s", path.name, dtype, device, time.perf_counter() - start)
     return model
