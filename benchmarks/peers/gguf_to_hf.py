@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from serval.model.registry import resolve_model_path
 
@@ -18,10 +18,13 @@ def main() -> None:
     out = sys.argv[1]
     path = resolve_model_path(None)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
+    # A GGUF-loaded model counts as "quantized" and refuses to save: copy its (dequantized) weights into a plain one.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     print(f"wrote {out}")
