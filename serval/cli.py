@@ -41,14 +41,25 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _engine_config(args: argparse.Namespace):
+    """The engine flags, shared by serve, generate and chat, as one EngineConfig."""
+    from serval.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        context_policy=args.context_policy, quantization=args.quantization,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  enable_chunked_prefill=args.enable_chunked_prefill),
+    )
+
+
 def _build_llm(args: argparse.Namespace):
+    from serval.engine.engine import LLMEngine
     from serval.engine.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-               enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=args.max_model_len,
-               context_policy=args.context_policy, quantization=args.quantization)
+    return LLM.from_engine(LLMEngine(_engine_config(args)))
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -126,7 +137,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from serval.config import CacheConfig, EngineConfig, SchedulerConfig
     from serval.engine.async_engine import AsyncEngine
     from serval.server.app import ServerConfig, create_app
     from serval.server.filters import BlocklistFilter, NoFilter
@@ -135,14 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tls = TLSConfig(certfile=args.ssl_certfile, keyfile=args.ssl_keyfile, keyfile_password=args.ssl_keyfile_password,
                     ca_certs=args.ssl_ca_certs, cert_reqs=args.ssl_cert_reqs)
     tls.validate()  # before the model loads: a bad certificate fails in a second, with one line
-    config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        context_policy=args.context_policy, quantization=args.quantization,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=args.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  enable_chunked_prefill=args.enable_chunked_prefill),
-    )
+    config = _engine_config(args)
     server_config = ServerConfig(
         served_model_name=args.served_model_name or _model_name(args.model),
         api_keys=[k for k in (args.api_key or []) if k], protect_health=args.protect_health,

@@ -85,7 +85,6 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     context_policy: str = "error"  # "error" | "sliding_window" (chat: drop the oldest turns)
     quantization: str | None = None  # None | "int8" (weight-only, per-row scales)
-    seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
