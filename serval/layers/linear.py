@@ -1,10 +1,62 @@
-"""Linear layers without bias. A module of its own so quantized forms can replace it."""
+"""Linear layers without bias. A module of its own so quantized forms can replace it.
+
+Batch invariance: a row's result must not depend on how many rows share the call, or greedy output would
+change with batch composition. CPU GEMM libraries pick a kernel by row count (a matrix-vector path for one
+row, other blockings for a few), and some of those sum in another order: measured here, float32 (MKL) gives
+three different results for a row at 1, 2-3 and 4+ rows, and bfloat16 (oneDNN) differs at 1-2 rows once the
+reduction is longer than 1024. So each weight shape is probed once on the CPU it runs on, and calls are padded
+to the smallest row count from which every row's result is the same.
+"""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_ROW_PADDINGS = (1, 4, 16, 64)  # tried in order; the first that makes results row-invariant is used
+_PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64)
+_row_padding_by_shape: dict[tuple, int] = {}
+
+
+def row_padding(matmul: Callable[[torch.Tensor], torch.Tensor], in_features: int, key: tuple,
+                dtype: torch.dtype, device: torch.device) -> int:
+    """The smallest row count to pad ``matmul``'s input to so that each row's output is bitwise the same
+    whatever the number of rows; probed once per ``key`` (the weight's shape and kind)."""
+    key = (*key, dtype, device.type)
+    if key not in _row_padding_by_shape:
+        generator = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(max(_PROBE_ROWS), in_features, generator=generator, device=device).to(dtype)
+        for padding in _ROW_PADDINGS:
+            if _rows_are_invariant(matmul, x, padding):
+                break
+        else:
+            logger.warning("no row padding makes %s linears row-invariant on this device: greedy output may "
+                           "depend on batch composition", key)
+            padding = 1
+        _row_padding_by_shape[key] = padding
+    return _row_padding_by_shape[key]
+
+
+def _rows_are_invariant(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, padding: int) -> bool:
+    # A flip shows only where the two sums round differently, so every row is checked alone as well.
+    full = padded_matmul(matmul, x, padding)
+    if any(not torch.equal(padded_matmul(matmul, x[:m], padding), full[:m]) for m in _PROBE_ROWS):
+        return False
+    return all(torch.equal(padded_matmul(matmul, x[i: i + 1], padding), full[i: i + 1]) for i in range(len(x)))
+
+
+def padded_matmul(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``matmul(x)`` with x [M, in] padded with zero rows up to ``rows``."""
+    m = x.shape[0]
+    if m >= rows:
+        return matmul(x)
+    return matmul(F.pad(x, (0, 0, 0, rows - m)))[:m]
 
 
 class Linear(nn.Module):
@@ -15,8 +67,16 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.min_rows: int | None = None  # row padding for batch invariance, probed on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.min_rows is None:
+            self.min_rows = row_padding(self._matmul, self.in_features, ("dense", *self.weight.shape),
+                                        flat.dtype, flat.device)
+        return padded_matmul(self._matmul, flat, self.min_rows).view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
 
@@ -32,14 +92,28 @@ class Int8Linear(nn.Module):
         scales = w.abs().amax(dim=1).clamp(min=1e-10) / 127
         self.register_buffer("weight_int8", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(weight.dtype))
+        self.min_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu":
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
-        else:  # no fused kernel there: dequantize on the fly
-            out = F.linear(flat, self.weight_int8.to(flat.dtype)) * self.scales
-        return out.view(*x.shape[:-1], self.out_features)
+        if self.min_rows is None:
+            self.min_rows = row_padding(self._matmul, self.in_features, ("int8", *self.weight_int8.shape),
+                                        flat.dtype, flat.device)
+        return padded_matmul(self._matmul, flat, self.min_rows).view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+        return F.linear(x, self.weight_int8.to(x.dtype)) * self.scales  # no fused kernel there: dequantize
+
+
+@torch.inference_mode()
+def probe_row_padding(model: nn.Module) -> None:
+    """Probes every linear's row padding now, so that the first request does not pay for it."""
+    for module in model.modules():
+        if isinstance(module, (Linear, Int8Linear)) and module.min_rows is None:
+            weight = module.weight if isinstance(module, Linear) else module.scales
+            module(torch.zeros(1, module.in_features, dtype=weight.dtype, device=weight.device))
 
 
 QUANTIZATIONS = ("int8",)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from serval.config import ModelConfig
-from serval.layers.linear import quantize_linears
+from serval.layers.linear import probe_row_padding, quantize_linears
 from serval.model.gguf_file import GGUFModelFile
 from serval.model.llama import LlamaForCausalLM
 
@@ -53,6 +53,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     if quantization:
         quantize_linears(model, quantization)
     model.eval()
+    probe_row_padding(model)
     logger.info("loaded %s (%s, %s) in %.1f s", path.name, dtype, device, time.perf_counter() - start)
     return model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from serval.layers.linear import Int8Linear, Linear, quantize_linears
+from serval.layers.linear import Int8Linear, Linear, padded_matmul, quantize_linears
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,3 +38,37 @@ def test_quantize_linears_swaps_every_linear():
     assert model(torch.randn(3, 8)).shape == (3, 4)
     with pytest.raises(ValueError, match="quantization"):
         quantize_linears(model, "int3")
+
+
+# The model's own shapes: qkv (576 -> 960), down (1536 -> 576, a reduction past 1024), the lm_head's width.
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 8192)])
+@torch.inference_mode()
+def test_each_row_is_the_same_whatever_the_batch(dtype, quantized, shape):
+    """Batch invariance: a row's output is bitwise the same computed alone or among any number of other rows —
+    what keeps greedy output independent of batch composition."""
+    in_features, out_features = shape
+    torch.manual_seed(1)
+    layer = Linear(in_features, out_features)
+    layer.weight.data = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
+    if quantized:
+        layer = Int8Linear(layer.weight)
+    x = torch.randn(80, in_features).to(dtype)
+    batch = layer(x)
+    alone = torch.cat([layer(x[i: i + 1]) for i in range(len(x))])
+    assert torch.equal(batch, alone)
+    for rows in (2, 3, 5, 16, 33):
+        assert torch.equal(layer(x[:rows]), alone[:rows])
+
+
+def test_padded_matmul_pads_and_trims():
+    calls = []
+
+    def matmul(x):
+        calls.append(x.shape[0])
+        return x * 2
+
+    x = torch.ones(3, 4)
+    assert torch.equal(padded_matmul(matmul, x, 16), x * 2) and calls == [16]
+    assert padded_matmul(matmul, torch.ones(20, 4), 16).shape == (20, 4) and calls[-1] == 20
