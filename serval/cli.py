@@ -87,24 +87,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    return run_chat(llm.engine, _sampling_params(args), args.system)
+
+
+def run_chat(engine, params: SamplingParams, system: str | None = None) -> int:
+    """The interactive chat on ``engine`` (an LLMEngine). Ctrl-C during an answer stops that answer and returns to
+    the prompt; at the prompt, Ctrl-C, Ctrl-D or an empty line quits."""
     from serval.chat import build_chat_prompt
 
-    llm = _build_llm(args)
-    engine = llm.engine
-    params = _sampling_params(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("serval chat — an empty line or Ctrl-D quits", file=sys.stderr)
+    messages = [{"role": "system", "content": system}] if system else []
+    print("serval chat — Ctrl-C stops an answer; an empty line, Ctrl-C or Ctrl-D quits", file=sys.stderr)
     turn = 0
     while True:
         try:
             line = input("you> ").strip()
-        except EOFError:
-            break
+        except (EOFError, KeyboardInterrupt):
+            print()  # the shell's prompt starts on a line of its own
+            return 0
         if not line:
-            break
+            return 0
         messages.append({"role": "user", "content": line})
         try:
-            prompt = build_chat_prompt(llm.tokenizer, messages, engine.max_model_len - params.max_tokens,
+            prompt = build_chat_prompt(engine.tokenizer, messages, engine.max_model_len - params.max_tokens,
                                        engine.config.context_policy)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -112,26 +117,54 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if prompt.num_dropped_messages:
             print(f"[context full: dropped the {prompt.num_dropped_messages} oldest messages]", file=sys.stderr)
-        request_id = f"chat-{turn}"
+        answer, stopped = _stream_answer(engine, f"chat-{turn}", prompt.token_ids, params)
         turn += 1
-        engine.add_request(request_id, prompt.token_ids, params)
+        if stopped:
+            print("[stopped]", file=sys.stderr)
+        if answer or not stopped:
+            messages.append({"role": "assistant", "content": answer})  # a stopped answer stays as far as it got
+        else:
+            messages.pop()  # stopped before a word: as if the question was never asked
+
+
+def _stream_answer(engine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> tuple[str, bool]:
+    """Streams one answer to stdout. Returns its text and whether Ctrl-C stopped it (the request is then aborted,
+    which frees its KV blocks)."""
+    with _InterruptFlag() as interrupt:
+        engine.add_request(request_id, prompt_ids, params)
         print("assistant> ", end="", flush=True)
-        shown = 0
         answer = ""
-        while True:
-            done = False
+        aborted = finished = False
+        while not finished:
+            if interrupt.pending and not aborted:
+                engine.abort_request(request_id)  # its final output comes from the next step
+                aborted = True
             for output in engine.step():
                 if output.request_id != request_id:
                     continue
+                print(output.text[len(answer):], end="", flush=True)
                 answer = output.text
-                print(answer[shown:], end="", flush=True)
-                shown = len(answer)
-                done = output.finished
-            if done:
-                break
+                finished = output.finished
         print()
-        messages.append({"role": "assistant", "content": answer})
-    return 0
+    return answer, aborted
+
+
+class _InterruptFlag:
+    """While active, Ctrl-C (SIGINT) sets ``pending`` instead of raising KeyboardInterrupt: an exception in the
+    middle of an engine step could leave a KV block neither free nor owned by anyone."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def __enter__(self) -> _InterruptFlag:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.pending = True
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -264,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"serval: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop quietly, as a shell command does
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
