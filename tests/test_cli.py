@@ -1,9 +1,11 @@
 """The `serval` command as a user runs it: generate answers through the chat template, chat survives Ctrl-C and
-quits cleanly, models lists what it can load, and bad flags fail with one clear line."""
+quits cleanly, --help shows every default, models lists what it can load, and bad flags fail with one clear line."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 from real_model import requires_model
 
-from serval.cli import run_chat
+from serval.cli import _api_keys, build_parser, run_chat
 from serval.sampling_params import SamplingParams
 
 SERVAL = str(Path(sys.executable).parent / "serval")
@@ -181,3 +183,61 @@ def test_chat_ctrl_d_at_the_prompt_quits(tmp_path):
     assert proc.stdout.endswith("you> \n")  # end of input at the second prompt, and a newline after it
     assert "Traceback" not in proc.stderr
 
+
+# -- --help ---------------------------------------------------------------------------------------------------------
+
+
+def _help_entries(help_text: str) -> dict[str, str]:
+    """A --help text's option entries by their first option string, whitespace collapsed (wrapping undone)."""
+    entries = {}
+    for block in re.split(r"\n(?=  -)", help_text)[1:]:
+        entry = " ".join(block.split("\n\n")[0].split())
+        entries[entry.split()[0].rstrip(",")] = entry
+    return entries
+
+
+def _verb_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"serval": parser, **verbs.choices}
+
+
+def _unset(default) -> bool:
+    return default is None or default is False or default == [] or default is argparse.SUPPRESS
+
+
+def test_help_shows_the_default_of_every_flag_of_every_verb():
+    num_checked = 0
+    for verb, parser in _verb_parsers().items():
+        text = parser.format_help()
+        entries = _help_entries(text)
+        for action in parser._actions:
+            if not action.option_strings:
+                continue
+            entry = entries[action.option_strings[0]]
+            assert action.help, f"serval {verb} {action.option_strings[0]} has no help text"
+            if not _unset(action.default):
+                assert f"(default: {action.default})" in entry, f"serval {verb}: {entry}"
+                num_checked += 1
+        for noise in ("(default: None)", "(default: False)", "(default: [])"):
+            assert noise not in text, f"serval {verb} --help shows {noise}"
+    assert num_checked >= 3 * 12  # generate, chat and serve each have at least a dozen flags with defaults
+
+
+def test_generate_help_shows_max_tokens_256_and_temperature_0():
+    proc = subprocess.run([*SERVAL_MODULE, "generate", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    entries = _help_entries(proc.stdout)
+    assert "(default: 256)" in entries["--max-tokens"]
+    assert "(default: 0.0)" in entries["--temperature"]
+    args = build_parser().parse_args(["generate", "hi"])
+    assert (args.max_tokens, args.temperature) == (256, 0.0)  # what the help says is what a run gets
+
+
+def test_help_never_prints_the_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SERVAL_API_KEY", "sk-from-the-environment")
+    serve = _verb_parsers()["serve"]
+    assert "sk-from-the-environment" not in serve.format_help()
+    args = serve.parse_args(["--api-key", "sk-flag"])
+    assert _api_keys(args.api_key) == ["sk-from-the-environment", "sk-flag"]  # the key still counts
