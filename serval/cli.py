@@ -267,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add_verb(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+    def add_verb(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary, formatter_class=DefaultsHelpFormatter)
 
     gen = add_verb("generate", "answer prompts and exit")
     gen.add_argument("prompt", nargs="+", help="a question (or, with --raw, text to continue); several run batched")
