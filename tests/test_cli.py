@@ -1,16 +1,29 @@
-"""The `serval` command as a user runs it: generate answers through the chat template, models lists what it can
-load, and bad flags fail with one clear line."""
+"""The `serval` command as a user runs it: generate answers through the chat template, chat survives Ctrl-C and
+quits cleanly, --help shows every default, models lists what it can load, and bad flags fail with one clear line."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from real_model import requires_model
 
+from serval.cli import _api_keys, build_parser, run_chat
+from serval.sampling_params import SamplingParams
+
 SERVAL = str(Path(sys.executable).parent / "serval")
+REPO = Path(__file__).resolve().parent.parent
+# `python -m serval.cli` from the repository root runs this checkout's code, installed or not.
+SERVAL_MODULE = [sys.executable, "-m", "serval.cli"]
+STORY = "Write a long story about a cat who learns to fly."
 
 
 @pytest.mark.slow
@@ -44,3 +57,187 @@ def test_a_bad_engine_flag_fails_with_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "serval: error: SchedulerConfig.max_num_seqs must be a positive integer, got 0")
+
+
+# -- chat and Ctrl-C ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_answer_aborts_that_request_and_frees_its_blocks(make_llm, monkeypatch, capsys):
+    engine = make_llm().engine
+    lines = iter([STORY, "What is the capital city of Korea?"])
+
+    def typed_input(prompt: str) -> str:
+        print(prompt, end="")
+        try:
+            return next(lines)
+        except StopIteration:
+            raise KeyboardInterrupt from None  # Ctrl-C at the prompt
+
+    finals = {}
+    engine_step = engine.step
+    num_steps = 0
+
+    def step():
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps == 4:  # the first answer is streaming: Ctrl-C, as the terminal sends it
+            signal.raise_signal(signal.SIGINT)
+        outputs = engine_step()
+        finals.update((o.request_id, o) for o in outputs if o.finished)
+        return outputs
+
+    monkeypatch.setattr("builtins.input", typed_input)
+    monkeypatch.setattr(engine, "step", step)
+    handler_before = signal.getsignal(signal.SIGINT)
+    try:
+        code = run_chat(engine, SamplingParams(temperature=0, max_tokens=200))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the chat loop")
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "chat-0" in finals, "the stopped answer's request never ended in the engine"
+    stopped, answered = finals["chat-0"].outputs[0], finals["chat-1"].outputs[0]
+    assert stopped.finish_reason == "abort" and 0 < len(stopped.token_ids) < 200
+    assert answered.finish_reason == "stop" and "Seoul" in answered.text
+    # The stopped request is gone from the engine and holds no KV block.
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.pool.num_owned_blocks() == 0
+    assert signal.getsignal(signal.SIGINT) is handler_before
+    assert f"assistant> {stopped.text}\nyou> assistant> " in out and "[stopped]" in err
+    assert out.endswith("you> \n")  # the shell's prompt will start on a line of its own
+
+
+class ChatProcess:
+    """`serval chat` in a subprocess, fed through a pipe; its stdout is collected as it streams."""
+
+    def __init__(self, tmp_path: Path, *flags: str) -> None:
+        self.stderr_path = tmp_path / "chat.stderr"
+        with open(self.stderr_path, "wb") as stderr:
+            self.proc = subprocess.Popen([*SERVAL_MODULE, "chat", "--dtype", "float32", *flags], cwd=REPO,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+        self._out = b""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while chunk := os.read(self.proc.stdout.fileno(), 4096):
+            self._out += chunk
+
+    @property
+    def stdout(self) -> str:
+        return self._out.decode(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_for(self, done, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not done(self.stdout):
+            assert self.proc.poll() is None, f"chat exited ({self.proc.returncode}): {self.stdout}\n{self.stderr}"
+            assert time.monotonic() < deadline, f"timed out; stdout so far: {self.stdout!r}"
+            time.sleep(0.05)
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.mark.slow
+@requires_model
+def test_chat_ctrl_c_stops_an_answer_then_ctrl_c_at_the_prompt_quits(tmp_path):
+    chat = ChatProcess(tmp_path, "--max-tokens", "400")
+    try:
+        chat.wait_for(lambda out: out.endswith("you> "))
+        chat.send(STORY)
+        chat.wait_for(lambda out: len(out.partition("assistant> ")[2]) >= 10)  # the answer is streaming
+        chat.proc.send_signal(signal.SIGINT)
+        chat.wait_for(lambda out: out.count("you> ") == 2)
+        assert "[stopped]" in chat.stderr  # the Ctrl-C hit the answer, not the prompt
+        chat.send("What is the capital city of Korea?")  # the chat goes on
+        chat.wait_for(lambda out: out.count("you> ") == 3, timeout=120)
+        assert "Seoul" in chat.stdout.split("you> ")[2]
+        chat.proc.send_signal(signal.SIGINT)  # at the prompt: quit
+        assert chat.proc.wait(timeout=60) == 0
+    finally:
+        chat.kill()
+    chat._reader.join(timeout=10)
+    assert chat.stdout.endswith("you> \n")
+    assert "Traceback" not in chat.stderr, chat.stderr
+
+
+@pytest.mark.slow
+@requires_model
+def test_chat_ctrl_d_at_the_prompt_quits(tmp_path):
+    proc = subprocess.run([*SERVAL_MODULE, "chat", "--dtype", "float32", "--max-tokens", "24"], cwd=REPO,
+                          input="What is the capital city of Korea?\n", capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Seoul" in proc.stdout
+    assert proc.stdout.endswith("you> \n")  # end of input at the second prompt, and a newline after it
+    assert "Traceback" not in proc.stderr
+
+
+# -- --help ---------------------------------------------------------------------------------------------------------
+
+
+def _help_entries(help_text: str) -> dict[str, str]:
+    """A --help text's option entries by their first option string, whitespace collapsed (wrapping undone)."""
+    entries = {}
+    for block in re.split(r"\n(?=  -)", help_text)[1:]:
+        entry = " ".join(block.split("\n\n")[0].split())
+        entries[entry.split()[0].rstrip(",")] = entry
+    return entries
+
+
+def _verb_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"serval": parser, **verbs.choices}
+
+
+def _unset(default) -> bool:
+    return default is None or default is False or default == [] or default is argparse.SUPPRESS
+
+
+def test_help_shows_the_default_of_every_flag_of_every_verb():
+    num_checked = 0
+    for verb, parser in _verb_parsers().items():
+        text = parser.format_help()
+        entries = _help_entries(text)
+        for action in parser._actions:
+            if not action.option_strings:
+                continue
+            entry = entries[action.option_strings[0]]
+            assert action.help, f"serval {verb} {action.option_strings[0]} has no help text"
+            if not _unset(action.default):
+                assert f"(default: {action.default})" in entry, f"serval {verb}: {entry}"
+                num_checked += 1
+        for noise in ("(default: None)", "(default: False)", "(default: [])"):
+            assert noise not in text, f"serval {verb} --help shows {noise}"
+    assert num_checked >= 3 * 12  # generate, chat and serve each have at least a dozen flags with defaults
+
+
+def test_generate_help_shows_max_tokens_256_and_temperature_0():
+    proc = subprocess.run([*SERVAL_MODULE, "generate", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    entries = _help_entries(proc.stdout)
+    assert "(default: 256)" in entries["--max-tokens"]
+    assert "(default: 0.0)" in entries["--temperature"]
+    args = build_parser().parse_args(["generate", "hi"])
+    assert (args.max_tokens, args.temperature) == (256, 0.0)  # what the help says is what a run gets
+
+
+def test_help_never_prints_the_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SERVAL_API_KEY", "sk-from-the-environment")
+    serve = _verb_parsers()["serve"]
+    assert "sk-from-the-environment" not in serve.format_help()
+    args = serve.parse_args(["--api-key", "sk-flag"])
+    assert _api_keys(args.api_key) == ["sk-from-the-environment", "sk-flag"]  # the key still counts
