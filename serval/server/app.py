@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -359,6 +360,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         created = now()
         obj = "chat.completion.chunk" if chat else "text_completion"
         prompt_tokens = completion_tokens = cached = 0
+        latest: dict[int, RequestOutput] = {}  # each prompt's last output, for the log of a stream cut short
 
         def chunk(choice_list, usage=None) -> str:
             payload = {"id": response_id, "object": obj, "created": created, "model": model,
@@ -372,6 +374,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(prompts) * params.n)])
             async for prompt_index, output in _observe(merged, choices, params.n, started, log):
+                latest[prompt_index] = output
                 pieces = []
                 for c in output.outputs:
                     choice = choices[prompt_index * params.n + c.index]
@@ -411,6 +414,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         except OpenAIError as err:
             yield f"data: {json.dumps(err.body())}\n\n"
             yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: one log line says so
+            log["aborted"] = True
+            log["finish_reasons"] = [c.finish_reason or "abort" for o in latest.values() for c in o.outputs]
+            _log_request(log, _usage(sum(len(o.prompt_token_ids) for o in latest.values()),
+                                     sum(len(c.token_ids) for o in latest.values() for c in o.outputs),
+                                     sum(o.num_cached_tokens for o in latest.values())), started)
+            raise
         finally:
             await merged.aclose()
 
@@ -443,8 +453,13 @@ async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, Reques
                 if not output.finished:
                     tasks[asyncio.ensure_future(anext_or_none(streams[i]))] = i
     finally:
+        # A read still in flight is inside its stream: cancelling it ends that stream (whose own finally aborts the
+        # request), and closing the stream before the read has finished would raise "already running". The wait
+        # is shielded: after a client disconnect, anyio cancels every await in this scope again.
         for task in tasks:
             task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
             await s.aclose()  # aborts whatever is still running (client gone)
 

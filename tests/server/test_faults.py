@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import openai
@@ -44,13 +45,15 @@ def sse_events(lines) -> list[dict | str]:
     return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
 
 
-def test_disconnect_storm_frees_everything(server):
+def test_disconnect_storm_frees_everything_and_logs_one_line_each(server):
     body = {"model": MODEL, "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    request_ids = [f"storm-{uuid.uuid4().hex[:8]}-{i}" for i in range(16)]
+    log_start = len(server.log())
 
     async def start_and_leave(i: int) -> int:
         chunks = 0
         async with httpx.AsyncClient(timeout=120) as http:
-            async with http.stream("POST", f"{server.url}/v1/completions",
+            async with http.stream("POST", f"{server.url}/v1/completions", headers={"X-Request-Id": request_ids[i]},
                                    json={**body, "prompt": f"Story {i}: once upon a time"}) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
@@ -75,6 +78,17 @@ def test_disconnect_storm_frees_everything(server):
     assert state["num_running"] == 0 and state["num_free_blocks"] == state["num_blocks"]
     r = server.client().completions.create(model=MODEL, prompt="After the storm,", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
+
+    # The log stays clean: no traceback, and one request line per abandoned stream that says it was aborted.
+    log = server.log()[log_start:]
+    assert "Traceback" not in log and "RuntimeError" not in log and "ERROR" not in log, log[-3000:]
+    for rid in request_ids:
+        lines = [line for line in log.splitlines() if rid in line]
+        assert len(lines) == 1, lines
+        assert " INFO serval.requests: " in lines[0]
+        record = json.loads(lines[0][lines[0].index("{"):])
+        assert record["request_id"] == rid and record["aborted"] is True
+        assert record["finish_reasons"] == ["abort"] and record["completion_tokens"] >= 2
 
 
 def test_metrics_count_requests_and_latencies(server):
