@@ -35,6 +35,7 @@ from serval.server.protocol import (
 logger = logging.getLogger("serval.server")
 request_log = logging.getLogger("serval.requests")
 STATIC = Path(__file__).parent / "static"
+POLLED_PATHS = ("/health", "/metrics", "/engine/state")  # probes and the live view: logged at DEBUG, not INFO
 
 
 @dataclass
@@ -94,9 +95,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     # -- front door: request id, body size, auth, draining ---------------------------------------------------------
     @app.middleware("http")
     async def front_door(request: Request, call_next):
+        started = time.monotonic()
         request_id = request.headers.get("x-request-id") or new_id("req")
         request.state.request_id = request_id
         path = request.url.path
+        # The request's log line, filled in on the way (a streamed generation logs it when the stream ends).
+        log = request.state.log = {"request_id": request_id, "method": request.method, "path": path,
+                                   "status": None}
+        request.state.started = started
         try:
             length = int(request.headers.get("content-length") or 0)
             if "content-length" not in request.headers and request.method in ("POST", "PUT", "PATCH"):
@@ -118,7 +124,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         except OpenAIError as err:
             response = error_response(err)
         else:
-            response = await call_next(request)
+            try:
+                response = await call_next(request)
+            except Exception:
+                log["status"] = 500
+                _log_request(log, started)
+                raise
+        log["status"] = response.status_code
+        if not getattr(request.state, "logged_by_stream", False):
+            _log_request(log, started, logging.DEBUG if path in POLLED_PATHS else logging.INFO)
         response.headers["X-Request-Id"] = request_id
         dropped = getattr(request.state, "dropped_messages", 0)
         if dropped:
@@ -253,7 +267,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 raise OpenAIError("rate limit exceeded for this key", status=429, type="rate_limit_exceeded",
                                   code="rate_limit_exceeded", headers={"Retry-After": str(int(wait))})
         request_id = request.state.request_id
-        started = time.monotonic()
+        started = request.state.started
         streams = []
         try:
             for i, (prompt, _) in enumerate(prompts):
@@ -272,9 +286,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         model = config.served_model_name
         response_id = new_id("chatcmpl" if chat else "cmpl")
         merged = _merge(streams, firsts)
-        log = {"request_id": request_id, "endpoint": "chat" if chat else "completions", "stream": body.stream}
+        log = request.state.log
+        log.update(endpoint="chat" if chat else "completions", stream=body.stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            log["status"] = 200
+            request.state.logged_by_stream = True
             return StreamingResponse(
                 _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -283,7 +300,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         async for prompt_index, output in _observe(merged, choices, params.n, started, log):
             finals[prompt_index] = output
         result = _full_response(finals, choices, prompts, params, chat, echo, response_id, model)
-        _log_request(log, result["usage"], started)
+        _log_usage(log, result["usage"])
         return result
 
     async def _observe(merged, choices: dict[int, _Choice], n: int, started: float, log: dict):
@@ -409,17 +426,21 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
             usage = _usage(prompt_tokens, completion_tokens, cached)
             if include_usage:
                 yield chunk([], usage)
-            _log_request(log, usage, started)
+            _log_usage(log, usage)
+            _log_request(log, started)
             yield "data: [DONE]\n\n"
         except OpenAIError as err:
+            log["error"] = err.code
+            _log_request(log, started)
             yield f"data: {json.dumps(err.body())}\n\n"
             yield "data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):  # the client went away: one log line says so
             log["aborted"] = True
             log["finish_reasons"] = [c.finish_reason or "abort" for o in latest.values() for c in o.outputs]
-            _log_request(log, _usage(sum(len(o.prompt_token_ids) for o in latest.values()),
-                                     sum(len(c.token_ids) for o in latest.values() for c in o.outputs),
-                                     sum(o.num_cached_tokens for o in latest.values())), started)
+            _log_usage(log, _usage(sum(len(o.prompt_token_ids) for o in latest.values()),
+                                   sum(len(c.token_ids) for o in latest.values() for c in o.outputs),
+                                   sum(o.num_cached_tokens for o in latest.values())))
+            _log_request(log, started)
             raise
         finally:
             await merged.aclose()
@@ -489,11 +510,16 @@ def _client_key(request: Request) -> str:
     return "ip:" + (request.client.host if request.client else "unknown")
 
 
-def _log_request(log: dict, usage: dict, started: float) -> None:
-    request_log.info(json.dumps({**log, "prompt_tokens": usage["prompt_tokens"],
-                                 "completion_tokens": usage["completion_tokens"],
-                                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                                 "latency_s": round(time.monotonic() - started, 4)}))
+def _log_usage(log: dict, usage: dict) -> None:
+    log.update(prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
+               cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def _log_request(log: dict, started: float, level: int = logging.INFO) -> None:
+    """The request's one line in the ``serval.requests`` log, as JSON: method, path, status, request id, and for a
+    generation its tokens, queue time, TTFT and finish reasons; latency runs from arrival to the response (for a
+    stream, to its end)."""
+    request_log.log(level, json.dumps({**log, "latency_s": round(time.monotonic() - started, 4)}))
 
 
 def _token_text(tokenizer, token_id: int) -> str:

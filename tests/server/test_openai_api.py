@@ -248,6 +248,56 @@ def test_32_concurrent_streams_match_one_by_one(server, make_llm):
 
 
 # -- request ids and the request log ---------------------------------------------------------------------------------
+def log_lines_of(server, request_id: str, timeout: float = 10) -> list[str]:
+    """The server's log lines that name ``request_id``, once there is at least one (or the timeout passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line for line in server.log().splitlines() if request_id in line]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
+def test_default_log_level_logs_one_line_per_api_request(server, client):
+    """The `server` runs with serve's default flags: each API request still gets one INFO line, polling does not."""
+    tag = uuid.uuid4().hex[:8]
+
+    def record(request_id: str) -> dict:
+        lines = log_lines_of(server, request_id)
+        assert len(lines) == 1, lines
+        assert " INFO serval.requests: " in lines[0]
+        rec = json.loads(lines[0][lines[0].index("{"):])
+        assert rec["request_id"] == request_id and rec["latency_s"] >= 0
+        return rec
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                  extra_headers={"X-Request-Id": f"plain-{tag}"})
+    rec = record(f"plain-{tag}")
+    assert (rec["method"], rec["path"], rec["status"], rec["stream"]) == ("POST", "/v1/completions", 200, False)
+    assert rec["prompt_tokens"] == r.usage.prompt_tokens and rec["completion_tokens"] == 3
+    assert 0 <= rec["ttft_s"] <= rec["latency_s"]
+
+    stream = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=3, temperature=0, stream=True,
+                                            extra_headers={"X-Request-Id": f"stream-{tag}"})
+    assert len(list(stream)) >= 2
+    rec = record(f"stream-{tag}")
+    assert (rec["method"], rec["path"], rec["status"], rec["stream"]) == ("POST", "/v1/chat/completions", 200, True)
+    assert rec["completion_tokens"] == 3 and 0 <= rec["ttft_s"] <= rec["latency_s"]
+
+    httpx.get(f"{server.url}/v1/models", headers={"X-Request-Id": f"models-{tag}"}, timeout=10)
+    assert {k: v for k, v in record(f"models-{tag}").items() if k != "latency_s"} == {
+        "request_id": f"models-{tag}", "method": "GET", "path": "/v1/models", "status": 200}
+    httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "temperature": 9},
+               headers={"X-Request-Id": f"bad-{tag}"}, timeout=10)
+    assert record(f"bad-{tag}")["status"] == 400
+
+    for path in ("/health", "/metrics", "/engine/state"):  # polling: DEBUG, not shown by default
+        httpx.get(f"{server.url}{path}", headers={"X-Request-Id": f"poll-{tag}"}, timeout=10)
+    httpx.get(f"{server.url}/version", headers={"X-Request-Id": f"last-{tag}"}, timeout=10)
+    assert record(f"last-{tag}")["status"] == 200  # logged after the polls, so they had their chance
+    assert log_lines_of(server, f"poll-{tag}", timeout=0) == []
+
+
 def test_request_id_is_echoed_generated_and_logged(server):
     rid = f"test-{uuid.uuid4().hex}"
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
