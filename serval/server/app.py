@@ -304,8 +304,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         return result
 
     async def _observe(merged, choices: dict[int, _Choice], n: int, started: float, log: dict):
-        """Applies the output filter and records metrics on the way through; yields (prompt index, output)."""
-        last_token_time: dict[int, float] = {}
+        """Applies the output filter and records metrics on the way through; yields (prompt index, output).
+
+        Per choice: one TTFT, then one inter-token latency per later token (a gap that brought several tokens is
+        shared among them); per prompt: one end-to-end latency. The same whether or not the response streams."""
+        seen: dict[int, tuple[int, float]] = {}  # choice -> (tokens observed, when the last came)
         async for prompt_index, output in merged:
             now_t = time.monotonic()
             arrival = output.metrics.get("arrival_time", started)
@@ -314,13 +317,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 choice = choices.setdefault(key, _Choice(key))
                 if choice.finish_reason is not None:
                     continue
-                new_tokens = len(completion.token_ids) - choice.num_tokens
+                num_seen, last_t = seen.get(key, (0, now_t))
+                new_tokens = len(completion.token_ids) - num_seen
                 if new_tokens > 0:
-                    if choice.num_tokens == 0:
+                    if num_seen == 0:
                         metrics.ttft.observe(now_t - arrival)
-                    elif key in last_token_time:
-                        metrics.itl.observe(now_t - last_token_time[key])
-                    last_token_time[key] = now_t
+                        new_tokens -= 1  # any others came with it: no gap
+                    for _ in range(new_tokens):
+                        metrics.itl.observe((now_t - last_t) / new_tokens)
+                    seen[key] = (len(completion.token_ids), now_t)
                 blocked_at = config.output_filter.find(completion.text)
                 if blocked_at is not None:
                     completion.text = completion.text[:blocked_at]

@@ -12,6 +12,7 @@ import uuid
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -91,16 +92,34 @@ def test_disconnect_storm_frees_everything_and_logs_one_line_each(server):
         assert record["finish_reasons"] == ["abort"] and record["completion_tokens"] >= 2
 
 
-def test_metrics_count_requests_and_latencies(server):
-    client = server.client()
-    before = server.metrics()
-    stream = client.completions.create(model=MODEL, prompt="Metrics matter because", max_tokens=5, temperature=0,
-                                       stream=True)
-    assert len([c for c in stream]) >= 1
-    after = server.metrics()
-    assert after["serval:generation_tokens_total"] - before["serval:generation_tokens_total"] >= 5
-    assert after["serval:time_to_first_token_seconds_count"] > before["serval:time_to_first_token_seconds_count"]
-    assert after["serval:e2e_request_latency_seconds_count"] > before["serval:e2e_request_latency_seconds_count"]
+def scrape(server) -> dict[str, float]:
+    """Every unlabelled sample of /metrics, parsed as Prometheus text exposition."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if not sample.labels}
+
+
+@pytest.mark.parametrize("stream, n", [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_metrics_count_one_ttft_per_choice_and_the_rest_as_inter_token_latencies(server, stream, n):
+    tokens = 10
+    before = scrape(server)
+    r = server.client().completions.create(model=MODEL, prompt="Metrics matter because", max_tokens=tokens,
+                                           temperature=0.7, seed=1, n=n, stream=stream,
+                                           extra_body={"ignore_eos": True})
+    if stream:
+        r = list(r)
+        assert len(r) >= tokens
+    after = scrape(server)
+
+    def grew(name: str) -> float:
+        return after[f"serval:{name}"] - before[f"serval:{name}"]
+
+    assert grew("generation_tokens_total") == n * tokens
+    assert grew("time_to_first_token_seconds_count") == n
+    assert grew("inter_token_latency_seconds_count") == n * (tokens - 1)
+    assert grew("e2e_request_latency_seconds_count") == 1
+    assert grew("time_to_first_token_seconds_sum") > 0 and grew("e2e_request_latency_seconds_sum") > 0
+    assert grew("e2e_request_latency_seconds_sum") >= grew("time_to_first_token_seconds_sum") / n
     assert after["serval:engine_alive"] == 1 and after["serval:kv_cache_blocks_total"] > 0
 
 
