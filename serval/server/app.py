@@ -14,6 +14,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import serval
 from serval.chat import build_chat_prompt
@@ -79,6 +80,24 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Routing's own errors (no such path: 404, wrong method: 405 with its Allow header), in OpenAI's shape."""
+        route = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({route})", 405: f"Method not allowed ({route})"}.get(exc.status_code,
+                                                                                              f"{exc.detail} ({route})")
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(OpenAIError(message, status=exc.status_code, code=code, headers=exc.headers,
+                                          type="server_error" if exc.status_code >= 500 else "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        """A bug: the client gets a 500 in OpenAI's shape; the traceback still goes to the log (Starlette re-raises
+        after this response)."""
+        request_id = getattr(request.state, "request_id", None)
+        return error_response(OpenAIError(f"internal server error (request id {request_id})", status=500,
+                                          type="server_error", code="internal_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

@@ -98,6 +98,35 @@ def test_unknown_model_is_404(server, path, body):
     assert error["code"] == "model_not_found"
 
 
+# -- 404 and 405: no such route ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method, path", [("GET", "/nope"), ("POST", "/v1/embeddings"), ("GET", "/v1/models/x/y")])
+def test_unknown_path_is_404(server, method, path):
+    r = httpx.request(method, f"{server.url}{path}", json={"model": MODEL}, timeout=10)
+    error = assert_openai_error(r, 404, param=None)
+    assert error["code"] == "not_found" and f"{method} {path}" in error["message"]
+    assert r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("DELETE", "/v1/models", "GET"),
+    ("GET", "/v1/completions", "POST"),
+    ("PUT", "/v1/chat/completions", "POST"),
+    ("POST", "/health", "GET"),
+])
+def test_wrong_method_is_405_with_allow(server, method, path, allowed):
+    r = httpx.request(method, f"{server.url}{path}", timeout=10)
+    error = assert_openai_error(r, 405, param=None)
+    assert error["code"] == "method_not_allowed" and f"{method} {path}" in error["message"]
+    assert r.headers["allow"] == allowed
+
+
+def test_the_openai_client_sees_an_unserved_endpoint_as_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.embeddings.create(model=MODEL, input="hi")
+    assert info.value.status_code == 404 and info.value.code == "not_found"
+    assert "/v1/embeddings" in info.value.message
+
+
 # -- 401: API keys ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, path, body", [
     ("GET", "/v1/models", None),
