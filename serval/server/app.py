@@ -267,10 +267,23 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
 
     def _params(body, max_tokens, logprobs):
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             param = str(exc).split()[0].removeprefix("SamplingParams.")
             raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
+        _check_model_limits(body, params)
+        return params
+
+    def _check_model_limits(body, params) -> None:
+        """What SamplingParams cannot know: this model's vocabulary, and what this server does not do yet."""
+        vocab = engine.engine.model.config.vocab_size
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise OpenAIError(f"logit_bias: token ids {outside} are not in the vocabulary [0, {vocab})",
+                              param="logit_bias", code="invalid_value")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise OpenAIError(f"response_format type {body.response_format.type!r} is not supported yet; only "
+                              "'text' is", param="response_format", code="unsupported_value")
 
     async def _serve(request: Request, body, prompts: list, params, chat: bool, echo: bool):
         snapshot = engine.snapshot()

@@ -8,7 +8,10 @@ import time
 import uuid
 
 import httpx
+import openai
 import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
 
 import serval
 from serval.sampling_params import SamplingParams
@@ -176,16 +179,38 @@ def test_completion_logprobs_shape(client):
         assert top[token] == pytest.approx(max(top.values()))  # greedy: the chosen token is the likeliest
 
 
-def test_chat_logprobs_shape(client):
-    r = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=8, temperature=0, logprobs=True,
-                                       top_logprobs=2)
-    content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens
-    assert "".join(t.token for t in content) == r.choices[0].message.content
-    for t in content:
-        assert t.logprob <= 0 and t.bytes == list(t.token.encode())
-        assert len(t.top_logprobs) == 2
-        assert t.logprob == pytest.approx(max(top.logprob for top in t.top_logprobs))
+def assert_openai_token_logprobs(content: list[dict], num_top: int) -> None:
+    """Raw `choices[].logprobs.content` items have exactly the fields of the openai client's typed objects."""
+    for item in content:
+        assert set(item) == set(ChatCompletionTokenLogprob.model_fields)
+        token = ChatCompletionTokenLogprob.model_validate(item)
+        assert token.logprob <= 0 and token.bytes == list(token.token.encode())
+        assert len(item["top_logprobs"]) == num_top
+        for top in item["top_logprobs"]:
+            assert set(top) == set(TopLogprob.model_fields) and top["bytes"] == list(top["token"].encode())
+        if num_top:  # greedy: the chosen token is the likeliest
+            assert token.logprob == pytest.approx(max(top.logprob for top in token.top_logprobs))
+
+
+@pytest.mark.parametrize("top_logprobs", [None, 0, 2, 20])
+def test_chat_logprobs_have_the_openai_shape(client, top_logprobs):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=KOREA, max_tokens=8, temperature=0,
+                                                           logprobs=True, top_logprobs=top_logprobs)
+    body = raw.http_response.json()
+    r = ChatCompletion.model_validate(body)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == r.usage.completion_tokens == 8
+    assert "".join(t["token"] for t in content) == r.choices[0].message.content
+    assert_openai_token_logprobs(content, top_logprobs or 0)
+
+    stream = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=8, temperature=0, logprobs=True,
+                                            top_logprobs=top_logprobs, stream=True)
+    streamed = [item.model_dump() for chunk in stream for c in chunk.choices if c.logprobs
+                for item in c.logprobs.content]
+    assert_openai_token_logprobs(streamed, top_logprobs or 0)
+    assert [t["token"] for t in streamed] == [t["token"] for t in content]
+    # the prompt's KV now comes from the prefix cache: the same values up to float rounding
+    assert [t["logprob"] for t in streamed] == pytest.approx([t["logprob"] for t in content], abs=1e-4)
 
     without = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=2, temperature=0)
     assert without.choices[0].logprobs is None
@@ -207,6 +232,67 @@ def test_vllm_sampling_extras_are_accepted(client):
         "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 8,
         "stop_token_ids": [2]})
     assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+
+
+# -- the newer OpenAI fields -------------------------------------------------------------------------------------------
+def test_logit_bias_forces_and_bans_tokens(server, client):
+    (banana,) = tokenize(server, prompt=" banana", add_special_tokens=False)
+    forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(banana): 100})
+    assert forced.choices[0].text == " banana" * 3
+    chat = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=2, temperature=0,
+                                          logit_bias={str(banana): 100})
+    assert chat.choices[0].message.content == " banana banana"
+
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0).choices[0].text
+    (first_id,) = tokenize(server, prompt=first, add_special_tokens=False)
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(first_id): -100}).choices[0].text
+    assert banned and banned != first
+    # a sampled request never draws a banned token either
+    sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=1.5, seed=2, n=16,
+                                        logit_bias={str(first_id): -100})
+    assert first not in [c.text for c in sampled.choices]
+
+
+def test_max_completion_tokens_limits_the_answer(client):
+    r = client.chat.completions.create(model=MODEL, messages=KOREA, max_completion_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    # with both, max_completion_tokens wins (it supersedes max_tokens, as in vLLM)
+    r = client.chat.completions.create(model=MODEL, messages=KOREA, max_completion_tokens=3, max_tokens=9,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_chat_stop_as_a_string_or_a_list(client):
+    full = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0)
+    content = full.choices[0].message.content
+    words = content.split()
+    assert len(words) >= 3, content
+    stop = words[2]
+    expected = content[: content.index(stop)]
+    for stop_arg in (stop, ["never-in-the-text", stop]):
+        r = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0, stop=stop_arg)
+        assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0,
+                                                stop=stop_arg, stream=True)
+        streamed, finish, _, _ = collect_chat_stream(stream)
+        assert streamed == expected and finish == "stop"
+
+
+def test_response_format_text_is_accepted_and_json_is_refused(client):
+    plain = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6, temperature=0)
+    text = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6, temperature=0,
+                                          response_format={"type": "text"})
+    assert text.choices[0].message.content == plain.choices[0].message.content
+    for response_format in ({"type": "json_object"},
+                            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6,
+                                           response_format=response_format)
+        assert info.value.param == "response_format" and info.value.code == "unsupported_value"
+        assert "not supported" in info.value.message and response_format["type"] in info.value.message
 
 
 # -- concurrency ----------------------------------------------------------------------------------------------------
