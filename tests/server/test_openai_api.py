@@ -227,11 +227,41 @@ def test_seeded_sampling_repeats(client):
             == client.chat.completions.create(**chat).choices[0].message.content)
 
 
-def test_vllm_sampling_extras_are_accepted(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=3, extra_body={
-        "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 8,
-        "stop_token_ids": [2]})
-    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+def test_vllm_sampling_extras_change_the_output(client):
+    """Each extra does what it says: compared with the same seeded request without it, the output changes."""
+    def text(prompt: str = "Once upon a time", **kwargs) -> str:
+        settings = {"max_tokens": 16, "temperature": 1.8, "seed": 5, **kwargs}
+        extra = {k: settings.pop(k) for k in ("top_k", "min_p", "repetition_penalty") if k in settings}
+        r = client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **settings)
+        return r.choices[0].text
+
+    hot, greedy = text(), text(temperature=0)
+    assert hot != greedy  # at 1.8 the draw wanders off the greedy path...
+    assert text(top_k=1) == greedy  # ...unless only the likeliest token is left, by top_k
+    assert text(min_p=1.0) == greedy  # or by min_p (only tokens as likely as the top one)
+
+    counting = "1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    repeats = text(counting, temperature=0)
+    assert "1, 2, 3" in repeats  # greedy keeps the pattern going...
+    assert text(counting, temperature=0, repetition_penalty=2.0) != repeats  # ...a heavy penalty breaks it
+
+
+def test_min_tokens_ignore_eos_and_stop_token_ids(server, client):
+    short = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=64, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 30  # ends on eos
+    longer = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=64, temperature=0,
+                                            extra_body={"min_tokens": 40})
+    assert longer.usage.completion_tokens >= 40
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+    endless = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=64, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert endless.usage.completion_tokens == 64 and endless.choices[0].finish_reason == "length"
+
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0).choices[0].text
+    (first_id,) = tokenize(server, prompt=first, add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"stop_token_ids": [first_id]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
 
 
 # -- the newer OpenAI fields -------------------------------------------------------------------------------------------
