@@ -51,7 +51,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None  # only {"type": "text"}, the default, for now
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64: more overflows the generator
     user: str | None = None
     # vLLM's extras
     top_k: int = Field(default=0, ge=-1)

@@ -37,6 +37,7 @@ BAD_REQUESTS = {  # case: (path, body, the param the error names)
     "temperature-too-high": ("/v1/completions", {"prompt": "hi", "temperature": 5}, "temperature"),
     "top_p-zero": ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     "n-zero": ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    "seed-past-int64": ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
     "logprobs-too-many": ("/v1/completions", {"prompt": "hi", "logprobs": 30}, "logprobs"),
     "max_tokens-zero": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     "max_tokens-past-context": ("/v1/completions", {"prompt": "hi", "max_tokens": 1_000_000}, "max_tokens"),
