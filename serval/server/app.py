@@ -465,12 +465,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 yield chunk([], usage)
             _log_usage(log, usage)
             _log_request(log, started)
-            yield "data: [DONE]\n\n"
         except OpenAIError as err:
             log["error"] = err.code
             _log_request(log, started)
             yield f"data: {json.dumps(err.body())}\n\n"
-            yield "data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):  # the client went away: one log line says so
             log["aborted"] = True
             log["finish_reasons"] = [c.finish_reason or "abort" for o in latest.values() for c in o.outputs]
@@ -481,6 +479,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
             raise
         finally:
             await merged.aclose()
+        yield "data: [DONE]\n\n"  # outside the try: a client gone by now was logged as served, not again as aborted
 
     return app
 
