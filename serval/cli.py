@@ -191,6 +191,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         output_filter=BlocklistFilter(args.blocklist.split(",")) if args.blocklist else NoFilter(),
     )
+    # One line per request at INFO whatever --log-level says (unless disabled): an operator sees traffic by default.
+    root_level = logging.getLogger().level
+    logging.getLogger("serval.requests").setLevel(logging.WARNING if args.disable_log_requests
+                                                  else min(logging.INFO, root_level))
     print(f"serval: loading {server_config.served_model_name} ...", file=sys.stderr, flush=True)
     engine = AsyncEngine.from_config(config)
     engine.start()
@@ -199,6 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"serval: engine ready in {engine.engine.load_time:.1f} s; serving on {scheme}://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                           access_log=False,  # serval.requests has a line per request already
                                            timeout_graceful_shutdown=args.shutdown_timeout, **tls.uvicorn_kwargs()))
     _drain_on_sigterm(server, app)
     server.run()
@@ -300,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key (default: no limit)")
     serve.add_argument("--blocklist", default=None, help="comma-separated words: the output filter ends a "
                        "stream with finish_reason content_filter when one appears")
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="no per-request log line (by default one INFO line per API request, as JSON)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
     serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")

@@ -20,6 +20,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -49,6 +50,13 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.presence_penalty!r}")
         _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "must be a dict of token id -> bias")
+            for token_id, bias in self.logit_bias.items():
+                _check(isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0, "logit_bias",
+                       f"keys must be token ids (integers >= 0), got {token_id!r}")
+                _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias",
+                       f"values must be in [-100, 100], got {bias!r} for token {token_id}")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

@@ -46,11 +46,11 @@ class SamplerOutput:
 class Sampler:
     """Picks one token per row of a ``[B, V]`` logits batch.
 
-    Order: blocked ids -> repetition / frequency / presence penalties -> greedy argmax for ``temperature == 0``
-    rows; the other rows are divided by their temperature, filtered by top-k, then top-p, then min-p (the Hugging
-    Face order; vLLM v1 applies min-p before top-k / top-p), and drawn by an exponential race
-    (``argmax(probs / q)``, ``q ~ Exp(1)``), which samples from ``probs`` without a cumulative sum and lets each
-    seeded row draw its noise from its own generator. Logprobs are of the raw logits, as in vLLM v1.
+    Order: blocked ids -> logit bias -> repetition / frequency / presence penalties (vLLM v1's order) -> greedy
+    argmax for ``temperature == 0`` rows; the other rows are divided by their temperature, filtered by top-k, then
+    top-p, then min-p (the Hugging Face order; vLLM v1 applies min-p before top-k / top-p), and drawn by an
+    exponential race (``argmax(probs / q)``, ``q ~ Exp(1)``), which samples from ``probs`` without a cumulative sum
+    and lets each seeded row draw its noise from its own generator. Logprobs are of the raw logits, as in vLLM v1.
     """
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -58,6 +58,7 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
         raw = logits.float()  # no copy when already float32; nothing below writes into it
         x = _block(raw, rows)
+        x = _add_logit_bias(x, rows)
         x = apply_penalties(x, rows)
 
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -123,6 +124,18 @@ def _block(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     out = logits.clone()
     out.view(-1).index_fill_(0, flat, float("-inf"))
     return out
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Adds each row's ``params.logit_bias`` to its logits (ids outside the vocabulary are ignored, as for blocked
+    ids); returns ``logits`` itself when no row has a bias."""
+    if not any(row.params.logit_bias for row in rows):
+        return logits
+    vocab = logits.shape[1]
+    biases = [[(t, b) for t, b in (row.params.logit_bias or {}).items() if 0 <= t < vocab] for row in rows]
+    flat = _flat_index([[t for t, _ in row] for row in biases], vocab, logits.device)
+    values = _tensor([b for row in biases for _, b in row], logits.dtype, logits.device)
+    return logits.reshape(-1).index_add(0, flat, values).view_as(logits)
 
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

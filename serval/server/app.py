@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import serval
 from serval.chat import build_chat_prompt
@@ -34,6 +36,7 @@ from serval.server.protocol import (
 logger = logging.getLogger("serval.server")
 request_log = logging.getLogger("serval.requests")
 STATIC = Path(__file__).parent / "static"
+POLLED_PATHS = ("/health", "/metrics", "/engine/state")  # probes and the live view: logged at DEBUG, not INFO
 
 
 @dataclass
@@ -78,6 +81,24 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     async def _openai_error(request: Request, exc: OpenAIError):
         return error_response(exc)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Routing's own errors (no such path: 404, wrong method: 405 with its Allow header), in OpenAI's shape."""
+        route = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({route})", 405: f"Method not allowed ({route})"}.get(exc.status_code,
+                                                                                              f"{exc.detail} ({route})")
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(OpenAIError(message, status=exc.status_code, code=code, headers=exc.headers,
+                                          type="server_error" if exc.status_code >= 500 else "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        """A bug: the client gets a 500 in OpenAI's shape; the traceback still goes to the log (Starlette re-raises
+        after this response)."""
+        request_id = getattr(request.state, "request_id", None)
+        return error_response(OpenAIError(f"internal server error (request id {request_id})", status=500,
+                                          type="server_error", code="internal_error"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -93,9 +114,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     # -- front door: request id, body size, auth, draining ---------------------------------------------------------
     @app.middleware("http")
     async def front_door(request: Request, call_next):
+        started = time.monotonic()
         request_id = request.headers.get("x-request-id") or new_id("req")
         request.state.request_id = request_id
         path = request.url.path
+        # The request's log line, filled in on the way (a streamed generation logs it when the stream ends).
+        log = request.state.log = {"request_id": request_id, "method": request.method, "path": path,
+                                   "status": None}
+        request.state.started = started
         try:
             length = int(request.headers.get("content-length") or 0)
             if "content-length" not in request.headers and request.method in ("POST", "PUT", "PATCH"):
@@ -117,7 +143,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         except OpenAIError as err:
             response = error_response(err)
         else:
-            response = await call_next(request)
+            try:
+                response = await call_next(request)
+            except Exception:
+                log["status"] = 500
+                _log_request(log, started)
+                raise
+        log["status"] = response.status_code
+        if not getattr(request.state, "logged_by_stream", False):
+            _log_request(log, started, logging.DEBUG if path in POLLED_PATHS else logging.INFO)
         response.headers["X-Request-Id"] = request_id
         dropped = getattr(request.state, "dropped_messages", 0)
         if dropped:
@@ -233,10 +267,23 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
 
     def _params(body, max_tokens, logprobs):
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             param = str(exc).split()[0].removeprefix("SamplingParams.")
             raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
+        _check_model_limits(body, params)
+        return params
+
+    def _check_model_limits(body, params) -> None:
+        """What SamplingParams cannot know: this model's vocabulary, and what this server does not do yet."""
+        vocab = engine.engine.model.config.vocab_size
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise OpenAIError(f"logit_bias: token ids {outside} are not in the vocabulary [0, {vocab})",
+                              param="logit_bias", code="invalid_value")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise OpenAIError(f"response_format type {body.response_format.type!r} is not supported yet; only "
+                              "'text' is", param="response_format", code="unsupported_value")
 
     async def _serve(request: Request, body, prompts: list, params, chat: bool, echo: bool):
         snapshot = engine.snapshot()
@@ -252,7 +299,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 raise OpenAIError("rate limit exceeded for this key", status=429, type="rate_limit_exceeded",
                                   code="rate_limit_exceeded", headers={"Retry-After": str(int(wait))})
         request_id = request.state.request_id
-        started = time.monotonic()
+        started = request.state.started
         streams = []
         try:
             for i, (prompt, _) in enumerate(prompts):
@@ -271,9 +318,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         model = config.served_model_name
         response_id = new_id("chatcmpl" if chat else "cmpl")
         merged = _merge(streams, firsts)
-        log = {"request_id": request_id, "endpoint": "chat" if chat else "completions", "stream": body.stream}
+        log = request.state.log
+        log.update(endpoint="chat" if chat else "completions", stream=body.stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            log["status"] = 200
+            request.state.logged_by_stream = True
             return StreamingResponse(
                 _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -282,12 +332,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         async for prompt_index, output in _observe(merged, choices, params.n, started, log):
             finals[prompt_index] = output
         result = _full_response(finals, choices, prompts, params, chat, echo, response_id, model)
-        _log_request(log, result["usage"], started)
+        _log_usage(log, result["usage"])
         return result
 
     async def _observe(merged, choices: dict[int, _Choice], n: int, started: float, log: dict):
-        """Applies the output filter and records metrics on the way through; yields (prompt index, output)."""
-        last_token_time: dict[int, float] = {}
+        """Applies the output filter and records metrics on the way through; yields (prompt index, output).
+
+        Per choice: one TTFT, then one inter-token latency per later token (a gap that brought several tokens is
+        shared among them); per prompt: one end-to-end latency. The same whether or not the response streams."""
+        seen: dict[int, tuple[int, float]] = {}  # choice -> (tokens observed, when the last came)
         async for prompt_index, output in merged:
             now_t = time.monotonic()
             arrival = output.metrics.get("arrival_time", started)
@@ -296,13 +349,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 choice = choices.setdefault(key, _Choice(key))
                 if choice.finish_reason is not None:
                     continue
-                new_tokens = len(completion.token_ids) - choice.num_tokens
+                num_seen, last_t = seen.get(key, (0, now_t))
+                new_tokens = len(completion.token_ids) - num_seen
                 if new_tokens > 0:
-                    if choice.num_tokens == 0:
+                    if num_seen == 0:
                         metrics.ttft.observe(now_t - arrival)
-                    elif key in last_token_time:
-                        metrics.itl.observe(now_t - last_token_time[key])
-                    last_token_time[key] = now_t
+                        new_tokens -= 1  # any others came with it: no gap
+                    for _ in range(new_tokens):
+                        metrics.itl.observe((now_t - last_t) / new_tokens)
+                    seen[key] = (len(completion.token_ids), now_t)
                 blocked_at = config.output_filter.find(completion.text)
                 if blocked_at is not None:
                     completion.text = completion.text[:blocked_at]
@@ -359,6 +414,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         created = now()
         obj = "chat.completion.chunk" if chat else "text_completion"
         prompt_tokens = completion_tokens = cached = 0
+        latest: dict[int, RequestOutput] = {}  # each prompt's last output, for the log of a stream cut short
 
         def chunk(choice_list, usage=None) -> str:
             payload = {"id": response_id, "object": obj, "created": created, "model": model,
@@ -372,6 +428,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(prompts) * params.n)])
             async for prompt_index, output in _observe(merged, choices, params.n, started, log):
+                latest[prompt_index] = output
                 pieces = []
                 for c in output.outputs:
                     choice = choices[prompt_index * params.n + c.index]
@@ -406,13 +463,23 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
             usage = _usage(prompt_tokens, completion_tokens, cached)
             if include_usage:
                 yield chunk([], usage)
-            _log_request(log, usage, started)
-            yield "data: [DONE]\n\n"
+            _log_usage(log, usage)
+            _log_request(log, started)
         except OpenAIError as err:
+            log["error"] = err.code
+            _log_request(log, started)
             yield f"data: {json.dumps(err.body())}\n\n"
-            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: one log line says so
+            log["aborted"] = True
+            log["finish_reasons"] = [c.finish_reason or "abort" for o in latest.values() for c in o.outputs]
+            _log_usage(log, _usage(sum(len(o.prompt_token_ids) for o in latest.values()),
+                                   sum(len(c.token_ids) for o in latest.values() for c in o.outputs),
+                                   sum(o.num_cached_tokens for o in latest.values())))
+            _log_request(log, started)
+            raise
         finally:
             await merged.aclose()
+        yield "data: [DONE]\n\n"  # outside the try: a client gone by now was logged as served, not again as aborted
 
     return app
 
@@ -443,8 +510,13 @@ async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, Reques
                 if not output.finished:
                     tasks[asyncio.ensure_future(anext_or_none(streams[i]))] = i
     finally:
+        # A read still in flight is inside its stream: cancelling it ends that stream (whose own finally aborts the
+        # request), and closing the stream before the read has finished would raise "already running". The wait
+        # is shielded: after a client disconnect, anyio cancels every await in this scope again.
         for task in tasks:
             task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
             await s.aclose()  # aborts whatever is still running (client gone)
 
@@ -474,11 +546,16 @@ def _client_key(request: Request) -> str:
     return "ip:" + (request.client.host if request.client else "unknown")
 
 
-def _log_request(log: dict, usage: dict, started: float) -> None:
-    request_log.info(json.dumps({**log, "prompt_tokens": usage["prompt_tokens"],
-                                 "completion_tokens": usage["completion_tokens"],
-                                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                                 "latency_s": round(time.monotonic() - started, 4)}))
+def _log_usage(log: dict, usage: dict) -> None:
+    log.update(prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
+               cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def _log_request(log: dict, started: float, level: int = logging.INFO) -> None:
+    """The request's one line in the ``serval.requests`` log, as JSON: method, path, status, request id, and for a
+    generation its tokens, queue time, TTFT and finish reasons; latency runs from arrival to the response (for a
+    stream, to its end)."""
+    request_log.log(level, json.dumps({**log, "latency_s": round(time.monotonic() - started, 4)}))
 
 
 def _token_text(tokenizer, token_id: int) -> str:

@@ -39,12 +39,14 @@ class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("serval:time_to_first_token_seconds", "Time to first token.", registry=r,
+        # Streamed or not, a request of one prompt and n choices of T tokens each observes n TTFTs, n * (T - 1)
+        # inter-token latencies and one end-to-end latency (a completions call with several prompts: one each).
+        self.ttft = Histogram("serval:time_to_first_token_seconds", "Time to first token, per choice.", registry=r,
                               buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram("serval:inter_token_latency_seconds", "Time between streamed tokens.", registry=r,
+        self.itl = Histogram("serval:inter_token_latency_seconds", "Time between a choice's tokens.", registry=r,
                              buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram("serval:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("serval:e2e_request_latency_seconds", "Request latency, arrival to last token, per "
+                             "prompt.", registry=r, buckets=_LATENCY_BUCKETS)
         self.queue_time = Histogram("serval:request_queue_time_seconds", "Time waiting before first scheduled.",
                                     registry=r, buckets=_LATENCY_BUCKETS)
         self.prompt_tokens = Counter("serval:prompt_tokens", "Prompt tokens processed.", registry=r)

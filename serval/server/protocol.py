@@ -29,6 +29,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema's schema and the like: refused with the type, not here
+    type: str
+
+
 class _SamplingFields(BaseModel):
     """Fields both endpoints share; unknown fields are rejected, as OpenAI does."""
 
@@ -44,7 +49,9 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None  # only {"type": "text"}, the default, for now
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64: more overflows the generator
     user: str | None = None
     # vLLM's extras
     top_k: int = Field(default=0, ge=-1)
@@ -61,7 +68,8 @@ class _SamplingFields(BaseModel):
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stop,
+            frequency_penalty=self.frequency_penalty, logit_bias=_token_id_keys(self.logit_bias), seed=self.seed,
+            stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             max_tokens=max_tokens, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -100,6 +108,13 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+def _token_id_keys(bias: dict[str, float] | None) -> dict | None:
+    """JSON's string keys as token ids; a key that is no integer stays a string for SamplingParams to refuse."""
+    if bias is None:
+        return None
+    return {int(k) if k.strip().isdecimal() else k: v for k, v in bias.items()}
 
 
 def new_id(prefix: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -74,6 +75,47 @@ def test_blocked_ids_are_never_chosen():
 def test_out_of_vocab_blocked_ids_are_ignored():
     logits = torch.tensor([[0.0, 3.0, 1.0]])
     assert sampler(logits, [row(greedy(), blocked=[7, 0])]).token_ids == [1]
+
+
+def test_logit_bias_forces_or_bans_a_token_under_greedy():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]]).expand(4, -1).contiguous()
+    before = logits.clone()
+    rows = [row(greedy(logit_bias={3: 100})), row(greedy()), row(greedy(logit_bias={0: -100, 1: -100})),
+            row(greedy(logit_bias={7: 100, 0: -1.5}))]  # 7 is outside the vocabulary: ignored
+    assert sampler(logits, rows).token_ids == [3, 0, 2, 1]
+    assert torch.equal(logits, before)
+
+
+def test_logit_bias_shifts_the_sampled_distribution():
+    logits = torch.zeros(1, 4)
+    # +ln 3 on token 2: p = 3/6 for it and 1/6 for the others; -100 on token 0: never drawn
+    drawn = support(logits, SamplingParams(temperature=1.0, logit_bias={2: math.log(3), 0: -100}), draws=6000)
+    assert 0 not in drawn
+    assert drawn[2] / 6000 == pytest.approx(0.6, abs=0.03)  # 3 / (3 + 1 + 1) once token 0 is gone
+    # applied before temperature and the filters: top_k=1 keeps the biased token
+    assert set(support(logits, SamplingParams(temperature=1.5, top_k=1, logit_bias={1: 1.0}), draws=500)) == {1}
+
+
+def test_logit_bias_leaves_logprobs_raw():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]])
+    out = sampler(logits, [row(greedy(logprobs=1, logit_bias={3: 100}))])
+    assert out.token_ids == [3]
+    lp = out.logprobs[0]
+    assert lp.logprob == pytest.approx(logits.log_softmax(dim=-1)[0, 3].item()) and lp.rank == 4
+    assert list(lp.top) == [0]
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({1: 100.5}, "values must be in"),
+    ({1: -101}, "values must be in"),
+    ({1: "high"}, "values must be in"),
+    ({"1": 5}, "keys must be token ids"),
+    ({-1: 5}, "keys must be token ids"),
+    ([(1, 5)], "must be a dict"),
+])
+def test_logit_bias_is_validated_at_construction(bias, message):
+    with pytest.raises(ValueError, match=f"SamplingParams.logit_bias {message}"):
+        SamplingParams(logit_bias=bias)
 
 
 def test_repetition_penalty_steers_away_from_seen_tokens():
@@ -303,8 +345,11 @@ def test_greedy_and_sampled_rows_mix_in_one_batch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_where_it_is_deterministic():
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(10))
-    rows_cpu = [row(greedy(repetition_penalty=1.2, logprobs=3), output=[1, 5], blocked=[7]) for _ in range(4)]
-    rows_cuda = [row(greedy(repetition_penalty=1.2, logprobs=3), output=[1, 5], blocked=[7]) for _ in range(4)]
+    bias = {3: 3.0, 9: -100.0}
+    rows_cpu = [row(greedy(repetition_penalty=1.2, logprobs=3, logit_bias=bias), output=[1, 5], blocked=[7])
+                for _ in range(4)]
+    rows_cuda = [row(greedy(repetition_penalty=1.2, logprobs=3, logit_bias=bias), output=[1, 5], blocked=[7])
+                 for _ in range(4)]
     cpu, cuda = sampler(logits, rows_cpu), sampler(logits.cuda(), rows_cuda)
     assert cuda.token_ids == cpu.token_ids
     for a, b in zip(cpu.logprobs, cuda.logprobs, strict=True):

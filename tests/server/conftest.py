@@ -11,7 +11,7 @@ from serverproc import GUARDED_BLOCKLIST, GUARDED_KEYS, GUARDED_MAX_BODY, GUARDE
 def _launched(tmp_path_factory):
     """Starts every server of the session at once, so their model loads overlap; each test waits for its own."""
     logs = tmp_path_factory.mktemp("serval-logs")
-    plain = Server([], logs / "plain.log")
+    plain = Server([], logs / "plain.log", log_level=None)
     guarded = Server(["--api-key", GUARDED_KEYS[0], "--api-key", GUARDED_KEYS[1],
                       "--rate-limit-rpm", str(GUARDED_RPM), "--max-body-bytes", str(GUARDED_MAX_BODY),
                       "--blocklist", GUARDED_BLOCKLIST], logs / "guarded.log", api_keys=GUARDED_KEYS)
@@ -29,7 +29,7 @@ def _launched(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(_launched) -> Server:
-    """A server with the default flags (float32, no auth, no limits)."""
+    """A server with the default flags (float32, no auth, no limits, the default log level)."""
     return _launched["plain"].wait_ready()
 
 

@@ -39,6 +39,7 @@ class Server:
     log_path: Path
     port: int = field(default_factory=free_port)
     api_keys: list[str] = field(default_factory=list)
+    log_level: str | None = "INFO"  # None: serve's own default
     proc: subprocess.Popen | None = None
 
     @property
@@ -54,8 +55,8 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self) -> Server:
-        cmd = [str(SERVAL), "--log-level", "INFO", "serve", "--port", str(self.port), "--dtype", "float32",
-               *self.args]
+        log_level = ["--log-level", self.log_level] if self.log_level else []
+        cmd = [str(SERVAL), *log_level, "serve", "--port", str(self.port), "--dtype", "float32", *self.args]
         env = {k: v for k, v in os.environ.items() if k != "SERVAL_API_KEY"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

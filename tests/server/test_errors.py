@@ -37,6 +37,7 @@ BAD_REQUESTS = {  # case: (path, body, the param the error names)
     "temperature-too-high": ("/v1/completions", {"prompt": "hi", "temperature": 5}, "temperature"),
     "top_p-zero": ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     "n-zero": ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    "seed-past-int64": ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
     "logprobs-too-many": ("/v1/completions", {"prompt": "hi", "logprobs": 30}, "logprobs"),
     "max_tokens-zero": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     "max_tokens-past-context": ("/v1/completions", {"prompt": "hi", "max_tokens": 1_000_000}, "max_tokens"),
@@ -55,6 +56,18 @@ BAD_REQUESTS = {  # case: (path, body, the param the error names)
     "chat-unknown-role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
                           "messages.0.role"),
     "chat-unknown-field": ("/v1/chat/completions", {"messages": HI, "frobnicate": 1}, "frobnicate"),
+    "logit_bias-too-big": ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    "logit_bias-not-a-token-id": ("/v1/completions", {"prompt": "hi", "logit_bias": {"hello": 1}}, "logit_bias"),
+    "logit_bias-negative-id": ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}, "logit_bias"),
+    "logit_bias-outside-vocab": ("/v1/completions", {"prompt": "hi", "logit_bias": {"49152": 1}}, "logit_bias"),
+    "logit_bias-not-a-number": ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "up"}}, "logit_bias.5"),
+    "chat-logit_bias-too-small": ("/v1/chat/completions", {"messages": HI, "logit_bias": {"5": -101}},
+                                  "logit_bias"),
+    "chat-response_format-json_object": ("/v1/chat/completions",
+                                         {"messages": HI, "response_format": {"type": "json_object"}},
+                                         "response_format"),
+    "chat-response_format-no-type": ("/v1/chat/completions", {"messages": HI, "response_format": {}},
+                                     "response_format.type"),
     "tokenize-nothing": ("/tokenize", {}, "prompt"),
     "detokenize-negative-id": ("/detokenize", {"tokens": [-1]}, "tokens"),
 }
@@ -96,6 +109,35 @@ def test_the_openai_client_sees_typed_errors(client):
 def test_unknown_model_is_404(server, path, body):
     error = assert_openai_error(post(server, path, json={"model": "gpt-17", **body}), 404, "model")
     assert error["code"] == "model_not_found"
+
+
+# -- 404 and 405: no such route ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method, path", [("GET", "/nope"), ("POST", "/v1/embeddings"), ("GET", "/v1/models/x/y")])
+def test_unknown_path_is_404(server, method, path):
+    r = httpx.request(method, f"{server.url}{path}", json={"model": MODEL}, timeout=10)
+    error = assert_openai_error(r, 404, param=None)
+    assert error["code"] == "not_found" and f"{method} {path}" in error["message"]
+    assert r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("DELETE", "/v1/models", "GET"),
+    ("GET", "/v1/completions", "POST"),
+    ("PUT", "/v1/chat/completions", "POST"),
+    ("POST", "/health", "GET"),
+])
+def test_wrong_method_is_405_with_allow(server, method, path, allowed):
+    r = httpx.request(method, f"{server.url}{path}", timeout=10)
+    error = assert_openai_error(r, 405, param=None)
+    assert error["code"] == "method_not_allowed" and f"{method} {path}" in error["message"]
+    assert r.headers["allow"] == allowed
+
+
+def test_the_openai_client_sees_an_unserved_endpoint_as_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.embeddings.create(model=MODEL, input="hi")
+    assert info.value.status_code == 404 and info.value.code == "not_found"
+    assert "/v1/embeddings" in info.value.message
 
 
 # -- 401: API keys ---------------------------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ import json
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -44,13 +46,15 @@ def sse_events(lines) -> list[dict | str]:
     return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
 
 
-def test_disconnect_storm_frees_everything(server):
+def test_disconnect_storm_frees_everything_and_logs_one_line_each(server):
     body = {"model": MODEL, "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    request_ids = [f"storm-{uuid.uuid4().hex[:8]}-{i}" for i in range(16)]
+    log_start = len(server.log())
 
     async def start_and_leave(i: int) -> int:
         chunks = 0
         async with httpx.AsyncClient(timeout=120) as http:
-            async with http.stream("POST", f"{server.url}/v1/completions",
+            async with http.stream("POST", f"{server.url}/v1/completions", headers={"X-Request-Id": request_ids[i]},
                                    json={**body, "prompt": f"Story {i}: once upon a time"}) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
@@ -76,17 +80,46 @@ def test_disconnect_storm_frees_everything(server):
     r = server.client().completions.create(model=MODEL, prompt="After the storm,", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
 
+    # The log stays clean: no traceback, and one request line per abandoned stream that says it was aborted.
+    log = server.log()[log_start:]
+    assert "Traceback" not in log and "RuntimeError" not in log and "ERROR" not in log, log[-3000:]
+    for rid in request_ids:
+        lines = [line for line in log.splitlines() if rid in line]
+        assert len(lines) == 1, lines
+        assert " INFO serval.requests: " in lines[0]
+        record = json.loads(lines[0][lines[0].index("{"):])
+        assert record["request_id"] == rid and record["aborted"] is True
+        assert record["finish_reasons"] == ["abort"] and record["completion_tokens"] >= 2
 
-def test_metrics_count_requests_and_latencies(server):
-    client = server.client()
-    before = server.metrics()
-    stream = client.completions.create(model=MODEL, prompt="Metrics matter because", max_tokens=5, temperature=0,
-                                       stream=True)
-    assert len([c for c in stream]) >= 1
-    after = server.metrics()
-    assert after["serval:generation_tokens_total"] - before["serval:generation_tokens_total"] >= 5
-    assert after["serval:time_to_first_token_seconds_count"] > before["serval:time_to_first_token_seconds_count"]
-    assert after["serval:e2e_request_latency_seconds_count"] > before["serval:e2e_request_latency_seconds_count"]
+
+def scrape(server) -> dict[str, float]:
+    """Every unlabelled sample of /metrics, parsed as Prometheus text exposition."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if not sample.labels}
+
+
+@pytest.mark.parametrize("stream, n", [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_metrics_count_one_ttft_per_choice_and_the_rest_as_inter_token_latencies(server, stream, n):
+    tokens = 10
+    before = scrape(server)
+    r = server.client().completions.create(model=MODEL, prompt="Metrics matter because", max_tokens=tokens,
+                                           temperature=0.7, seed=1, n=n, stream=stream,
+                                           extra_body={"ignore_eos": True})
+    if stream:
+        r = list(r)
+        assert len(r) >= tokens
+    after = scrape(server)
+
+    def grew(name: str) -> float:
+        return after[f"serval:{name}"] - before[f"serval:{name}"]
+
+    assert grew("generation_tokens_total") == n * tokens
+    assert grew("time_to_first_token_seconds_count") == n
+    assert grew("inter_token_latency_seconds_count") == n * (tokens - 1)
+    assert grew("e2e_request_latency_seconds_count") == 1
+    assert grew("time_to_first_token_seconds_sum") > 0 and grew("e2e_request_latency_seconds_sum") > 0
+    assert grew("e2e_request_latency_seconds_sum") >= grew("time_to_first_token_seconds_sum") / n
     assert after["serval:engine_alive"] == 1 and after["serval:kv_cache_blocks_total"] > 0
 
 

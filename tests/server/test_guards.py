@@ -84,8 +84,8 @@ def test_health_fails_when_the_engine_loop_dies(smollm_fp32):
             assert (await client.get("/health")).status_code == 200
             engine.step = broken_step  # the next step kills the loop
             response = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
-            assert response.status_code in (500, 503)
-            assert "error" in response.json()
+            assert response.status_code == 503  # the loop died under it: the server is down, not the request
+            assert response.json()["error"]["code"] == "engine_dead"
             for _ in range(50):
                 if not async_engine.is_alive:
                     break
@@ -94,6 +94,36 @@ def test_health_fails_when_the_engine_loop_dies(smollm_fp32):
             assert health.status_code == 503 and health.json()["status"] == "dead"
             late = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
             assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_bug_in_a_route_is_an_openai_shaped_500(smollm_fp32):
+    model, tokenizer = smollm_fp32
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, cache=CacheConfig(num_blocks=64)),
+                       model=model, tokenizer=tokenizer)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    app = create_app(async_engine)
+
+    def broken_snapshot():
+        raise KeyError("simulated bug")
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # as a server does: answer, then log
+        async with httpx.AsyncClient(transport=transport, base_url="http://serval") as client:
+            async_engine.snapshot = broken_snapshot  # every generation route and /engine/state read it first
+            for method, path, body in [("GET", "/engine/state", None),
+                                       ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4})]:
+                response = await client.request(method, path, json=body, headers={"X-Request-Id": "bug-1"})
+                assert response.status_code == 500, response.text
+                assert response.json() == {"error": {
+                    "message": "internal server error (request id bug-1)", "type": "server_error", "param": None,
+                    "code": "internal_error"}}
 
     try:
         asyncio.run(scenario())

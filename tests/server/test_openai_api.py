@@ -8,7 +8,10 @@ import time
 import uuid
 
 import httpx
+import openai
 import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
 
 import serval
 from serval.sampling_params import SamplingParams
@@ -176,16 +179,38 @@ def test_completion_logprobs_shape(client):
         assert top[token] == pytest.approx(max(top.values()))  # greedy: the chosen token is the likeliest
 
 
-def test_chat_logprobs_shape(client):
-    r = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=8, temperature=0, logprobs=True,
-                                       top_logprobs=2)
-    content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens
-    assert "".join(t.token for t in content) == r.choices[0].message.content
-    for t in content:
-        assert t.logprob <= 0 and t.bytes == list(t.token.encode())
-        assert len(t.top_logprobs) == 2
-        assert t.logprob == pytest.approx(max(top.logprob for top in t.top_logprobs))
+def assert_openai_token_logprobs(content: list[dict], num_top: int) -> None:
+    """Raw `choices[].logprobs.content` items have exactly the fields of the openai client's typed objects."""
+    for item in content:
+        assert set(item) == set(ChatCompletionTokenLogprob.model_fields)
+        token = ChatCompletionTokenLogprob.model_validate(item)
+        assert token.logprob <= 0 and token.bytes == list(token.token.encode())
+        assert len(item["top_logprobs"]) == num_top
+        for top in item["top_logprobs"]:
+            assert set(top) == set(TopLogprob.model_fields) and top["bytes"] == list(top["token"].encode())
+        if num_top:  # greedy: the chosen token is the likeliest
+            assert token.logprob == pytest.approx(max(top.logprob for top in token.top_logprobs))
+
+
+@pytest.mark.parametrize("top_logprobs", [None, 0, 2, 20])
+def test_chat_logprobs_have_the_openai_shape(client, top_logprobs):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=KOREA, max_tokens=8, temperature=0,
+                                                           logprobs=True, top_logprobs=top_logprobs)
+    body = raw.http_response.json()
+    r = ChatCompletion.model_validate(body)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == r.usage.completion_tokens == 8
+    assert "".join(t["token"] for t in content) == r.choices[0].message.content
+    assert_openai_token_logprobs(content, top_logprobs or 0)
+
+    stream = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=8, temperature=0, logprobs=True,
+                                            top_logprobs=top_logprobs, stream=True)
+    streamed = [item.model_dump() for chunk in stream for c in chunk.choices if c.logprobs
+                for item in c.logprobs.content]
+    assert_openai_token_logprobs(streamed, top_logprobs or 0)
+    assert [t["token"] for t in streamed] == [t["token"] for t in content]
+    # the prompt's KV now comes from the prefix cache: the same values up to float rounding
+    assert [t["logprob"] for t in streamed] == pytest.approx([t["logprob"] for t in content], abs=1e-4)
 
     without = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=2, temperature=0)
     assert without.choices[0].logprobs is None
@@ -202,11 +227,102 @@ def test_seeded_sampling_repeats(client):
             == client.chat.completions.create(**chat).choices[0].message.content)
 
 
-def test_vllm_sampling_extras_are_accepted(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=3, extra_body={
-        "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 8,
-        "stop_token_ids": [2]})
-    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+def test_vllm_sampling_extras_change_the_output(client):
+    """Each extra does what it says: compared with the same seeded request without it, the output changes."""
+    def text(prompt: str = "Once upon a time", **kwargs) -> str:
+        settings = {"max_tokens": 16, "temperature": 1.8, "seed": 5, **kwargs}
+        extra = {k: settings.pop(k) for k in ("top_k", "min_p", "repetition_penalty") if k in settings}
+        r = client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **settings)
+        return r.choices[0].text
+
+    hot, greedy = text(), text(temperature=0)
+    assert hot != greedy  # at 1.8 the draw wanders off the greedy path...
+    assert text(top_k=1) == greedy  # ...unless only the likeliest token is left, by top_k
+    assert text(min_p=1.0) == greedy  # or by min_p (only tokens as likely as the top one)
+
+    counting = "1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    repeats = text(counting, temperature=0)
+    assert "1, 2, 3" in repeats  # greedy keeps the pattern going...
+    assert text(counting, temperature=0, repetition_penalty=2.0) != repeats  # ...a heavy penalty breaks it
+
+
+def test_min_tokens_ignore_eos_and_stop_token_ids(server, client):
+    short = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=64, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 30  # ends on eos
+    longer = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=64, temperature=0,
+                                            extra_body={"min_tokens": 40})
+    assert longer.usage.completion_tokens >= 40
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+    endless = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=64, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert endless.usage.completion_tokens == 64 and endless.choices[0].finish_reason == "length"
+
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0).choices[0].text
+    (first_id,) = tokenize(server, prompt=first, add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"stop_token_ids": [first_id]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+
+
+# -- the newer OpenAI fields -------------------------------------------------------------------------------------------
+def test_logit_bias_forces_and_bans_tokens(server, client):
+    (banana,) = tokenize(server, prompt=" banana", add_special_tokens=False)
+    forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(banana): 100})
+    assert forced.choices[0].text == " banana" * 3
+    chat = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=2, temperature=0,
+                                          logit_bias={str(banana): 100})
+    assert chat.choices[0].message.content == " banana banana"
+
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0).choices[0].text
+    (first_id,) = tokenize(server, prompt=first, add_special_tokens=False)
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(first_id): -100}).choices[0].text
+    assert banned and banned != first
+    # a sampled request never draws a banned token either
+    sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=1.5, seed=2, n=16,
+                                        logit_bias={str(first_id): -100})
+    assert first not in [c.text for c in sampled.choices]
+
+
+def test_max_completion_tokens_limits_the_answer(client):
+    r = client.chat.completions.create(model=MODEL, messages=KOREA, max_completion_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    # with both, max_completion_tokens wins (it supersedes max_tokens, as in vLLM)
+    r = client.chat.completions.create(model=MODEL, messages=KOREA, max_completion_tokens=3, max_tokens=9,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_chat_stop_as_a_string_or_a_list(client):
+    full = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0)
+    content = full.choices[0].message.content
+    words = content.split()
+    assert len(words) >= 3, content
+    stop = words[2]
+    expected = content[: content.index(stop)]
+    for stop_arg in (stop, ["never-in-the-text", stop]):
+        r = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0, stop=stop_arg)
+        assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=24, temperature=0,
+                                                stop=stop_arg, stream=True)
+        streamed, finish, _, _ = collect_chat_stream(stream)
+        assert streamed == expected and finish == "stop"
+
+
+def test_response_format_text_is_accepted_and_json_is_refused(client):
+    plain = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6, temperature=0)
+    text = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6, temperature=0,
+                                          response_format={"type": "text"})
+    assert text.choices[0].message.content == plain.choices[0].message.content
+    for response_format in ({"type": "json_object"},
+                            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6,
+                                           response_format=response_format)
+        assert info.value.param == "response_format" and info.value.code == "unsupported_value"
+        assert "not supported" in info.value.message and response_format["type"] in info.value.message
 
 
 # -- concurrency ----------------------------------------------------------------------------------------------------
@@ -248,6 +364,56 @@ def test_32_concurrent_streams_match_one_by_one(server, make_llm):
 
 
 # -- request ids and the request log ---------------------------------------------------------------------------------
+def log_lines_of(server, request_id: str, timeout: float = 10) -> list[str]:
+    """The server's log lines that name ``request_id``, once there is at least one (or the timeout passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line for line in server.log().splitlines() if request_id in line]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
+def test_default_log_level_logs_one_line_per_api_request(server, client):
+    """The `server` runs with serve's default flags: each API request still gets one INFO line, polling does not."""
+    tag = uuid.uuid4().hex[:8]
+
+    def record(request_id: str) -> dict:
+        lines = log_lines_of(server, request_id)
+        assert len(lines) == 1, lines
+        assert " INFO serval.requests: " in lines[0]
+        rec = json.loads(lines[0][lines[0].index("{"):])
+        assert rec["request_id"] == request_id and rec["latency_s"] >= 0
+        return rec
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                  extra_headers={"X-Request-Id": f"plain-{tag}"})
+    rec = record(f"plain-{tag}")
+    assert (rec["method"], rec["path"], rec["status"], rec["stream"]) == ("POST", "/v1/completions", 200, False)
+    assert rec["prompt_tokens"] == r.usage.prompt_tokens and rec["completion_tokens"] == 3
+    assert 0 <= rec["ttft_s"] <= rec["latency_s"]
+
+    stream = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=3, temperature=0, stream=True,
+                                            extra_headers={"X-Request-Id": f"stream-{tag}"})
+    assert len(list(stream)) >= 2
+    rec = record(f"stream-{tag}")
+    assert (rec["method"], rec["path"], rec["status"], rec["stream"]) == ("POST", "/v1/chat/completions", 200, True)
+    assert rec["completion_tokens"] == 3 and 0 <= rec["ttft_s"] <= rec["latency_s"]
+
+    httpx.get(f"{server.url}/v1/models", headers={"X-Request-Id": f"models-{tag}"}, timeout=10)
+    assert {k: v for k, v in record(f"models-{tag}").items() if k != "latency_s"} == {
+        "request_id": f"models-{tag}", "method": "GET", "path": "/v1/models", "status": 200}
+    httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "temperature": 9},
+               headers={"X-Request-Id": f"bad-{tag}"}, timeout=10)
+    assert record(f"bad-{tag}")["status"] == 400
+
+    for path in ("/health", "/metrics", "/engine/state"):  # polling: DEBUG, not shown by default
+        httpx.get(f"{server.url}{path}", headers={"X-Request-Id": f"poll-{tag}"}, timeout=10)
+    httpx.get(f"{server.url}/version", headers={"X-Request-Id": f"last-{tag}"}, timeout=10)
+    assert record(f"last-{tag}")["status"] == 200  # logged after the polls, so they had their chance
+    assert log_lines_of(server, f"poll-{tag}", timeout=0) == []
+
+
 def test_request_id_is_echoed_generated_and_logged(server):
     rid = f"test-{uuid.uuid4().hex}"
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
