@@ -31,6 +31,8 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. Stop strings are cut from the returned text.
+    ``temperature == 0`` means greedy. Stop strings are cut from the returned text. ``max_tokens=0`` with
+    ``prompt_logprobs`` scores a prompt without generating (what evaluation harnesses ask for); a request with
+    ``prompt_logprobs`` computes its whole prompt, never taking prefix-cache hits (they keep no logits).
     """
 
     n: int = 1
@@ -26,8 +28,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
-    max_tokens: int | None = 16  # None: up to the context window
+    max_tokens: int | None = 16  # None: up to the context window; 0: run the prompt only (e.g. to score it)
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: only the prompt's own token)
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
@@ -63,13 +66,16 @@ class SamplingParams:
                "must be non-negative integers")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
                f"must be >= 0, got {self.min_tokens!r}")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
-               f"must be >= 1, got {self.max_tokens!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0), "max_tokens",
+               f"must be >= 0, got {self.max_tokens!r}")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
                f"must be in [0, 20], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and
+                                                 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

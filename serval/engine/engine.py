@@ -42,6 +42,7 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     samples: list[_Sample]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # grows chunk by chunk; the first entry is None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -103,12 +104,18 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._prompt_token_ids(prompt)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
-        group = _Group(request_id, prompt_text, prompt_ids, params, [])
+        group = _Group(request_id, prompt_text, prompt_ids, params, [],
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             child_params = params
-            if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
-                child_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": params.seed + index})
+            if params.n > 1 and (params.seed is not None or params.prompt_logprobs is not None):
+                changes: dict = {"n": 1}
+                if params.seed is not None:  # distinct but reproducible samples
+                    changes["seed"] = params.seed + index
+                if index > 0:  # the first sample scores the prompt; the others share its cached blocks
+                    changes["prompt_logprobs"] = None
+                child_params = SamplingParams(**{**params.__dict__, **changes})
             request = Request(child_id, prompt_ids, child_params, self.eos_token_ids, max_tokens, priority,
                               group_id=request_id if params.n > 1 else None)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
@@ -149,27 +156,34 @@ class LLMEngine:
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = step_start
         try:
-            sampled, logprobs = self.runner.execute(scheduled)
+            result = self.runner.execute(scheduled)
         except Exception as exc:  # a failed forward fails its batch, never the engine
             logger.exception("step failed; failing its %d requests", len(scheduled.scheduled))
             for request in scheduled.scheduled:
                 self._fail(request, f"internal error: {exc}")
             return outputs + self._collect({self.samples[r.request_id][0] for r in scheduled.scheduled
                                             if r.request_id in self.samples})
+        for request_id, (first, entries) in result.prompt_logprobs.items():
+            group = self.samples[request_id][0]
+            del group.prompt_logprobs[first:]  # a chunk computed again after a preemption replaces its entries
+            group.prompt_logprobs.extend(entries)
         touched = set()
-        for request in self.scheduler.update_from_output(scheduled, sampled):
+        for request in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):
             group, sample = self.samples[request.request_id]
             try:
-                self._process_token(group, sample, logprobs.get(request.request_id))
+                self._process_token(group, sample, result.logprobs.get(request.request_id))
             except Exception as exc:  # e.g. a detokenizer failure: only this request pays
                 logger.exception("request %s failed", request.request_id)
                 self._fail(request, f"output processing failed: {exc}")
             touched.add(group)
-        self.stats.num_generated_tokens += len(sampled)
+        self.stats.num_generated_tokens += len(result.sampled_token_ids)
         return outputs + self._collect(touched)
 
     def _process_token(self, group: _Group, sample: _Sample, token_logprobs: TokenLogprobs | None) -> None:
         request = sample.request
+        if not request.output_token_ids:  # max_tokens 0: the prompt was computed, and that was all
+            sample.finish_reason = request.status.value
+            return
         if group.first_token_time is None:
             group.first_token_time = time.monotonic()
         previous_len = len(sample.text)
@@ -233,8 +247,9 @@ class LLMEngine:
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
         cached = max(0, group.samples[0].request.num_cached_tokens)
+        prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, cached,
-                             group.finished, group.error, metrics)
+                             group.finished, group.error, metrics, prompt_logprobs)
 
     # -- validation --------------------------------------------------------------------------------------------
     def _prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -256,7 +271,8 @@ class LLMEngine:
         if not scheduler.enable_chunked_prefill and num_prompt_tokens > scheduler.max_num_batched_tokens:
             raise ValueError(f"prompt is {num_prompt_tokens} tokens, more than max_num_batched_tokens="
                              f"{scheduler.max_num_batched_tokens}, and chunked prefill is off")
-        if num_prompt_tokens >= limit:
+        # A prompt may fill the whole context only when nothing is generated after it (max_tokens 0).
+        if num_prompt_tokens > limit or (num_prompt_tokens == limit and params.max_tokens != 0):
             raise ValueError(f"prompt is {num_prompt_tokens} tokens; this model's context is {limit} tokens")
         if params.max_tokens is None:
             return limit - num_prompt_tokens

@@ -105,8 +105,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The cached blocks of the request's longest cached prefix, and how many tokens they hold.
 
-        At least one token is always left to compute, since the last one's logits are needed."""
-        if not self.enable_prefix_caching:
+        At least one token is always left to compute, since the last one's logits are needed. A request that asks
+        for prompt logprobs gets no hit: it needs the logits of every prompt position, which the cache does not keep
+        (as in vLLM v1). Its own blocks are still published for others."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_hashes(request, max_blocks)

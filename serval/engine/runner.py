@@ -5,13 +5,29 @@ Owns the device side: the model, the preallocated KV cache tensor, per-request r
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from serval.config import ModelConfig
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.layers.attention import AttentionMetadata, PrefillChunk
-from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs
+from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
+
+# Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long
+# chunk never holds a [chunk, vocab] tensor whole.
+PROMPT_LOGITS_SLICE_ELEMENTS = 1 << 24
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed, by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # requests whose prompt is now fully computed
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of those sampled tokens, when asked for
+    # For requests that ask for prompt logprobs: (index of the first prompt token scored, one entry per token).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -34,8 +50,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Runs the step. Returns the sampled token of each request whose prompt is now fully computed."""
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the step: samples for each request whose prompt is now fully computed (unless it asks for no
+        tokens, max_tokens 0), and scores the prompt tokens of chunks whose request asks for prompt logprobs."""
         counts = out.num_scheduled_tokens
         decodes = [r for r in out.scheduled if counts[r.request_id] == 1]
         prefills = [r for r in out.scheduled if counts[r.request_id] > 1]
@@ -46,18 +63,26 @@ class ModelRunner:
         slots: list[int] = []
         sampling_requests: list[Request] = []
         logits_indices: list[int] = []
+        scored: list[tuple[Request, int, int]] = []  # (request, its first row in the batch, prompt tokens to score)
         for request in decodes + prefills:
             start = request.num_computed_tokens
             end = start + counts[request.request_id]
+            # Position i's logits score prompt token i + 1. Once a token was generated, the prompt's logprobs are
+            # complete: a recompute after preemption does not score them again.
+            num_scored = min(end, request.num_prompt_tokens - 1) - start
+            if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids \
+                    and num_scored > 0:
+                scored.append((request, len(input_ids), num_scored))
             input_ids += request.token_ids_slice(start, end)
             positions += range(start, end)
             blocks = request.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            if end == request.num_tokens:
+            if end == request.num_tokens and request.max_tokens > 0:
                 sampling_requests.append(request)
                 logits_indices.append(len(input_ids) - 1)
+        result = ModelRunnerOutput()
         if not input_ids:
-            return {}, {}
+            return result
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots))
         if decodes:
@@ -82,14 +107,29 @@ class ModelRunner:
             query_start += n
 
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache, meta)
+        for request, row, count in scored:
+            first = request.num_computed_tokens + 1
+            targets = request.prompt_token_ids[first: first + count]
+            result.prompt_logprobs[request.request_id] = (
+                first, self._score(hidden[row: row + count], targets, request.sampling_params.prompt_logprobs))
         if not sampling_requests:
-            return {}, {}
+            return result
         logits = self.model.compute_logits(hidden[self._tensor(logits_indices)])
         rows = [self._sampling_row(r) for r in sampling_requests]
-        result = self.sampler(logits, rows)
-        sampled = {r.request_id: t for r, t in zip(sampling_requests, result.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, result.logprobs) if lp is not None}
-        return sampled, logprobs
+        sampler_output = self.sampler(logits, rows)
+        result.sampled_token_ids = {r.request_id: t for r, t in zip(sampling_requests, sampler_output.token_ids)}
+        result.logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, sampler_output.logprobs)
+                           if lp is not None}
+        return result
+
+    def _score(self, hidden: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+        """Logprobs of ``token_ids[i]`` under the logits of ``hidden[i]``, a bounded slice of rows at a time."""
+        rows = max(1, PROMPT_LOGITS_SLICE_ELEMENTS // self.vocab_size)
+        scores: list[TokenLogprobs] = []
+        for i in range(0, len(token_ids), rows):
+            logits = self.model.compute_logits(hidden[i: i + rows])
+            scores += token_logprobs(logits, self._tensor(token_ids[i: i + rows]), num_top)
+        return scores
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

@@ -94,13 +94,18 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advances the scheduled requests by what was computed; appends sampled tokens and checks stops.
 
-        Returns the requests that got a new token (finished ones included)."""
+        Returns the requests that got a new token (finished ones included), and those with max_tokens 0 whose
+        prompt is now computed: they end there, with no token ("length")."""
         updated = []
         for request in out.scheduled:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             self.kv_cache.cache_computed_blocks(request)
+            if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                self.finish_request(request, RequestStatus.FINISHED_LENGTH)
+                updated.append(request)
+                continue
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prompt chunk that is not the last one

@@ -204,27 +204,38 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int] | None, top_p: list[floa
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    """Each row's logprob of its own ``token_ids`` entry, its rank, and the row's ``num_top`` likeliest tokens.
+
+    Log-softmax in float32 over the raw ``[S, V]`` logits; also scores prompt tokens (the runner feeds it a
+    prompt's positions a slice at a time, to bound the ``[S, V]`` float32 copies).
+    """
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen_logprob = logprobs.gather(1, token_ids.unsqueeze(1))
+    rank = (logprobs >= chosen_logprob).sum(dim=-1)  # vLLM's rank: ties count against the chosen token
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # sorted, most likely first; num_top may be 0
+    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(token_id=t, logprob=lp, rank=r, top=dict(zip(ids, values, strict=True)))
+            for t, lp, r, ids, values in zip(token_ids.tolist(), chosen_logprob.squeeze(1).tolist(), rank.tolist(),
+                                              top_ids_list, top_values_list, strict=True)]
+
+
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return [None] * len(rows)
     if len(wanted) == len(rows):
-        logprobs, chosen = raw.log_softmax(dim=-1), tokens
+        logits, chosen = raw, tokens
     else:
         index = _tensor(wanted, torch.long, raw.device)
-        logprobs, chosen = raw[index].log_softmax(dim=-1), tokens[index]
-    chosen_logprob = logprobs.gather(1, chosen.unsqueeze(1))
-    rank = (logprobs >= chosen_logprob).sum(dim=-1)  # vLLM's rank: ties count against the sampled token
-    top_n = max(rows[i].params.logprobs for i in wanted)
-    top_values, top_ids = logprobs.topk(top_n, dim=-1)  # sorted, most likely first; top_n may be 0
-
-    chosen_list, chosen_lp, ranks = chosen.tolist(), chosen_logprob.squeeze(1).tolist(), rank.tolist()
-    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+        logits, chosen = raw[index], tokens[index]
+    scored = token_logprobs(logits, chosen, max(rows[i].params.logprobs for i in wanted))
     out: list[TokenLogprobs | None] = [None] * len(rows)
-    for j, i in enumerate(wanted):
+    for lp, i in zip(scored, wanted, strict=True):
         n = rows[i].params.logprobs
-        top = dict(zip(top_ids_list[j][:n], top_values_list[j][:n], strict=True))
-        out[i] = TokenLogprobs(token_id=chosen_list[j], logprob=chosen_lp[j], rank=ranks[j], top=top)
+        if len(lp.top) > n:
+            lp.top = dict(list(lp.top.items())[:n])
+        out[i] = lp
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ from serval.server.protocol import (
     new_id,
     now,
 )
+from serval.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("serval.server")
 request_log = logging.getLogger("serval.requests")
@@ -60,6 +62,8 @@ class _Choice:
     sent: str = ""
     num_tokens: int = 0
     num_logprobs: int = 0
+    num_chars: int = 0  # of text sent, the echoed prompt included: where the next token's text_offset starts
+    echoed: bool = False
     finish_reason: str | None = None
 
 
@@ -212,8 +216,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model)
         prompts = _completion_prompts(body.prompt)
+        if body.max_tokens == 0 and not body.echo:  # as vLLM: there would be nothing to return
+            raise OpenAIError("max_tokens=0 generates nothing: it is allowed only with echo: true, to score the prompt",
+                              param="max_tokens", code="invalid_value")
         logprobs = body.logprobs
         params = _params(body, body.max_tokens, logprobs)
+        if body.echo and logprobs is not None:  # the echoed prompt's tokens get their logprobs too, as in vLLM
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)
         return await _serve(request, body, [(p, p if isinstance(p, str) else None) for p in prompts], params,
                             chat=False, echo=body.echo)
 
@@ -293,7 +302,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         if limiter.enabled:
             key = _client_key(request)
             cost = sum(len(p) if isinstance(p, list) else len(p) // 4 + 1 for p, _ in prompts)
-            cost += (params.max_tokens or 256) * params.n * len(prompts)
+            cost += (256 if params.max_tokens is None else params.max_tokens) * params.n * len(prompts)
             wait = limiter.acquire(key, cost)
             if wait is not None:
                 raise OpenAIError("rate limit exceeded for this key", status=429, type="rate_limit_exceeded",
@@ -399,11 +408,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                                         if params.logprobs is not None else None,
                                         "finish_reason": c.finish_reason})
                 else:
-                    text = (prompts[prompt_index][1] or tokenizer.decode(output.prompt_token_ids)) + c.text \
-                        if echo else c.text
-                    out_choices.append({"index": index, "text": text,
-                                        "logprobs": _completion_logprobs(tokenizer, c.logprobs or [], 0)
-                                        if params.logprobs is not None else None,
+                    prompt_text = _echo_text(tokenizer, prompts[prompt_index][1], output) if echo else ""
+                    logprobs = None
+                    if params.logprobs is not None:
+                        logprobs = _completion_logprobs(tokenizer, c.logprobs or [], len(prompt_text))
+                        if echo:
+                            logprobs = _join_logprobs(_prompt_logprobs(tokenizer, output), logprobs)
+                    out_choices.append({"index": index, "text": prompt_text + c.text, "logprobs": logprobs,
                                         "finish_reason": c.finish_reason})
         usage = _usage(prompt_tokens, completion_tokens, cached)
         return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
@@ -435,19 +446,25 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                     if choice.finish_reason is not None:
                         continue
                     delta = c.text[len(choice.sent):]
-                    if echo and not choice.sent and choice.num_tokens == 0:
-                        delta = (prompts[prompt_index][1] or tokenizer.decode(output.prompt_token_ids)) + delta
                     new_logprobs = (c.logprobs or [])[choice.num_logprobs:]
                     choice.num_tokens = len(c.token_ids)
+                    echo_now = echo and not choice.echoed  # the first chunk carries the prompt
+                    if not delta and not c.finish_reason and not echo_now:
+                        continue  # held back: these tokens' logprobs go with the text that completes them
+                    prompt_text = _echo_text(tokenizer, prompts[prompt_index][1], output) if echo_now else ""
+                    delta = prompt_text + delta
+                    choice.echoed = choice.echoed or echo_now
                     choice.num_logprobs += len(new_logprobs)
-                    if not delta and not c.finish_reason:
-                        continue
                     choice.sent = c.text
                     choice.finish_reason = c.finish_reason
                     lp = None
-                    if params.logprobs is not None and new_logprobs:
-                        lp = (_chat_logprobs(tokenizer, new_logprobs) if chat
-                              else _completion_logprobs(tokenizer, new_logprobs, len(choice.sent) - len(delta)))
+                    if params.logprobs is not None and chat and new_logprobs:
+                        lp = _chat_logprobs(tokenizer, new_logprobs)
+                    elif params.logprobs is not None and (new_logprobs or echo_now):
+                        lp = _completion_logprobs(tokenizer, new_logprobs, choice.num_chars + len(prompt_text))
+                        if echo_now:
+                            lp = _join_logprobs(_prompt_logprobs(tokenizer, output), lp)
+                    choice.num_chars += len(delta)
                     if chat:
                         pieces.append({"index": choice.index, "delta": {"content": delta} if delta else {},
                                        "logprobs": lp, "finish_reason": c.finish_reason})
@@ -573,6 +590,33 @@ def _completion_logprobs(tokenizer, logprobs, text_offset: int) -> dict:
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _echo_text(tokenizer, prompt_text: str | None, output: RequestOutput) -> str:
+    """The prompt as echoed: as sent, or decoded when it came as token ids."""
+    return prompt_text if prompt_text is not None else tokenizer.decode(output.prompt_token_ids)
+
+
+def _prompt_logprobs(tokenizer, output: RequestOutput) -> dict:
+    """Completions logprobs of the echoed prompt's tokens. The first has none (nothing precedes it): its
+    token_logprob and top_logprobs are null, as in OpenAI's and vLLM's responses."""
+    ids = output.prompt_token_ids
+    entries = list(output.prompt_logprobs or [])
+    entries += [None] * (len(ids) - len(entries))  # none at all, or an output cut short in its prompt
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    # Offsets follow the decoded prompt, so a character split over several tokens starts at its first token.
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    for token_id, lp in zip(ids, entries, strict=True):
+        offsets.append(len(detokenizer.text))
+        detokenizer.add(token_id)
+        tokens.append(_token_text(tokenizer, token_id))
+        token_logprobs.append(lp.logprob if lp is not None else None)
+        top.append({_token_text(tokenizer, t): v for t, v in lp.top.items()} if lp is not None else None)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _join_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
 
 
 def _chat_logprobs(tokenizer, logprobs) -> dict:

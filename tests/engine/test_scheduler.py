@@ -335,6 +335,43 @@ def test_stop_conditions(params, script, status, num_outputs, stop_reason):
     assert out.scheduled == [other]
 
 
+def test_max_tokens_zero_ends_after_its_last_prompt_chunk_without_a_token():
+    sched = make_scheduler(max_num_batched_tokens=4)
+    request = make_request("score", 10, max_tokens=0)
+    other = make_request("other", 3, max_tokens=20)
+    sched.add_request(request)
+    sched.add_request(other)
+    chunks = []
+    while not request.status.finished:
+        # The mimicked runner offers a token for every request whose last token it computed: this one takes none.
+        out, updated = step(sched)
+        chunks.append(out.num_scheduled_tokens.get("score"))
+        assert (request in updated) == request.status.finished  # reported once, with its finish
+        assert len(chunks) < 10
+    assert chunks == [4, 4, 2]
+    assert request.status == RequestStatus.FINISHED_LENGTH and request.output_token_ids == []
+    assert request.block_ids == [] and "score" not in sched.requests and request not in sched.running
+    # Its full prompt blocks were published before they were freed: the same prompt hits them.
+    _, num_hit = sched.kv_cache.get_computed_blocks(make_request("again", 10))
+    assert num_hit == 8
+    run_to_completion(sched)
+
+
+def test_a_request_that_asks_for_prompt_logprobs_takes_no_prefix_hit():
+    sched = make_scheduler()
+    sched.add_request(make_request("first", 10, max_tokens=1))
+    run_to_completion(sched)
+    scored = make_request("scored", 10, max_tokens=1, prompt_logprobs=2)
+    plain = make_request("plain", 10, max_tokens=1)
+    sched.add_request(scored)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"scored": 10} and scored.num_cached_tokens == 0
+    sched.add_request(plain)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"plain": 2} and plain.num_cached_tokens == 8
+    run_to_completion(sched)
+
+
 # -- abort ----------------------------------------------------------------------------------------------------------
 
 
