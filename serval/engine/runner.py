@@ -30,6 +30,19 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
+@dataclass
+class StepInputs:
+    """One step's flat token batch and what to do with its rows after the forward."""
+
+    input_ids: torch.Tensor | None = None  # [T]
+    positions: torch.Tensor | None = None  # [T]
+    meta: AttentionMetadata | None = None
+    rows: dict[str, int] = field(default_factory=dict)  # each request's first row in the batch
+    sampling_requests: list[Request] = field(default_factory=list)  # requests that sample a token this step
+    logits_indices: list[int] = field(default_factory=list)  # the row each of them samples from
+    scored: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first row, prompt tokens scored)
+
+
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element
@@ -53,6 +66,29 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Runs the step: samples for each request whose prompt is now fully computed (unless it asks for no
         tokens, max_tokens 0), and scores the prompt tokens of chunks whose request asks for prompt logprobs."""
+        result = ModelRunnerOutput()
+        inputs = self.prepare_inputs(out)
+        if inputs is None:
+            return result
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        for request, row, count in inputs.scored:
+            first = request.num_computed_tokens + 1
+            targets = request.prompt_token_ids[first: first + count]
+            result.prompt_logprobs[request.request_id] = (
+                first, self._score(hidden[row: row + count], targets, request.sampling_params.prompt_logprobs))
+        sampling_requests = inputs.sampling_requests
+        if not sampling_requests:
+            return result
+        logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
+        rows = [self._sampling_row(r) for r in sampling_requests]
+        sampler_output = self.sampler(logits, rows)
+        result.sampled_token_ids = {r.request_id: t for r, t in zip(sampling_requests, sampler_output.token_ids)}
+        result.logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, sampler_output.logprobs)
+                           if lp is not None}
+        return result
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs | None:
+        """The flat batch of a step: decodes (one new token each) first, then prefill chunks; None if empty."""
         counts = out.num_scheduled_tokens
         decodes = [r for r in out.scheduled if counts[r.request_id] == 1]
         prefills = [r for r in out.scheduled if counts[r.request_id] > 1]
@@ -61,28 +97,26 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sampling_requests: list[Request] = []
-        logits_indices: list[int] = []
-        scored: list[tuple[Request, int, int]] = []  # (request, its first row in the batch, prompt tokens to score)
+        inputs = StepInputs()
         for request in decodes + prefills:
             start = request.num_computed_tokens
             end = start + counts[request.request_id]
+            inputs.rows[request.request_id] = len(input_ids)
             # Position i's logits score prompt token i + 1. Once a token was generated, the prompt's logprobs are
             # complete: a recompute after preemption does not score them again.
             num_scored = min(end, request.num_prompt_tokens - 1) - start
             if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids \
                     and num_scored > 0:
-                scored.append((request, len(input_ids), num_scored))
+                inputs.scored.append((request, len(input_ids), num_scored))
             input_ids += request.token_ids_slice(start, end)
             positions += range(start, end)
             blocks = request.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             if end == request.num_tokens and request.max_tokens > 0:
-                sampling_requests.append(request)
-                logits_indices.append(len(input_ids) - 1)
-        result = ModelRunnerOutput()
+                inputs.sampling_requests.append(request)
+                inputs.logits_indices.append(len(input_ids) - 1)
         if not input_ids:
-            return result
+            return None
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots))
         if decodes:
@@ -105,22 +139,8 @@ class ModelRunner:
             table = self._tensor(request.block_ids[: -(-seq_len // bs)])
             meta.prefills.append(PrefillChunk(query_start, n, seq_len, table, mask))
             query_start += n
-
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache, meta)
-        for request, row, count in scored:
-            first = request.num_computed_tokens + 1
-            targets = request.prompt_token_ids[first: first + count]
-            result.prompt_logprobs[request.request_id] = (
-                first, self._score(hidden[row: row + count], targets, request.sampling_params.prompt_logprobs))
-        if not sampling_requests:
-            return result
-        logits = self.model.compute_logits(hidden[self._tensor(logits_indices)])
-        rows = [self._sampling_row(r) for r in sampling_requests]
-        sampler_output = self.sampler(logits, rows)
-        result.sampled_token_ids = {r.request_id: t for r, t in zip(sampling_requests, sampler_output.token_ids)}
-        result.logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, sampler_output.logprobs)
-                           if lp is not None}
-        return result
+        inputs.input_ids, inputs.positions, inputs.meta = self._tensor(input_ids), self._tensor(positions), meta
+        return inputs
 
     def _score(self, hidden: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
         """Logprobs of ``token_ids[i]`` under the logits of ``hidden[i]``, a bounded slice of rows at a time."""

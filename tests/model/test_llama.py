@@ -17,7 +17,7 @@ from tiny_models import (
     build_step,
     full_logits,
     hf_logits,
-    new_kv_cache,
+    new_runner,
     run_step,
     tiny_llama,
     write_gguf,
@@ -119,24 +119,24 @@ def tiny_ours(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 
 def test_decode_steps_match_full_forward(tiny_ours: torch.nn.Module) -> None:
     ids = random_ids(40)
-    _, _, meta, _ = build_step([SeqStep(ids[30:31], 30, SHUFFLED_BLOCKS)], BLOCK)
+    runner = new_runner(tiny_ours, 12, BLOCK, torch.float32)
+    meta = build_step(runner, [SeqStep(ids[30:31], 30, SHUFFLED_BLOCKS)])[0].meta
     assert meta.num_decode_tokens == 1 and not meta.prefills  # a decode step, not a one-token chunk
     expected = full_logits(tiny_ours, ids)
-    kv = new_kv_cache(tiny_ours, 12, BLOCK, torch.float32)
-    prefill = run_step(tiny_ours, kv, [SeqStep(ids[:30], 0, SHUFFLED_BLOCKS)], BLOCK)[0]
+    prefill = run_step(runner, [SeqStep(ids[:30], 0, SHUFFLED_BLOCKS)])[0]
     assert_logits_close(prefill, expected[:30], FP32_REL)
     for pos in range(30, 40):
-        logits = run_step(tiny_ours, kv, [SeqStep([ids[pos]], pos, SHUFFLED_BLOCKS)], BLOCK)[0]
+        logits = run_step(runner, [SeqStep([ids[pos]], pos, SHUFFLED_BLOCKS)])[0]
         assert_logits_close(logits[-1], expected[pos], FP32_REL)
 
 
 def test_chunked_prefill_matches_full_forward(tiny_ours: torch.nn.Module) -> None:
     ids = random_ids(40)
     expected = full_logits(tiny_ours, ids)
-    kv = new_kv_cache(tiny_ours, 12, BLOCK, torch.float32)
-    _, _, meta, _ = build_step([SeqStep(ids[7:14], 7, SHUFFLED_BLOCKS)], BLOCK)
+    runner = new_runner(tiny_ours, 12, BLOCK, torch.float32)
+    meta = build_step(runner, [SeqStep(ids[7:14], 7, SHUFFLED_BLOCKS)])[0].meta
     assert meta.prefills[0].mask is not None  # later chunks attend over the cache
-    chunks = [run_step(tiny_ours, kv, [SeqStep(ids[start:start + 7], start, SHUFFLED_BLOCKS)], BLOCK)[0]
+    chunks = [run_step(runner, [SeqStep(ids[start:start + 7], start, SHUFFLED_BLOCKS)])[0]
               for start in range(0, 40, 7)]  # 7 × 5 then 5; chunks straddle block boundaries
     assert_logits_close(torch.cat(chunks), expected, FP32_REL)
 
@@ -150,11 +150,11 @@ def test_mixed_batch_of_decodes_and_chunks_matches_full_forwards(tiny_ours: torc
     tokens = {"a": a, "b": b}
     done = {"a": 0, "b": 0}
     got: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
-    kv = new_kv_cache(tiny_ours, 12, BLOCK, torch.float32)
+    runner = new_runner(tiny_ours, 12, BLOCK, torch.float32)
     for step in range(max(len(s) for s in schedule.values())):
         names = [n for n in ("a", "b") if step < len(schedule[n])]
         seqs = [SeqStep(tokens[n][done[n]: done[n] + schedule[n][step]], done[n], blocks[n]) for n in names]
-        for n, logits in zip(names, run_step(tiny_ours, kv, seqs, BLOCK)):
+        for n, logits in zip(names, run_step(runner, seqs)):
             got[n].append(logits)
             done[n] += schedule[n][step]
     assert_logits_close(torch.cat(got["a"]), full_logits(tiny_ours, a), FP32_REL)
@@ -304,13 +304,13 @@ def greedy_generate(model: torch.nn.Module, prompts: list[list[int]], max_new: i
     """All prompts as one batch over one cache: a prefill step, then batched decode steps; stops a sequence at EOS."""
     longest = max(len(p) for p in prompts) + max_new
     per_seq = -(-longest // block_size)
-    kv = new_kv_cache(model, per_seq * len(prompts), block_size, torch.float32)
+    runner = new_runner(model, per_seq * len(prompts), block_size, torch.float32)
     blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     outputs: list[list[int]] = [[] for _ in prompts]
     seqs = [SeqStep(list(p), 0, b) for p, b in zip(prompts, blocks)]
     live = list(range(len(prompts)))
     while live:
-        logits = run_step(model, kv, [seqs[i] for i in live], block_size, last_only=True)
+        logits = run_step(runner, [seqs[i] for i in live], last_only=True)
         for i, row in zip(list(live), logits):
             token = int(row[-1].argmax())
             outputs[i].append(token)

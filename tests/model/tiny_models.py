@@ -1,5 +1,5 @@
-"""Tiny random Llamas built in the test (Hugging Face reference, safetensors and GGUF forms), and the
-runner-style metadata to drive our model over a paged KV cache without an engine."""
+"""Tiny random Llamas built in the test (Hugging Face reference, safetensors and GGUF forms), and helpers that
+drive a model over a paged KV cache through the engine's own ModelRunner, without a scheduler."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from gguf import GGMLQuantizationType
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from serval.layers.attention import AttentionMetadata, PrefillChunk
+from serval.engine.request import Request
+from serval.engine.runner import ModelRunner, StepInputs
+from serval.engine.scheduler import SchedulerOutput
+from serval.sampling_params import SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False)
@@ -46,7 +49,7 @@ def hf_logits(model: HFLlama, ids: list[int] | torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits[0].float()
 
 
-# --- driving our model: a mirror of ModelRunner.execute's metadata, without requests or a scheduler ---
+# --- driving our model through the real ModelRunner's batch building, without a scheduler ---
 
 
 @dataclass
@@ -58,58 +61,33 @@ class SeqStep:
     blocks: list[int]
 
 
-def new_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    cfg = model.config
-    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+def new_runner(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype) -> ModelRunner:
+    """The engine's ModelRunner over ``model``, with its own KV cache of ``num_blocks`` blocks."""
+    return ModelRunner(model, num_blocks, block_size, dtype, "cpu")
 
 
-def build_step(seqs: list[SeqStep], block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                              list[int]]:
-    """input_ids, positions, metadata, and each sequence's last-token index in the flat batch (in ``seqs`` order).
-
-    Built as ModelRunner.execute builds it: decodes (one new token) first, then prefill chunks."""
-    order = [i for i, s in enumerate(seqs) if len(s.new_tokens) == 1] + \
-            [i for i, s in enumerate(seqs) if len(s.new_tokens) > 1]
-    decodes = [seqs[i] for i in order if len(seqs[i].new_tokens) == 1]
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    last = [0] * len(seqs)
-    for i in order:
-        s = seqs[i]
-        start, end = s.num_computed, s.num_computed + len(s.new_tokens)
-        ids += s.new_tokens
-        positions += range(start, end)
-        slots += [s.blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        last[i] = len(ids) - 1
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots))
-    if decodes:
-        max_blocks = max(len(s.blocks) for s in decodes)
-        meta.num_decode_tokens = len(decodes)
-        meta.decode_block_tables = torch.tensor([s.blocks + [0] * (max_blocks - len(s.blocks)) for s in decodes])
-        seq_lens = torch.tensor([s.num_computed + 1 for s in decodes])
-        meta.decode_mask = (torch.arange(max_blocks * block_size)[None, :] < seq_lens[:, None])[:, None, None, :]
-    query_start = len(decodes)
-    for i in order[len(decodes):]:
-        s = seqs[i]
-        n, start = len(s.new_tokens), s.num_computed
-        seq_len = start + n
-        mask = None
-        if start > 0:
-            mask = torch.arange(seq_len)[None, :] <= torch.arange(start, seq_len)[:, None]
-        table = torch.tensor(s.blocks[: -(-seq_len // block_size)])
-        meta.prefills.append(PrefillChunk(query_start, n, seq_len, table, mask))
-        query_start += n
-    return torch.tensor(ids), torch.tensor(positions), meta, last
+def build_step(runner: ModelRunner, seqs: list[SeqStep]) -> tuple[StepInputs, list[int]]:
+    """The runner's flat batch for ``seqs`` (as the scheduler would hand them over), and each sequence's last-token
+    row in it (in ``seqs`` order)."""
+    out = SchedulerOutput()
+    for i, s in enumerate(seqs):
+        # Tokens before the new ones are only counted (their KV is in the cache), so zeros stand in for them.
+        request = Request(f"seq{i}", [0] * s.num_computed + list(s.new_tokens), SamplingParams(max_tokens=1),
+                          max_tokens=1, num_computed_tokens=s.num_computed, block_ids=list(s.blocks))
+        out.scheduled.append(request)
+        out.num_scheduled_tokens[request.request_id] = len(s.new_tokens)
+    inputs = runner.prepare_inputs(out)
+    last = [inputs.rows[f"seq{i}"] + len(s.new_tokens) - 1 for i, s in enumerate(seqs)]
+    return inputs, last
 
 
 @torch.inference_mode()
-def run_step(model: torch.nn.Module, kv: torch.Tensor, seqs: list[SeqStep], block_size: int,
-             last_only: bool = False) -> list[torch.Tensor]:
+def run_step(runner: ModelRunner, seqs: list[SeqStep], last_only: bool = False) -> list[torch.Tensor]:
     """One forward over the flat batch; each sequence's float32 logits [len(new_tokens), vocab] (or [1, vocab] with
     ``last_only``), in ``seqs`` order."""
-    ids, positions, meta, last = build_step(seqs, block_size)
-    hidden = model(ids, positions, kv, meta)
+    inputs, last = build_step(runner, seqs)
+    model = runner.model
+    hidden = model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta)
     if last_only:
         return list(model.compute_logits(hidden[torch.tensor(last)]).float().unsqueeze(1))
     logits = model.compute_logits(hidden).float()
@@ -120,9 +98,8 @@ def run_step(model: torch.nn.Module, kv: torch.Tensor, seqs: list[SeqStep], bloc
 def full_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> torch.Tensor:
     """[T, vocab] float32 logits of one sequence from an empty cache, in one prefill."""
     num_blocks = -(-len(ids) // block_size)
-    kv = new_kv_cache(model, num_blocks, block_size, model.embed_tokens.weight.dtype)
-    ids_t, positions, meta, _ = build_step([SeqStep(list(ids), 0, list(range(num_blocks)))], block_size)
-    return model.compute_logits(model(ids_t, positions, kv, meta)).float()
+    runner = new_runner(model, num_blocks, block_size, model.embed_tokens.weight.dtype)
+    return run_step(runner, [SeqStep(list(ids), 0, list(range(num_blocks)))])[0]
 
 
 # --- GGUF files as llama.cpp's converter writes them ---

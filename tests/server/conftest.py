@@ -17,7 +17,8 @@ def _launched(tmp_path_factory):
                       "--blocklist", GUARDED_BLOCKLIST], logs / "guarded.log", api_keys=GUARDED_KEYS)
     small = Server(["--max-num-seqs", "1", "--max-waiting", "1", "--api-key", SMALL_KEY, "--protect-health",
                     "--shutdown-timeout", "40"], logs / "small.log", api_keys=[SMALL_KEY])
-    servers = {"plain": plain, "guarded": guarded, "small": small}
+    default_dtype = Server([], logs / "default-dtype.log", dtype=None)
+    servers = {"plain": plain, "guarded": guarded, "small": small, "default_dtype": default_dtype}
     try:
         for s in servers.values():
             s.start()
@@ -31,6 +32,12 @@ def _launched(tmp_path_factory):
 def server(_launched) -> Server:
     """A server with the default flags (float32, no auth, no limits, the default log level)."""
     return _launched["plain"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def default_dtype_server(_launched) -> Server:
+    """A server with no flags at all: the dtype users get (bfloat16)."""
+    return _launched["default_dtype"].wait_ready()
 
 
 @pytest.fixture(scope="session")

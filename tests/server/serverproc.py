@@ -40,6 +40,7 @@ class Server:
     port: int = field(default_factory=free_port)
     api_keys: list[str] = field(default_factory=list)
     log_level: str | None = "INFO"  # None: serve's own default
+    dtype: str | None = "float32"  # None: serve's own default (what users get)
     proc: subprocess.Popen | None = None
 
     @property
@@ -56,7 +57,8 @@ class Server:
 
     def start(self) -> Server:
         log_level = ["--log-level", self.log_level] if self.log_level else []
-        cmd = [str(SERVAL), *log_level, "serve", "--port", str(self.port), "--dtype", "float32", *self.args]
+        dtype = ["--dtype", self.dtype] if self.dtype else []
+        cmd = [str(SERVAL), *log_level, "serve", "--port", str(self.port), *dtype, *self.args]
         env = {k: v for k, v in os.environ.items() if k != "SERVAL_API_KEY"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

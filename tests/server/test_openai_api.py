@@ -221,6 +221,8 @@ def test_seeded_sampling_repeats(client):
     first = client.completions.create(**kwargs).choices[0].text
     second = client.completions.create(**kwargs).choices[0].text
     assert first == second
+    # ...and the seed is what fixes it: another seed samples another story (deterministic too, so never flaky).
+    assert client.completions.create(**{**kwargs, "seed": 4321}).choices[0].text != first
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,
                 temperature=1.0, seed=99)
     assert (client.chat.completions.create(**chat).choices[0].message.content
@@ -326,7 +328,11 @@ def test_response_format_text_is_accepted_and_json_is_refused(client):
 
 
 # -- concurrency ----------------------------------------------------------------------------------------------------
-def test_32_concurrent_streams_match_one_by_one(server, make_llm):
+@pytest.mark.parametrize(("server_fixture", "dtype"), [("server", "float32"),
+                                                      ("default_dtype_server", "bfloat16")])
+def test_32_concurrent_streams_match_one_by_one(request, server_fixture, dtype, make_llm):
+    """In float32 and in the default dtype: batching on the server never changes a greedy answer."""
+    server = request.getfixturevalue(server_fixture)
     prompts = [f"Here is fact number {i} about the ocean:" for i in range(32)]
 
     async def run(indices: list[int], concurrent: bool) -> dict[int, tuple[str, str, int]]:
@@ -352,9 +358,9 @@ def test_32_concurrent_streams_match_one_by_one(server, make_llm):
     for text, finish, num_tokens in together.values():
         assert finish in ("length", "stop") and text
         assert num_tokens == 16 or finish == "stop"
-    # Every stream equals the offline engine's greedy text for its prompt, on the same float32 weights (the
-    # engine tests prove offline results do not depend on batching)...
-    offline = make_llm().generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    # Every stream equals the offline engine's greedy text for its prompt, on the same weights in the same dtype
+    # (the engine tests prove offline results do not depend on batching)...
+    offline = make_llm(dtype=dtype).generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     for i, output in enumerate(offline):
         assert together[i][0] == output.outputs[0].text, f"prompt {i}: {together[i][0]!r} != {output.text!r}"
     # ...and, through the server itself, one by one (slow on two cores: every fourth prompt).
