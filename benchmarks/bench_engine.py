@@ -17,6 +17,7 @@ import torch
 
 from serval import LLMEngine, SamplingParams
 from serval.config import EngineConfig
+from serval.platform_info import describe_hardware
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
@@ -76,7 +77,7 @@ def run_hf(path, dtype: torch.dtype, max_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
@@ -84,10 +85,11 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
 
+    print(f"machine: {describe_hardware()}", flush=True)
     print(f"[1/4] loading the engine ({args.dtype}, {args.device}) ...", flush=True)
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, device=args.device))
-    results = {"machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}", "dtype": args.dtype,
+    results = {"machine": describe_hardware(), "dtype": engine.config.dtype,
                "load_s": round(time.perf_counter() - start, 2)}
     run_engine(engine, 1, 8)  # warm-up
     print("[2/4] single stream ...", flush=True)

@@ -32,6 +32,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from serval.platform_info import describe_hardware
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [f"Write a long story about a lighthouse keeper named Ada, chapter {i}. Once upon a time" for i in range(64)]
 
@@ -147,6 +149,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     out_dir = Path(args.json).parent
     out_dir.mkdir(parents=True, exist_ok=True)
+    machine = describe_hardware()
+    print(f"machine: {machine}", flush=True)
     results: dict[str, list[dict]] = {}
     for i, peer in enumerate(peers, 1):
         print(f"[{i}/{len(peers)}] starting {peer.name} ...", flush=True)
@@ -160,7 +164,7 @@ def main() -> None:
                 print("    " + json.dumps(results[peer.name][-1]), flush=True)
         finally:
             stop(proc)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+    Path(args.json).write_text(json.dumps({"machine": machine, "servers": results}, indent=2))
     print(f"wrote {args.json}")
     _print_table(results)
     _plot(results, args.plot)

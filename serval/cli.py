@@ -15,8 +15,9 @@ from serval.sampling_params import SamplingParams
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="embedded model name, .gguf file or HF directory "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                        help="weights, activations and KV cache")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                        help="weights, activations and KV cache; auto: bfloat16 where the CPU (or GPU) computes in "
+                        "it natively, else float32 (float16 on a GPU)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per engine step")

@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *_DTYPES)
+
+
+def auto_dtype(device: str) -> str:
+    """The dtype that is fast on this hardware: bfloat16 where it computes in it natively (CPUs with AVX-512 bf16,
+    most GPUs), else float32 on CPU (without native bf16, a bf16 linear runs 1.6-6x slower than fp32) and float16
+    on a GPU without bf16."""
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
 @dataclass
@@ -80,7 +90,7 @@ class EngineConfig:
     """Everything the engine needs: which model, on what, and the cache and scheduler settings."""
 
     model: str | None = None  # None: the embedded default model
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # "auto" is resolved at construction: auto_dtype(device)
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length
     context_policy: str = "error"  # "error" | "sliding_window" (chat: drop the oldest turns)
@@ -89,12 +99,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"EngineConfig.dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no CUDA device")
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.device)
         if self.context_policy not in ("error", "sliding_window"):
             raise ValueError("EngineConfig.context_policy must be 'error' or 'sliding_window', "
                              f"got {self.context_policy!r}")

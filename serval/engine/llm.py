@@ -22,7 +22,7 @@ class LLM:
     >>> LLM().generate(["The capital city of Korea is"], SamplingParams(temperature=0))[0].text
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "bfloat16", device: str = "cpu",
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
                  kv_cache_memory: float = 1.0, num_blocks: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,

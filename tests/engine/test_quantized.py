@@ -1,4 +1,5 @@
-"""The int8 weight-only engine: still answers right, and greedy output still does not depend on batching."""
+"""The int8 weight-only engine, with bfloat16 and float32 activations: still answers right, and greedy output still
+does not depend on batching."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ PROMPTS = ["The capital city of Korea is", "def fibonacci(n):", "Once upon a tim
            "The three primary colors are", "A list of fruits: apple, banana,", "Photosynthesis is the process"]
 
 
-@pytest.fixture(scope="module")
-def int8_llm():
-    return LLM(dtype="float32", quantization="int8", num_blocks=256, max_model_len=1024)
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def int8_llm(request):
+    """int8 weights with bfloat16 (what `--quantization int8` gives by default) or float32 activations."""
+    return LLM(dtype=request.param, quantization="int8", num_blocks=256, max_model_len=1024)
 
 
 def test_int8_model_answers_the_question(int8_llm):

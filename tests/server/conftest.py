@@ -36,7 +36,7 @@ def server(_launched) -> Server:
 
 @pytest.fixture(scope="session")
 def default_dtype_server(_launched) -> Server:
-    """A server with no flags at all: the dtype users get (bfloat16)."""
+    """A server with no flags at all: the dtype users get (``--dtype auto``: bfloat16 on a CPU with native bf16)."""
     return _launched["default_dtype"].wait_ready()
 
 

@@ -14,6 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 
 import serval
+from serval.config import auto_dtype
 from serval.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -328,11 +329,11 @@ def test_response_format_text_is_accepted_and_json_is_refused(client):
 
 
 # -- concurrency ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("server_fixture", "dtype"), [("server", "float32"),
-                                                      ("default_dtype_server", "bfloat16")])
+@pytest.mark.parametrize(("server_fixture", "dtype"), [("server", "float32"), ("default_dtype_server", "auto")])
 def test_32_concurrent_streams_match_one_by_one(request, server_fixture, dtype, make_llm):
     """In float32 and in the default dtype: batching on the server never changes a greedy answer."""
     server = request.getfixturevalue(server_fixture)
+    dtype = auto_dtype("cpu") if dtype == "auto" else dtype
     prompts = [f"Here is fact number {i} about the ocean:" for i in range(32)]
 
     async def run(indices: list[int], concurrent: bool) -> dict[int, tuple[str, str, int]]:

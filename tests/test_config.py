@@ -1,0 +1,26 @@
+"""EngineConfig: ``dtype="auto"`` resolves to what the hardware computes fast; bad values name their field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serval.config import EngineConfig, auto_dtype
+
+
+def test_auto_dtype_follows_native_bf16_support():
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert auto_dtype("cpu") == ("bfloat16" if native_bf16 else "float32")
+    config = EngineConfig()  # the default is auto, resolved at construction
+    assert config.dtype == auto_dtype("cpu")
+    assert config.torch_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+
+
+def test_an_explicit_dtype_is_kept():
+    assert EngineConfig(dtype="float32").torch_dtype == torch.float32
+    assert EngineConfig(dtype="bfloat16").dtype == "bfloat16"
+
+
+def test_a_bad_dtype_names_the_field():
+    with pytest.raises(ValueError, match="EngineConfig.dtype"):
+        EngineConfig(dtype="int3")
