@@ -29,4 +29,8 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get > /dev
         apt-get install -y -qq chromium; } > /dev/null 2>&1 \
         || echo "setup: could not install chromium; the browser tests will be skipped" >&2
 fi
+# The C++ CPU kernels (serval/layers/csrc), compiled for this machine's CPU and cached; a failed build is not
+# fatal: the engine then uses its PyTorch path.
+step "building the CPU kernels (about 30 s the first time on a machine)"
+.venv/bin/python -c "from serval.layers import cpu_kernels; cpu_kernels.load()"
 step "done: .venv is ready"

@@ -97,11 +97,13 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        token_table: list[int] = []
         inputs = StepInputs()
-        for request in decodes + prefills:
+        for row, request in enumerate(decodes + prefills):
             start = request.num_computed_tokens
             end = start + counts[request.request_id]
             inputs.rows[request.request_id] = len(input_ids)
+            token_table += [row] * (end - start)
             # Position i's logits score prompt token i + 1. Once a token was generated, the prompt's logprobs are
             # complete: a recompute after preemption does not score them again.
             num_scored = min(end, request.num_prompt_tokens - 1) - start
@@ -119,6 +121,12 @@ class ModelRunner:
             return None
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        everyone = decodes + prefills
+        widest = max(len(r.block_ids) for r in everyone)
+        meta.block_tables = self._tensor([r.block_ids + [0] * (widest - len(r.block_ids)) for r in everyone])
+        meta.token_table = self._tensor(token_table)
+        positions_t = self._tensor(positions)
+        meta.context_lens = positions_t + 1
         if decodes:
             seq_lens = [r.num_computed_tokens + 1 for r in decodes]
             max_blocks = max(len(r.block_ids) for r in decodes)
@@ -139,7 +147,7 @@ class ModelRunner:
             table = self._tensor(request.block_ids[: -(-seq_len // bs)])
             meta.prefills.append(PrefillChunk(query_start, n, seq_len, table, mask))
             query_start += n
-        inputs.input_ids, inputs.positions, inputs.meta = self._tensor(input_ids), self._tensor(positions), meta
+        inputs.input_ids, inputs.positions, inputs.meta = self._tensor(input_ids), positions_t, meta
         return inputs
 
     def _score(self, hidden: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:

@@ -7,10 +7,11 @@ chunk on its own (there are few per step, and each is many tokens).
 
 Batch invariance: a query's result must not depend on which other queries share the step, how far
 its keys were padded, or whether it came in a prefill chunk or a decode — else greedy output changes
-with batch composition, chunking and preemption. CPU matmul kernels sum in an order that depends on
-the shapes, so decodes and prefills share one routine that does the arithmetic in float64: the
-products of 16- and 32-bit inputs are exact there and the sums so close to exact that the float32
-result no longer depends on the order.
+with batch composition, chunking and preemption. On the CPU a C++ kernel (``csrc/paged_attention.cpp``)
+computes each query on its own over its own prefix, reading the cache in place. Elsewhere (or where the
+kernel cannot be built) CPU/GPU matmul kernels sum in an order that depends on the shapes, so decodes and
+prefills share one routine that does the arithmetic in float64: the products of 16- and 32-bit inputs are
+exact there and the sums so close to exact that the result no longer depends on the order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from serval.layers import cpu_kernels
 
 
 @dataclass
@@ -38,6 +41,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: key is in context
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Per token, for the CPU kernel: every scheduled sequence's block table [S, max_blocks], each token's row in
+    # it [T], and how many keys each token attends to [T] (its position + 1).
+    block_tables: torch.Tensor | None = None
+    token_table: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -52,6 +60,9 @@ def paged_attention(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.token_table is not None and q.device.type == "cpu" and (kernels := cpu_kernels.load()) is not None:
+        return kernels.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.token_table,
+                                       meta.context_lens, scale)
 
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from serval.config import ModelConfig
+from serval.layers import cpu_kernels
 from serval.layers.linear import probe_row_padding, quantize_linears
 from serval.model.gguf_file import GGUFModelFile
 from serval.model.llama import LlamaForCausalLM
@@ -54,6 +55,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         quantize_linears(model, quantization)
     model.eval()
     probe_row_padding(model)
+    if torch.device(device).type == "cpu":
+        cpu_kernels.load()  # built now (once per machine), not in the middle of the first request
     logger.info("loaded %s (%s, %s) in %.1f s", path.name, dtype, device, time.perf_counter() - start)
     return model
 

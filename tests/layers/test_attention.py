@@ -1,14 +1,28 @@
-"""Paged attention: a query's output is bitwise the same alone, in a padded batch of decodes, or as a row of a
-prefill chunk — the property that keeps greedy output independent of batching, chunking and preemption."""
+"""Paged attention, on both paths (the C++ CPU kernel and the PyTorch float64 routine): a query's output is bitwise
+the same alone, in a padded batch of decodes, or as a row of a prefill chunk — the property that keeps greedy output
+independent of batching, chunking and preemption — and matches a float64 softmax."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from serval.layers import cpu_kernels
 from serval.layers.attention import AttentionMetadata, PrefillChunk, paged_attention
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 3, 9, 64
+PATHS = ["cpu_kernel", "float64"]  # the C++ kernel (per-token metadata), and the PyTorch float64 routine
+
+
+def _per_token(meta: AttentionMetadata, tables: list[list[int]], rows: list[int], lens: list[int], path: str):
+    """Adds the C++ kernel's per-token metadata (the path the runner takes on the CPU)."""
+    if path == "cpu_kernel":
+        if cpu_kernels.load() is None:
+            pytest.skip("the C++ kernels could not be built here")
+        width = max(len(t) for t in tables)
+        meta.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        meta.token_table, meta.context_lens = torch.tensor(rows), torch.tensor(lens)
+    return meta
 
 
 def _setup(dtype):
@@ -18,7 +32,7 @@ def _setup(dtype):
     return cache, queries
 
 
-def _decode(cache, queries, seqs: list[tuple[list[int], int]]) -> torch.Tensor:
+def _decode(cache, queries, seqs: list[tuple[list[int], int]], path: str) -> torch.Tensor:
     """Decodes of several sequences in one batch; each is (block ids, its length including the new token)."""
     max_blocks = max(len(blocks) for blocks, _ in seqs)
     tables = torch.tensor([blocks + [0] * (max_blocks - len(blocks)) for blocks, _ in seqs])
@@ -27,39 +41,43 @@ def _decode(cache, queries, seqs: list[tuple[list[int], int]]) -> torch.Tensor:
     flat_k, flat_v = cache[0].view(-1, KV_HEADS, DIM), cache[1].view(-1, KV_HEADS, DIM)
     meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(seqs), decode_block_tables=tables,
                              decode_mask=(torch.arange(max_blocks * BLOCK)[None] < lengths[:, None])[:, None, None])
+    _per_token(meta, [blocks for blocks, _ in seqs], list(range(len(seqs))), [n for _, n in seqs], path)
     q = torch.stack([queries[n - 1] for _, n in seqs])
     return paged_attention(q, flat_k[slots], flat_v[slots], cache[0], cache[1], meta, DIM**-0.5)
 
 
-def _prefill_chunk(cache, queries, blocks: list[int], start: int, end: int) -> torch.Tensor:
+def _prefill_chunk(cache, queries, blocks: list[int], start: int, end: int, path: str) -> torch.Tensor:
     """Positions start..end-1 of one sequence as a prefill chunk over the cached context before them."""
     slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)])
     flat_k, flat_v = cache[0].view(-1, KV_HEADS, DIM), cache[1].view(-1, KV_HEADS, DIM)
     mask = None if start == 0 else torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
     chunk = PrefillChunk(0, end - start, end, torch.tensor(blocks[: -(-end // BLOCK)]), mask)
     meta = AttentionMetadata(slot_mapping=slots, prefills=[chunk])
+    _per_token(meta, [blocks], [0] * (end - start), list(range(start + 1, end + 1)), path)
     return paged_attention(queries[start:end], flat_k[slots], flat_v[slots], cache[0], cache[1], meta, DIM**-0.5)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @torch.inference_mode()
-def test_a_query_is_the_same_alone_batched_padded_or_in_a_chunk(dtype):
+def test_a_query_is_the_same_alone_batched_padded_or_in_a_chunk(dtype, path):
     cache, queries = _setup(dtype)
     a_blocks, b_blocks, c_blocks = [3, 7, 1], [0, 2, 4, 5, 6, 8, 9, 10, 11, 12], [13, 14]
-    alone = _decode(cache, queries, [(a_blocks, 40)])[0]
+    alone = _decode(cache, queries, [(a_blocks, 40)], path)[0]
     # Beside longer and shorter neighbours: A's keys are padded to 10 blocks, and the batch has 3 rows.
-    batched = _decode(cache, queries, [(b_blocks, 150), (a_blocks, 40), (c_blocks, 20)])[1]
+    batched = _decode(cache, queries, [(b_blocks, 150), (a_blocks, 40), (c_blocks, 20)], path)[1]
     assert torch.equal(alone, batched)
     # Position 39 as the last row of a prefill chunk, and of the whole prompt at once.
-    assert torch.equal(alone, _prefill_chunk(cache, queries, a_blocks, 30, 40)[-1])
-    assert torch.equal(alone, _prefill_chunk(cache, queries, a_blocks, 0, 40)[-1])
+    assert torch.equal(alone, _prefill_chunk(cache, queries, a_blocks, 30, 40, path)[-1])
+    assert torch.equal(alone, _prefill_chunk(cache, queries, a_blocks, 0, 40, path)[-1])
 
 
+@pytest.mark.parametrize("path", PATHS)
 @torch.inference_mode()
-def test_attention_matches_a_float64_softmax():
+def test_attention_matches_a_float64_softmax(path):
     cache, queries = _setup(torch.float32)
     blocks = [3, 7, 1]
-    got = _prefill_chunk(cache, queries, blocks, 0, 40).double()
+    got = _prefill_chunk(cache, queries, blocks, 0, 40, path).double()
     keys = cache[0, blocks].flatten(0, 1)[:40].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
     values = cache[1, blocks].flatten(0, 1)[:40].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
     scores = torch.einsum("qhd,khd->hqk", queries[:40].double(), keys) * DIM**-0.5

@@ -1,0 +1,47 @@
+"""C++ kernels for the CPU (``csrc/``), built on first use with torch's extension builder and cached per CPU kind.
+
+Built with ``-march=native``: the compiler picks AVX2 or AVX-512 for the machine it runs on. If the build fails
+(no compiler), ``load()`` says why once and returns None, and callers use their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_state: dict[str, ModuleType | None] = {}
+
+
+def load() -> ModuleType | None:
+    """The compiled kernels, or None where they cannot be built (or SERVAL_CPU_KERNELS=0)."""
+    if "module" in _state:
+        return _state["module"]
+    module = None
+    if os.environ.get("SERVAL_CPU_KERNELS", "1") != "0":
+        try:
+            module = _build()
+        except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch path
+            logger.warning("CPU kernels not built (%s); using the PyTorch attention path", exc)
+    _state["module"] = module
+    return module
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load as load_extension
+
+    try:  # the ninja wheel's binary, for a venv that is not activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    name = f"serval_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+    logger.info("building the CPU kernels (%s; once per machine) ...", name)
+    return load_extension(name=name, sources=[str(s) for s in SOURCES],
+                          extra_cflags=["-O3", "-march=native"], verbose=False)
