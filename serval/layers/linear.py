@@ -59,6 +59,14 @@ def padded_matmul(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     return matmul(F.pad(x, (0, 0, 0, rows - m)))[:m]
 
 
+def _row_invariant_forward(layer: Linear | Int8Linear, x: torch.Tensor, key: tuple) -> torch.Tensor:
+    """``layer._matmul`` over x [..., in] flattened to rows, padded to the layer's probed row count."""
+    flat = x.reshape(-1, layer.in_features)
+    if layer.min_rows is None:
+        layer.min_rows = row_padding(layer._matmul, layer.in_features, key, flat.dtype, flat.device)
+    return padded_matmul(layer._matmul, flat, layer.min_rows).view(*x.shape[:-1], layer.out_features)
+
+
 class Linear(nn.Module):
     """y = x W^T, W stored [out_features, in_features] in the model dtype."""
 
@@ -70,11 +78,7 @@ class Linear(nn.Module):
         self.min_rows: int | None = None  # row padding for batch invariance, probed on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.min_rows is None:
-            self.min_rows = row_padding(self._matmul, self.in_features, ("dense", *self.weight.shape),
-                                        flat.dtype, flat.device)
-        return padded_matmul(self._matmul, flat, self.min_rows).view(*x.shape[:-1], self.out_features)
+        return _row_invariant_forward(self, x, ("dense", *self.weight.shape))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -95,11 +99,7 @@ class Int8Linear(nn.Module):
         self.min_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.min_rows is None:
-            self.min_rows = row_padding(self._matmul, self.in_features, ("int8", *self.weight_int8.shape),
-                                        flat.dtype, flat.device)
-        return padded_matmul(self._matmul, flat, self.min_rows).view(*x.shape[:-1], self.out_features)
+        return _row_invariant_forward(self, x, ("int8", *self.weight_int8.shape))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":

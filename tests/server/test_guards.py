@@ -66,14 +66,19 @@ def test_blocklist_needs_a_word():
         BlocklistFilter([" ", ""])
 
 
-@pytest.mark.slow
-def test_health_fails_when_the_engine_loop_dies(smollm_fp32):
+def _app_over_a_real_engine(smollm_fp32):
+    """(engine, its started AsyncEngine, the app) on the shared float32 weights, served in-process."""
     model, tokenizer = smollm_fp32
     engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, cache=CacheConfig(num_blocks=64)),
                        model=model, tokenizer=tokenizer)
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    app = create_app(async_engine)
+    return engine, async_engine, create_app(async_engine)
+
+
+@pytest.mark.slow
+def test_health_fails_when_the_engine_loop_dies(smollm_fp32):
+    engine, async_engine, app = _app_over_a_real_engine(smollm_fp32)
 
     def broken_step():
         raise RuntimeError("simulated fault in the engine loop")
@@ -103,12 +108,7 @@ def test_health_fails_when_the_engine_loop_dies(smollm_fp32):
 
 @pytest.mark.slow
 def test_a_bug_in_a_route_is_an_openai_shaped_500(smollm_fp32):
-    model, tokenizer = smollm_fp32
-    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, cache=CacheConfig(num_blocks=64)),
-                       model=model, tokenizer=tokenizer)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    app = create_app(async_engine)
+    _, async_engine, app = _app_over_a_real_engine(smollm_fp32)
 
     def broken_snapshot():
         raise KeyError("simulated bug")
