@@ -24,3 +24,11 @@ def test_an_explicit_dtype_is_kept():
 def test_a_bad_dtype_names_the_field():
     with pytest.raises(ValueError, match="EngineConfig.dtype"):
         EngineConfig(dtype="int3")
+
+
+def test_the_hardware_line_names_the_cpu_capability_and_bf16_support():
+    from serval.platform_info import describe_hardware
+
+    line = describe_hardware()
+    assert torch.backends.cpu.get_cpu_capability() in line
+    assert ("native bf16: yes" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "native bf16: no") in line

@@ -15,9 +15,10 @@ PATHS = ["cpu_kernel", "float64"]  # the C++ kernel (per-token metadata), and th
 
 
 def _per_token(meta: AttentionMetadata, tables: list[list[int]], rows: list[int], lens: list[int], path: str):
-    """Adds the C++ kernel's per-token metadata (the path the runner takes on the CPU)."""
-    if path == "cpu_kernel":
-        if cpu_kernels.load() is None:
+    """Adds the C++ kernel's per-token metadata (the path the runner takes on the CPU); "runner_metadata" adds it
+    whether or not the kernel is there."""
+    if path in ("cpu_kernel", "runner_metadata"):
+        if path == "cpu_kernel" and cpu_kernels.load() is None:
             pytest.skip("the C++ kernels could not be built here")
         width = max(len(t) for t in tables)
         meta.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -84,3 +85,16 @@ def test_attention_matches_a_float64_softmax(path):
     scores.masked_fill_(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
     want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
     assert (got - want).abs().max() < 1e-5
+
+
+@torch.inference_mode()
+def test_without_the_kernel_the_runner_metadata_takes_the_float64_path(monkeypatch):
+    """SERVAL_CPU_KERNELS=0 (or a machine that cannot build it): the same metadata gives the float64 result."""
+    cache, queries = _setup(torch.bfloat16)
+    with_kernel = _prefill_chunk(cache, queries, [3, 7, 1], 0, 40, "cpu_kernel")
+    monkeypatch.setenv("SERVAL_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    assert cpu_kernels.load() is None
+    fallback = _prefill_chunk(cache, queries, [3, 7, 1], 0, 40, "runner_metadata")
+    assert torch.equal(fallback, _prefill_chunk(cache, queries, [3, 7, 1], 0, 40, "float64"))
+    assert (fallback.float() - with_kernel.float()).abs().max() < 0.02  # two float32-accurate results in bf16
