@@ -79,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -86,10 +87,10 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"machine: {describe_hardware()}", flush=True)
-    print(f"[1/4] loading the engine ({args.dtype}, {args.device}) ...", flush=True)
+    print(f"[1/4] loading the engine ({args.dtype}, {args.device}, weights {args.quantization}) ...", flush=True)
     start = time.perf_counter()
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, device=args.device))
-    results = {"machine": describe_hardware(), "dtype": engine.config.dtype,
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, device=args.device, quantization=args.quantization))
+    results = {"machine": describe_hardware(), "dtype": engine.config.dtype, "quantization": args.quantization,
                "load_s": round(time.perf_counter() - start, 2)}
     run_engine(engine, 1, 8)  # warm-up
     print("[2/4] single stream ...", flush=True)

@@ -85,6 +85,9 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs: which model, on what, and the cache and scheduler settings."""
@@ -94,7 +97,10 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length
     context_policy: str = "error"  # "error" | "sliding_window" (chat: drop the oldest turns)
-    quantization: str | None = None  # None | "int8" (weight-only, per-row scales)
+    # "auto": the file's own 4/8-bit blocks (GGUF Q4_0, Q4_1, Q8_0) where the CPU kernel is the faster choice
+    # (float32 on the CPU; see serval.model.loader.resolve_quantization), else "none";
+    # "none": dequantize to dtype; "gguf": the file's blocks; "int8": weight-only int8 with per-row scales.
+    quantization: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -110,8 +116,9 @@ class EngineConfig:
         if self.context_policy not in ("error", "sliding_window"):
             raise ValueError("EngineConfig.context_policy must be 'error' or 'sliding_window', "
                              f"got {self.context_policy!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"EngineConfig.quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"EngineConfig.quantization must be one of {list(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
 

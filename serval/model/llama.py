@@ -10,7 +10,7 @@ from torch import nn
 
 from serval.config import ModelConfig
 from serval.layers.attention import AttentionMetadata, paged_attention
-from serval.layers.linear import Linear
+from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
 from serval.layers.norm import RMSNorm
 from serval.layers.rotary import RotaryEmbedding
 
@@ -78,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
@@ -93,12 +93,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and
-        gate/up into their merged matrices."""
-        self.tie_weights()  # moving between devices (meta → real) unties shared parameters
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+    def _merged_name(self, name: str) -> tuple[str, int | None, int | None]:
+        """Where a checkpoint tensor goes: (parameter name, row offset, rows) in a fused q/k/v or gate/up
+        matrix, or (name, None, None) for one loaded whole."""
         cfg = self.config
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         shards = {
@@ -107,17 +104,52 @@ class LlamaForCausalLM(nn.Module):
             "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
             "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
         }
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in shards:
+            merged, offset, size = shards[parts[-2]]
+            return ".".join(parts[:-2] + [merged, parts[-1]]), offset, size
+        return name, None, None
+
+    def use_block_weights(self, blocks: Iterable[tuple[str, BlockWeight]]) -> int:
+        """Swaps each linear whose every shard ``blocks`` holds, all in one block format, for a BlockQuantLinear
+        on those blocks (a tied head takes the embedding's); returns how many were swapped."""
+        cfg = self.config
+        shards: dict[str, list[tuple[int, BlockWeight]]] = {}
+        for name, weight in blocks:
+            name = name.removeprefix("model.")
+            if name == "embed_tokens.weight" and cfg.tie_word_embeddings:
+                name = "lm_head.weight"
+            target, offset, _ = self._merged_name(name)
+            shards.setdefault(target.removesuffix(".weight"), []).append((offset or 0, weight))
+        swapped = 0
+        for module_name, parts in shards.items():
+            module = self.get_submodule(module_name)
+            if not isinstance(module, Linear):
+                continue
+            try:
+                weight = BlockWeight.concat([w for _, w in sorted(parts, key=lambda p: p[0])])
+            except ValueError:  # shards in different formats: the layer stays dense
+                continue
+            if (weight.out_features, weight.in_features) != (module.out_features, module.in_features):
+                continue  # a shard is stored in another type
+            self.set_submodule(module_name, BlockQuantLinear(weight).to(module.weight.device))
+            swapped += 1
+        return swapped
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and
+        gate/up into their merged matrices."""
+        self.tie_weights()  # moving between devices (meta → real) unties shared parameters
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            offset = None
-            if len(parts) >= 2 and parts[-2] in shards:
-                merged, offset, size = shards[parts[-2]]
-                name = ".".join(parts[:-2] + [merged, parts[-1]])
+            name, offset, size = self._merged_name(name)
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             param = params[name]

@@ -61,7 +61,7 @@ def _assert_match(prompt_logprobs, prompt_ids: list[int], reference: torch.Tenso
 
 @pytest.mark.parametrize("budget", [512, 7], ids=["one-chunk", "chunks-of-7"])
 def test_prompt_logprobs_match_transformers(make_llm, prompt_ids, reference, budget):
-    llm = make_llm(max_num_batched_tokens=budget, enable_prefix_caching=False)
+    llm = make_llm(quantization="none", max_num_batched_tokens=budget, enable_prefix_caching=False)
     scored = llm.generate([prompt_ids], SamplingParams(max_tokens=0, prompt_logprobs=5), use_tqdm=False)[0]
     _assert_match(scored.prompt_logprobs, prompt_ids, reference, 5)
     assert scored.outputs[0].token_ids == [] and scored.outputs[0].text == ""
@@ -77,7 +77,7 @@ def test_prompt_logprobs_match_transformers(make_llm, prompt_ids, reference, bud
 
 
 def test_prompt_logprobs_ignore_the_prefix_cache(make_llm, prompt_ids, reference):
-    llm = make_llm(enable_prefix_caching=True)
+    llm = make_llm(quantization="none", enable_prefix_caching=True)
     plain = llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert plain.num_cached_tokens == 0
     scored = llm.generate([prompt_ids], SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)[0]
@@ -120,7 +120,7 @@ def test_max_tokens_zero_runs_the_prompt_only(make_llm):
 
 
 def test_n_samples_share_one_scoring_of_the_prompt(make_llm, prompt_ids, reference):
-    llm = make_llm()
+    llm = make_llm(quantization="none")
     out = llm.generate([prompt_ids], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4, prompt_logprobs=1),
                        use_tqdm=False)[0]
     _assert_match(out.prompt_logprobs, prompt_ids, reference, 1)

@@ -107,7 +107,3 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention of each query token over its prefix in the paged KV cache");
-}

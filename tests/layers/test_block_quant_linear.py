@@ -1,0 +1,107 @@
+"""The block kernel (GGUF Q4_0 / Q4_1 / Q8_0 weights read as stored): equal to the file's dequantized weights up
+to a stated activation rounding, the same for a row alone or among any others, and lossless repacking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from serval.layers import cpu_kernels
+from serval.layers.linear import BlockQuantLinear, BlockWeight
+from serval.model.gguf_file import _to_block_weight
+
+kernels = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels could not be built here")
+
+
+def random_blocks(fmt: str, out_features: int, in_features: int, seed: int = 0) -> BlockWeight:
+    """Valid random blocks: scales of a trained layer's size (weights ~0.05), every code used."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-in_features // 32)
+    if fmt == "q4":
+        packed = torch.randint(0, 256, (out_features, groups, 16), generator=g, dtype=torch.uint8)
+        d = torch.rand(out_features, groups, 1, generator=g) * 0.01 + 0.001
+        m = -8 * d * (0.5 + torch.rand(out_features, groups, 1, generator=g))
+        scales = torch.cat([d, m], -1).half()
+    else:
+        packed = torch.randint(-127, 128, (out_features, groups, 32), generator=g, dtype=torch.int8).view(torch.uint8)
+        scales = (torch.rand(out_features, groups, 1, generator=g) * 0.001 + 1e-4).half()
+    return BlockWeight(fmt, packed, scales.view(torch.int16), in_features)
+
+
+def activations(rows: int, in_features: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
+    x[:, 7] *= 30  # an outlier channel, as real activations have
+    return x.to(dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 37])
+def test_kernel_equals_the_dequantized_weights(fmt, dtype, rows):
+    """Against float64 x @ W^T on the file's exact weights. float32 activations are rounded to int16 per block
+    of 32 (at most max|x|/65534 each), bfloat16 ones are used as they are with the weights rounded once to
+    bfloat16 where the CPU has bf16 dot products; the output is rounded to x's dtype. The bound is computed
+    from those roundings, per output."""
+    weight = random_blocks(fmt, 200, 576)
+    x = activations(rows, 576, dtype)
+    got = kernels.block_quant_linear(x, weight.packed, weight.scales.view(torch.float16), fmt).double()
+    w = weight.dequantize().double()
+    want = x.double() @ w.T
+    if dtype == torch.float32:
+        step = x.double().view(rows, -1, 32).abs().amax(-1) / 32767 / 2  # [rows, G]: half an int16 step
+        bound = (step.repeat_interleave(32, -1) @ w.abs().T) + 1e-5 * (x.double().abs() @ w.abs().T)
+    else:
+        bound = 2**-8 * (x.double().abs() @ w.abs().T) + 2**-8 * want.abs()
+    assert got.shape == (rows, 200) and torch.all((got - want).abs() <= bound)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_simd_path_matches_the_portable_one(fmt):
+    """The compiled SIMD path sums the same exact integers as the portable loop, in another float order."""
+    weight = random_blocks(fmt, 96, 640)
+    x = activations(5, 640, torch.float32)
+    simd = kernels.block_quant_linear(x, weight.packed, weight.scales.view(torch.float16), fmt)
+    portable = kernels.block_quant_linear_reference(x, weight.packed, weight.scales.view(torch.float16), fmt)
+    assert torch.allclose(simd, portable, rtol=1e-5, atol=1e-5 * portable.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_each_row_is_the_same_whatever_the_batch(fmt, dtype):
+    """Batch invariance with no padding at all: every row count from 1 to 40 (all the tile remainders)."""
+    layer = BlockQuantLinear(random_blocks(fmt, 130, 576))  # 130 columns: a short last column tile
+    x = activations(40, 576, dtype)
+    alone = torch.cat([layer(x[i: i + 1]) for i in range(len(x))])
+    assert layer.min_rows == 1
+    for rows in range(1, 41):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_repack_without_loss(qtype):
+    """Blocks quantized by gguf-py, repacked for the kernel, dequantize to exactly what gguf-py reads from them
+    (48 columns: an odd number of blocks per row stays odd)."""
+    original = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    raw = quantize(original, GGMLQuantizationType[qtype])
+    want = dequantize(raw, GGMLQuantizationType[qtype])
+    weight = _to_block_weight(qtype, torch.from_numpy(raw).reshape(6, 3, -1), 96)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_the_kernel_the_dense_fallback_gives_the_same_weights(monkeypatch, dtype):
+    """Where the kernel cannot run (CUDA, no compiler), the layer multiplies by the dequantized weights."""
+    weight = random_blocks("q4", 64, 96)
+    x = activations(4, 96, dtype)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    got = BlockQuantLinear(weight)(x)
+    want = torch.nn.functional.linear(x, weight.dequantize().to(dtype))
+    assert torch.equal(got, want)
