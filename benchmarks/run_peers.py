@@ -129,7 +129,10 @@ def servers(args: argparse.Namespace) -> list[Server]:
     if vllm_python.exists() and (hf_dir / "config.json").exists():
         found.append(Server("vllm", [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                                      str(hf_dir), "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}",
-                                     "--served-model-name", MODEL_NAME, "--max-model-len", "4096"]))
+                                     "--served-model-name", MODEL_NAME, "--max-model-len", "4096",
+                                     # On CPU: the share of RAM vLLM reserves, KV cache included. Its default (0.92)
+                                     # fails at start-up when other processes hold a few GiB.
+                                     "--gpu-memory-utilization", str(args.vllm_memory_fraction)]))
     if args.servers:
         wanted = args.servers.split(",")
         found = [s for s in found if s.name in wanted or s.variant_of in wanted]
@@ -289,6 +292,8 @@ def main() -> None:
     parser.add_argument("--prefix-words", type=int, default=None, help="the shared-prefix workload's prefix length")
     parser.add_argument("--llama-ctx-per-slot", type=int, default=2048,
                         help="llama-server context per slot; -c is 16 times this")
+    parser.add_argument("--vllm-memory-fraction", type=float, default=0.3,
+                        help="vLLM's --gpu-memory-utilization: on CPU, the share of RAM it reserves")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"),
                         help="peers.json, peers.png and the servers' logs go here")
