@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-words", default="10:40", help="prompt length range in words, LOW:HIGH")
     parser.add_argument("--output-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    parser.add_argument("--hf-dtype", default=None, choices=["bfloat16", "float32", "float16"],
+                        help="transformers' dtype (default: the one Serval resolved to). Recent transformers keep "
+                        "a GGUF's weights packed and say float32 is their fast path for it")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
 
@@ -95,7 +98,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     print(f"{'serval':<14}{serval['dtype'] + ('+int8' if serval['quantization'] else ''):>10}"
           f"{serval['generated_tokens']:>9}{serval['seconds']:>9.2f}{serval['tokens_per_s']:>9.1f}", flush=True)
     if not args.no_hf:
-        hf = run_transformers(Path(model_path), serval["dtype"], args.device, prompts, args.output_tokens)
+        hf = run_transformers(Path(model_path), args.hf_dtype or serval["dtype"], args.device, prompts,
+                              args.output_tokens)
         results["transformers"] = hf
         results["serval_vs_transformers"] = serval["tokens_per_s"] / hf["tokens_per_s"]
         print(f"{'transformers':<14}{hf['dtype']:>10}{hf['generated_tokens']:>9}{hf['seconds']:>9.2f}"
