@@ -98,7 +98,10 @@ async def send_one(client, endpoint: Endpoint, request: BenchRequest, run_start:
 async def run_load(endpoint: Endpoint, requests: list[BenchRequest], load: LoadConfig,
                    progress: bool = True) -> tuple[list[RequestResult], float]:
     """Sends every request under ``load``; returns the results in request order and the wall time in seconds."""
-    import openai
+    try:
+        import openai
+    except ImportError:
+        raise ValueError("bench serve needs the openai package: pip install 'serval[bench]' (or openai)") from None
     from tqdm import tqdm
 
     offsets = arrival_offsets(len(requests), load.request_rate, load.seed)
