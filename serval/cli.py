@@ -1,4 +1,4 @@
-"""The `serval` command: generate, chat, models (and later serve, bench)."""
+"""The `serval` command: generate, chat, serve, bench, models."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import signal
 import sys
 import time
 
+from serval.benchmark import serve as serve_benchmark  # light: the flags; torch and openai load when a run starts
+from serval.benchmark import throughput as throughput_benchmark
 from serval.sampling_params import SamplingParams
 
 
@@ -320,6 +322,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="whether clients must present a certificate signed by --ssl-ca-certs")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    bench = add_verb("bench", "benchmarks: a serving load against any OpenAI-compatible server, or offline")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser(
+        "serve", formatter_class=DefaultsHelpFormatter,
+        help="streaming load against an OpenAI-compatible server: throughput, TTFT/TPOT/ITL/E2E, goodput",
+        description="Streaming load against an OpenAI-compatible server (Serval, vLLM, llama.cpp, ...): "
+        "throughput, TTFT/TPOT/ITL/E2E percentiles, goodput under SLOs.")
+    serve_benchmark.add_arguments(bench_serve)
+    bench_serve.set_defaults(func=serve_benchmark.cmd_bench_serve)
+    bench_throughput = bench_sub.add_parser(
+        "throughput", formatter_class=DefaultsHelpFormatter,
+        help="offline tokens/s of the engine on a batch of prompts, and of transformers on the same weights",
+        description="Offline tokens/s of the in-process engine on a batch of prompts, and of Hugging Face "
+        "transformers on the same weights and prompts.")
+    throughput_benchmark.add_arguments(bench_throughput)
+    bench_throughput.set_defaults(func=throughput_benchmark.cmd_bench_throughput)
 
     models = add_verb("models", "list the models Serval can load")
     models.set_defaults(func=cmd_models)

@@ -11,7 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "docs" / "architecture.md", REPO / "README.md"]
 # Lower layers first: a module may import its own layer and the ones below, never one above.
-LAYER_RANK = {"layers": 0, "model": 1, "engine": 2, "server": 3, "cli": 4}
+# benchmark/ sits beside the CLI: `serval bench throughput` drives the engine (`bench serve` is an HTTP client).
+LAYER_RANK = {"layers": 0, "model": 1, "engine": 2, "server": 3, "cli": 4, "benchmark": 4}
 # The package root re-exports the engine (LLM, LLMEngine), so it ranks as the engine.
 ROOT_RANK = LAYER_RANK["engine"]
 SKIPPED_DIRS = {"__pycache__", "build", "dist", "results", "node_modules"}

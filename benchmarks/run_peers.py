@@ -1,0 +1,327 @@
+"""Serval against its peers on the same model and the same machine, in one run, with one ratio table.
+
+Each server is started ALONE (never two at once: they would share the cores), waited for (/health), warmed up,
+given every workload through the same code as `serval bench serve`, then stopped and waited for until it has
+exited. Servers:
+
+    serval            `serval serve` from this checkout, once per --serval NAME=FLAGS variant (default: `serval`,
+                      the default flags); the first variant runs again with --no-enable-prefix-caching for the
+                      shared-prefix workload
+    llama.cpp         llama.cpp's own C++ llama-server on the same GGUF, 16 slots
+    vllm              vLLM's CPU build on the GGUF written as a Hugging Face directory, bfloat16
+
+`bash benchmarks/peers/setup.sh` builds the peers under ../peers, where this script looks for them by default.
+
+    .venv/bin/python benchmarks/run_peers.py                                   # the full suite (long)
+    .venv/bin/python benchmarks/run_peers.py --servers serval,llama.cpp --num-requests 2 --output-tokens 8 \\
+        --input-words 40 --prefix-words 50                                     # a smoke run, under a minute
+    .venv/bin/python benchmarks/run_peers.py --serval serval= --serval "serval-int8=--quantization int8"
+
+Only ratios from one run mean anything: a shared machine's speed drifts between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout: this repository's serval, installed or not
+
+from serval.benchmark.client import Endpoint, LoadConfig  # noqa: E402
+from serval.benchmark.report import import_pyplot  # noqa: E402
+from serval.benchmark.serve import ServeBenchConfig, run_serve_benchmark  # noqa: E402
+from serval.benchmark.workloads import WorkloadConfig  # noqa: E402
+
+MODEL_NAME = "smollm2"  # every server serves the model under this name
+SLOTS = 16  # llama-server's parallel slots: the most concurrent requests any workload sends
+NO_PREFIX_CACHE = "no-prefix-cache"
+
+
+@dataclass
+class Workload:
+    """One workload of the suite, and the numbers of its summary the table compares."""
+
+    name: str
+    workload: WorkloadConfig
+    concurrency: int
+    metrics: list[tuple[str, str, bool]]  # (label, summary key path, higher is better)
+    ignore_eos: bool = True
+
+
+def suite(args: argparse.Namespace) -> list[Workload]:
+    """The issue's workloads; --num-requests, --output-tokens, --input-words and --prefix-words shrink them."""
+
+    def sized(config: WorkloadConfig) -> WorkloadConfig:
+        cap = lambda rng, limit: rng if limit is None else (min(rng[0], limit), min(rng[1], limit))  # noqa: E731
+        return replace(config, num_requests=args.num_requests or config.num_requests,
+                       input_words=cap(config.input_words, args.input_words),
+                       output_tokens=cap(config.output_tokens, args.output_tokens),
+                       prefix_words=args.prefix_words or config.prefix_words)
+
+    tok_s = ("output tok/s", "output_throughput", True)
+    workloads = [
+        Workload("single", sized(WorkloadConfig("random", 4, (10, 40), (256, 256), seed=1)), 1, [tok_s]),
+        Workload("decode-heavy", sized(WorkloadConfig("random", 32, (10, 40), (128, 256), seed=2)), 16, [tok_s]),
+        Workload("mixed", sized(WorkloadConfig("random", 64, (20, 600), (16, 128), seed=3)), 16,
+                 [("wall s", "duration_s", False), ("ITL p99 ms", "itl_ms.p99", False)]),
+        # Four at a time: the first wave computes the shared prefix, the rest can reuse it.
+        Workload("shared-prefix", sized(WorkloadConfig("prefix", 16, (10, 20), (32, 32), prefix_words=600, seed=4)),
+                 4, [("TTFT p50 ms", "ttft_ms.p50", False)]),
+    ]
+    if args.workloads:
+        wanted = args.workloads.split(",")
+        workloads = [w for w in workloads if w.name in wanted]
+    return workloads
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]  # "{port}" is replaced by the port
+    is_serval: bool = False
+    workloads: list[str] | None = None  # None: all of them
+    variant_of: str | None = None  # the no-prefix-cache run: the Serval variant it is a copy of
+    env: dict = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def servers(args: argparse.Namespace) -> list[Server]:
+    from serval.model.registry import resolve_model_path
+
+    serval_cmd = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
+                  "--served-model-name", MODEL_NAME, "--disable-log-requests"]
+    env = {"PYTHONPATH": str(ROOT)}
+    found = []
+    for i, variant in enumerate(args.serval or ["serval="]):
+        name, _, flags = variant.partition("=")
+        found.append(Server(name, serval_cmd + shlex.split(flags), is_serval=True, env=env))
+        if i == 0:
+            found.append(Server(f"{name}-{NO_PREFIX_CACHE}", serval_cmd + shlex.split(flags) +
+                                ["--no-enable-prefix-caching"], is_serval=True, workloads=["shared-prefix"], env=env,
+                                variant_of=name))
+    peers = Path(args.peers)
+    llama_server = Path(args.llama_server or peers / "llamacpp" / "bin" / "llama-server")
+    if llama_server.exists():
+        threads = str(os.cpu_count())  # its default counts physical cores only, which can be fewer on a VM
+        found.append(Server("llama.cpp", [str(llama_server), "-m", str(resolve_model_path(None)), "--host",
+                                          "127.0.0.1", "--port", "{port}", "-np", str(SLOTS), "-c",
+                                          str(SLOTS * args.llama_ctx_per_slot), "-t", threads, "-tb", threads,
+                                          "--alias", MODEL_NAME]))
+    vllm_python = Path(args.vllm_python or peers / "vllm" / "bin" / "python")
+    hf_dir = Path(args.hf_dir or peers / "hf")
+    if vllm_python.exists() and (hf_dir / "config.json").exists():
+        found.append(Server("vllm", [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                     str(hf_dir), "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}",
+                                     "--served-model-name", MODEL_NAME, "--max-model-len", "4096",
+                                     # On CPU: the share of RAM vLLM reserves, KV cache included. Its default (0.92)
+                                     # fails at start-up when other processes hold a few GiB.
+                                     "--gpu-memory-utilization", str(args.vllm_memory_fraction)]))
+    if args.servers:
+        wanted = args.servers.split(",")
+        found = [s for s in found if s.name in wanted or s.variant_of in wanted]
+    return found
+
+
+def start(server: Server, port: int, log_path: Path, timeout_s: float) -> subprocess.Popen:
+    """Starts the server in a process group of its own and returns once /health answers 200."""
+    command = [c.replace("{port}", str(port)) for c in server.command]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **server.env})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}: " + _tail(log_path))
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise TimeoutError(f"not healthy after {timeout_s:.0f} s: " + _tail(log_path))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after a minute; returns once it has exited."""
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _value(summary: dict, key_path: str) -> float | None:
+    value = summary
+    for key in key_path.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def run_server(server: Server, workloads: list[Workload], log_dir: Path, timeout_s: float) -> dict:
+    port = free_port()
+    print(f"== {server.name}: starting ({shlex.join(c.replace('{port}', str(port)) for c in server.command)})",
+          flush=True)
+    started = time.perf_counter()
+    try:
+        proc = start(server, port, log_dir / f"{server.name}.log", timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"   {server.name} did not start: {exc}", flush=True)
+        return {"command": server.command, "error": str(exc), "workloads": {}}
+    result = {"command": server.command, "startup_s": time.perf_counter() - started, "workloads": {}}
+    try:
+        for w in workloads:
+            if server.workloads is not None and w.name not in server.workloads:
+                continue
+            config = ServeBenchConfig(
+                endpoint=Endpoint(base_url=f"http://127.0.0.1:{port}/v1", model=MODEL_NAME, ignore_eos=w.ignore_eos),
+                workload=w.workload, load=LoadConfig(concurrency=w.concurrency, seed=w.workload.seed),
+                warmup_requests=2)
+            report = run_serve_benchmark(config, progress=False)
+            s = report["summary"]
+            result["workloads"][w.name] = {"description": report["description"], "summary": s}
+            shown = ", ".join(f"{label} {_fmt(_value(s, key))}" for label, key, _ in w.metrics)
+            print(f"   {w.name}: {s['completed']}/{s['num_requests']} ok, {shown}", flush=True)
+            for error in s["errors"]:
+                print(f"   error: {error}", flush=True)
+    finally:
+        stop(proc)
+    return result
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def ratio_table(results: dict, workloads: list[Workload], server_list: list[Server]) -> list[dict]:
+    """One row per (workload, metric): every server's value, and each Serval variant's ratio to the best peer
+    (above 1: Serval is better, whichever way the metric points)."""
+    rows = []
+    for w in workloads:
+        for label, key, higher_is_better in w.metrics:
+            values = {s.name: _value(results[s.name]["workloads"].get(w.name, {}).get("summary", {}), key)
+                      for s in server_list}
+            peer_values = [v for s in server_list if not s.is_serval and (v := values[s.name]) is not None]
+            best_peer = (max if higher_is_better else min)(peer_values) if peer_values else None
+            ratios = {}
+            for s in server_list:
+                v = values[s.name]
+                if s.is_serval and v and best_peer:
+                    ratios[s.name] = v / best_peer if higher_is_better else best_peer / v
+            rows.append({"workload": w.name, "metric": label, "higher_is_better": higher_is_better,
+                         "values": values, "best_peer": best_peer, "ratio_to_best_peer": ratios})
+    return rows
+
+
+def print_table(rows: list[dict], server_list: list[Server]) -> None:
+    names = [s.name for s in server_list]
+    width = max(16, *(len(n) + 2 for n in names))
+    print(f"\n{'workload (metric)':<32}" + "".join(f"{n:>{width}}" for n in names))
+    for row in rows:
+        cells = []
+        for n in names:
+            v = row["values"][n]
+            ratio = row["ratio_to_best_peer"].get(n)
+            cells.append(_fmt(v) + (f" ({ratio:.2f}x)" if ratio else ""))
+        print(f"{row['workload'] + ' (' + row['metric'] + ')':<32}" + "".join(f"{c:>{width}}" for c in cells))
+    print("(Nx): the Serval variant against the best peer; above 1 is better for Serval, whichever way the metric "
+          "points")
+
+
+def plot(rows: list[dict], server_list: list[Server], machine: str, path: Path) -> None:
+    """One panel per (workload, metric), a bar per server."""
+    plt = import_pyplot()
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 4), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        names = [s.name for s in server_list if row["values"][s.name] is not None]
+        colors = ["tab:orange" if next(s for s in server_list if s.name == n).is_serval else "tab:blue"
+                  for n in names]
+        ax.bar(range(len(names)), [row["values"][n] for n in names], color=colors)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        better = "higher" if row["higher_is_better"] else "lower"
+        ax.set_title(f"{row['workload']}\n{row['metric']} ({better} is better)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(machine, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", default=str(ROOT.parent / "peers"), help="where benchmarks/peers/setup.sh "
+                        "put the peers")
+    parser.add_argument("--llama-server", default=None, help="llama-server binary (default: PEERS/llamacpp/bin)")
+    parser.add_argument("--vllm-python", default=None, help="python of the vLLM venv (default: PEERS/vllm/bin)")
+    parser.add_argument("--hf-dir", default=None, help="the model as a Hugging Face directory (default: PEERS/hf)")
+    parser.add_argument("--serval", action="append", default=None, metavar="NAME=FLAGS",
+                        help="a Serval variant: its name and `serval serve` flags, e.g. 'serval-int8=--quantization "
+                        "int8' (repeatable; default: serval=)")
+    parser.add_argument("--servers", default=None, help="comma-separated server names to run (default: all found)")
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated: single, decode-heavy, mixed, shared-prefix (default: all)")
+    parser.add_argument("--num-requests", type=int, default=None, help="requests per workload (smaller: faster)")
+    parser.add_argument("--output-tokens", type=int, default=None, help="caps every workload's output lengths")
+    parser.add_argument("--input-words", type=int, default=None, help="caps every workload's prompt lengths")
+    parser.add_argument("--prefix-words", type=int, default=None, help="the shared-prefix workload's prefix length")
+    parser.add_argument("--llama-ctx-per-slot", type=int, default=2048,
+                        help="llama-server context per slot; -c is 16 times this")
+    parser.add_argument("--vllm-memory-fraction", type=float, default=0.3,
+                        help="vLLM's --gpu-memory-utilization: on CPU, the share of RAM it reserves")
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"),
+                        help="peers.json, peers.png and the servers' logs go here")
+    args = parser.parse_args()
+
+    from serval.platform_info import describe_hardware
+
+    workloads = suite(args)
+    server_list = servers(args)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = describe_hardware()
+    print(f"machine: {machine}", flush=True)
+    print("servers: " + ", ".join(s.name for s in server_list), flush=True)
+    results = {s.name: run_server(s, workloads, out_dir, args.startup_timeout) for s in server_list}
+    rows = ratio_table(results, workloads, server_list)
+    print_table(rows, server_list)
+    report = {"machine": machine, "workloads": {w.name: {"workload": asdict(w.workload),
+                                                         "concurrency": w.concurrency} for w in workloads},
+              "servers": results, "table": rows}
+    (out_dir / "peers.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out_dir / 'peers.json'}")
+    try:
+        plot(rows, server_list, machine, out_dir / "peers.png")
+        print(f"wrote {out_dir / 'peers.png'}")
+    except ValueError as exc:
+        print(f"no plot: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Sends a workload to an OpenAI-compatible server with the official async client, streaming, and times every
+chunk. Load is a fixed number of requests in flight, Poisson arrivals at a rate, or both (arrivals, then a cap)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+from serval.benchmark.metrics import RequestResult
+from serval.benchmark.workloads import BenchRequest
+
+
+@dataclass
+class Endpoint:
+    base_url: str  # e.g. http://127.0.0.1:8000/v1
+    model: str
+    api_key: str | None = None
+    chat: bool = False  # /v1/chat/completions instead of /v1/completions
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    timeout_s: float = 600.0
+
+
+@dataclass
+class LoadConfig:
+    concurrency: int | None = None  # most requests in flight; None: no cap
+    request_rate: float = math.inf  # requests per second with Poisson arrivals; inf: all sent at once
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"LoadConfig.concurrency must be positive, got {self.concurrency}")
+        if not self.request_rate > 0:
+            raise ValueError(f"LoadConfig.request_rate must be positive, got {self.request_rate}")
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """When each request is due, in seconds from the start: a seeded Poisson process (exponential gaps), the first
+    at 0; all at 0 for an infinite rate."""
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(num_requests):
+        offsets.append(t)
+        t += rng.expovariate(request_rate)
+    return offsets
+
+
+async def send_one(client, endpoint: Endpoint, request: BenchRequest, run_start: float) -> RequestResult:
+    """One streamed request. Any failure (HTTP error, an error in the stream, a dropped connection) is a failed
+    result, not an exception: a benchmark counts failures."""
+    # ignore_eos is an extension Serval, vLLM and llama.cpp's server all accept. min_tokens is not sent: with
+    # ignore_eos it adds nothing, and not every server knows it.
+    extra_body = {"ignore_eos": True} if endpoint.ignore_eos else None
+    common = dict(model=endpoint.model, max_tokens=request.max_tokens, temperature=endpoint.temperature,
+                  stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
+    start = time.perf_counter()
+    result = RequestResult(ok=False, start=start - run_start, max_tokens=request.max_tokens)
+    chunk_times: list[float] = []
+    usage = None
+    try:
+        if endpoint.chat:
+            stream = await client.chat.completions.create(messages=request.chat_messages(), **common)
+        else:
+            stream = await client.completions.create(prompt=request.completion_prompt(), **common)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text = choice.delta.content if endpoint.chat else choice.text
+                if text:
+                    chunk_times.append(now)
+                    break
+        end = time.perf_counter()
+    except Exception as exc:  # noqa: BLE001  (every way a request can fail is a failed request)
+        result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}".rstrip(": ")
+        result.e2e = time.perf_counter() - start
+        return result
+    result.ok = True
+    result.e2e = end - start
+    result.ttft = (chunk_times[0] if chunk_times else end) - start
+    result.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    if usage is not None:
+        result.usage_reported = True
+        result.prompt_tokens = usage.prompt_tokens or 0
+        result.output_tokens = usage.completion_tokens or 0
+    else:
+        result.output_tokens = len(chunk_times)
+    return result
+
+
+async def run_load(endpoint: Endpoint, requests: list[BenchRequest], load: LoadConfig,
+                   progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Sends every request under ``load``; returns the results in request order and the wall time in seconds."""
+    try:
+        import openai
+    except ImportError:
+        raise ValueError("bench serve needs the openai package: pip install 'serval[bench]' (or openai)") from None
+    from tqdm import tqdm
+
+    offsets = arrival_offsets(len(requests), load.request_rate, load.seed)
+    limit = asyncio.Semaphore(load.concurrency) if load.concurrency else None
+    bar = tqdm(total=len(requests), unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key or "unused", max_retries=0,
+                                  timeout=endpoint.timeout_s) as client:
+        run_start = time.perf_counter()
+
+        async def one(request: BenchRequest, offset: float) -> RequestResult:
+            delay = run_start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is None:
+                result = await send_one(client, endpoint, request, run_start)
+            else:
+                async with limit:
+                    result = await send_one(client, endpoint, request, run_start)
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, offsets)))
+        duration = time.perf_counter() - run_start
+    bar.close()
+    return list(results), duration
