@@ -33,8 +33,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="cut long prompts into chunks that share a step with running decodes")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"],
                         help="weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q8_0 read in place by a CPU "
-                        "kernel), dequantized to --dtype (none), or weight-only int8 (int8); auto: gguf where the "
-                        "kernel is the faster choice (float32 on the CPU), else none")
+                        "kernel), dequantized to --dtype (none), or weight-only int8 (int8); auto: gguf on the CPU "
+                        "for a GGUF file with such blocks, else none")
     parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
                         help="a chat longer than the context: reject it, or drop the oldest turns")
 

@@ -97,8 +97,8 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length
     context_policy: str = "error"  # "error" | "sliding_window" (chat: drop the oldest turns)
-    # "auto": the file's own 4/8-bit blocks (GGUF Q4_0, Q4_1, Q8_0) where the CPU kernel is the faster choice
-    # (float32 on the CPU; see serval.model.loader.resolve_quantization), else "none";
+    # "auto": the file's own 4/8-bit blocks (GGUF Q4_0, Q4_1, Q8_0) on the CPU, where a C++ kernel reads them
+    # (see serval.model.loader.resolve_quantization), else "none";
     # "none": dequantize to dtype; "gguf": the file's blocks; "int8": weight-only int8 with per-row scales.
     quantization: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)

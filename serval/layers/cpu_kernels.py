@@ -17,6 +17,8 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
            ("bindings.cpp", "paged_attention.cpp", "block_quant_linear.cpp")]
+# -fopenmp: without it ATen's parallel_for (a header template) compiles to a serial loop.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 _state: dict[str, ModuleType | None] = {}
 
 
@@ -43,9 +45,9 @@ def _build() -> ModuleType:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    # Named by CPU kind and source hash: checkouts of different versions never rebuild over each other's build.
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:10]
+    # Named by CPU kind and a hash of sources and flags: checkouts of other versions never rebuild over it.
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:10]
     name = f"serval_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
     logger.info("building the CPU kernels (%s; once per machine) ...", name)
-    return load_extension(name=name, sources=[str(s) for s in SOURCES],
-                          extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512"], verbose=False)
+    return load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                          extra_ldflags=["-fopenmp"], verbose=False)

@@ -70,15 +70,15 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
 
 def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dtype,
                          quantization: str) -> str:
-    """"auto" becomes "gguf" for a GGUF file with block-format matrices, on the CPU (where the kernel runs; on a
-    GPU the blocks would only be dequantized again), in float32; else "none". Measured on an AVX-512 + bf16 CPU
-    (benchmarks/bench_engine.py): in float32 the blocks give 4.1x the dense tokens/s on one stream and 0.94x at
-    16; in bfloat16 1.2x on one stream but 0.43x at 16, where oneDNN's bfloat16 matmuls outrun the kernel."""
+    """"auto" becomes "gguf" for a GGUF file with block-format matrices on the CPU (where the kernel runs; on a
+    GPU the blocks would only be dequantized again), else "none". Measured on an AVX-512 + bf16 CPU
+    (benchmarks/bench_engine.py, 2 threads): bfloat16 1.8x the dense tokens/s on one stream and 0.97x at 16
+    streams; float32 5.1x and 1.3x."""
     if quantization == "gguf" and path.suffix != ".gguf":
         raise ValueError(f"{path.name}: --quantization gguf needs a GGUF file")
     if quantization != "auto":
         return quantization
-    if path.suffix != ".gguf" or torch.device(device).type != "cpu" or dtype != torch.float32:
+    if path.suffix != ".gguf" or torch.device(device).type != "cpu":
         return "none"
     types = {GGMLQuantizationType(t.tensor_type).name for t in GGUFModelFile(path).reader.tensors}
     return "gguf" if types & BLOCK_FORMATS.keys() else "none"

@@ -255,14 +255,14 @@ def test_gguf_blocks_in_place_hold_the_files_weights(tmp_path: Path, qtype: str,
     assert_logits_close(full_logits(ours, ids), hf_logits(ref, ids), GGUF_FP32_REL)
 
 
-def test_auto_quantization_reads_blocks_in_place_only_where_that_is_faster(tmp_path: Path) -> None:
+def test_auto_quantization_reads_blocks_in_place_on_the_cpu(tmp_path: Path) -> None:
     write_gguf(tmp_path / "q4.gguf", tiny_llama(), "Q4_1")
     write_gguf(tmp_path / "f16.gguf", tiny_llama(), "F16")
     assert resolve_quantization(tmp_path / "q4.gguf", "cpu", torch.float32, "auto") == "gguf"
-    assert resolve_quantization(tmp_path / "q4.gguf", "cpu", torch.bfloat16, "auto") == "none"
+    assert resolve_quantization(tmp_path / "q4.gguf", "cpu", torch.bfloat16, "auto") == "gguf"
     assert resolve_quantization(tmp_path / "q4.gguf", "cuda", torch.float32, "auto") == "none"
     assert resolve_quantization(tmp_path / "f16.gguf", "cpu", torch.float32, "auto") == "none"
-    assert resolve_quantization(tmp_path / "q4.gguf", "cpu", torch.bfloat16, "gguf") == "gguf"
+    assert resolve_quantization(tmp_path / "q4.gguf", "cpu", torch.bfloat16, "none") == "none"
     with pytest.raises(ValueError, match="needs a GGUF file"):
         resolve_quantization(save_hf(tiny_llama(), tmp_path / "hf"), "cpu", torch.float32, "gguf")
 
