@@ -123,7 +123,10 @@ def servers(args: argparse.Namespace) -> list[Server]:
         found.append(Server("llama.cpp", [str(llama_server), "-m", str(resolve_model_path(None)), "--host",
                                           "127.0.0.1", "--port", "{port}", "-np", str(SLOTS), "-c",
                                           str(SLOTS * args.llama_ctx_per_slot), "-t", threads, "-tb", threads,
-                                          "--alias", MODEL_NAME]))
+                                          "--alias", MODEL_NAME,
+                                          # Its default HTTP pool is sized by the core count: on 2 cores some
+                                          # of 16 concurrent streams were refused (connection errors).
+                                          "--threads-http", str(2 * SLOTS)]))
     vllm_python = Path(args.vllm_python or peers / "vllm" / "bin" / "python")
     hf_dir = Path(args.hf_dir or peers / "hf")
     if vllm_python.exists() and (hf_dir / "config.json").exists():

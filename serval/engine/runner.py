@@ -12,6 +12,7 @@ import torch
 from serval.config import ModelConfig
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
+from serval.layers import cpu_kernels
 from serval.layers.attention import AttentionMetadata, PrefillChunk
 from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
 
@@ -61,6 +62,9 @@ class ModelRunner:
                                     dtype=dtype, device=self.device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # Which attention path the steps take, decided once: the CPU kernel reads per-token tables; the PyTorch
+        # path (CUDA, or no compiler) reads decode tables and masks and one entry per prefill chunk.
+        self.attention_kernel = self.device.type == "cpu" and cpu_kernels.load() is not None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -121,12 +125,21 @@ class ModelRunner:
             return None
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots))
-        everyone = decodes + prefills
-        widest = max(len(r.block_ids) for r in everyone)
-        meta.block_tables = self._tensor([r.block_ids + [0] * (widest - len(r.block_ids)) for r in everyone])
-        meta.token_table = self._tensor(token_table)
         positions_t = self._tensor(positions)
-        meta.context_lens = positions_t + 1
+        if self.attention_kernel:
+            everyone = decodes + prefills
+            widest = max(len(r.block_ids) for r in everyone)
+            meta.block_tables = self._tensor([r.block_ids + [0] * (widest - len(r.block_ids)) for r in everyone])
+            meta.token_table = self._tensor(token_table)
+            meta.context_lens = positions_t + 1
+        else:
+            self._add_pytorch_metadata(meta, decodes, prefills, counts)
+        inputs.input_ids, inputs.positions, inputs.meta = self._tensor(input_ids), positions_t, meta
+        return inputs
+
+    def _add_pytorch_metadata(self, meta: AttentionMetadata, decodes: list[Request], prefills: list[Request],
+                              counts: dict[str, int]) -> None:
+        bs = self.block_size
         if decodes:
             seq_lens = [r.num_computed_tokens + 1 for r in decodes]
             max_blocks = max(len(r.block_ids) for r in decodes)
@@ -147,8 +160,6 @@ class ModelRunner:
             table = self._tensor(request.block_ids[: -(-seq_len // bs)])
             meta.prefills.append(PrefillChunk(query_start, n, seq_len, table, mask))
             query_start += n
-        inputs.input_ids, inputs.positions, inputs.meta = self._tensor(input_ids), positions_t, meta
-        return inputs
 
     def _score(self, hidden: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
         """Logprobs of ``token_ids[i]`` under the logits of ``hidden[i]``, a bounded slice of rows at a time."""

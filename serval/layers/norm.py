@@ -1,10 +1,12 @@
-"""RMSNorm, computed in float32 like the reference implementation."""
+"""RMSNorm, computed in float32 like the reference implementation, with the residual add fused in."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from serval.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +15,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rms_norm(r), r) with r = x + residual (the residual stream, in x's dtype), or r = x.
+
+        On the CPU one C++ pass (``csrc/fused_ops.cpp``) does the add, the norm and the scale with the same
+        roundings as the PyTorch lines below."""
+        if x.device.type == "cpu" and x.is_contiguous() and (kernels := cpu_kernels.load()) is not None:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        r = x if residual is None else x + residual
         # Normalised in float32, cast back, then scaled: the reference's order of rounding.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(r.float(), self.weight.shape, eps=self.eps).to(r.dtype), r

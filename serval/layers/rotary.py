@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from serval.layers import cpu_kernels
 
 
 def _inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -41,14 +44,33 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's rotation, gathered once and shared by every layer: two [T, 1, D] tensors."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
+        """The step's rotation, shared by every layer. The CPU kernel reads the tables by position; the PyTorch
+        path gathers two [T, 1, D] tensors in ``dtype`` once here."""
+        if positions.device.type == "cpu" and cpu_kernels.load() is not None:
+            return RotaryStep(positions, self)
+        return RotaryStep(positions, self, self.cos[positions].unsqueeze(1).to(dtype),
+                          self.sin[positions].unsqueeze(1).to(dtype))
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates [T, heads, D] (queries and keys together, in one call)."""
         return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class RotaryStep:
+    positions: torch.Tensor  # [T]
+    table: RotaryEmbedding
+    cos: torch.Tensor | None = None  # [T, 1, D] in the model dtype, for the PyTorch path
+    sin: torch.Tensor | None = None
+
+    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotates x [T, heads, D] in place (each token's heads contiguous) and returns it."""
+        if self.cos is None:
+            cpu_kernels.load().rotary_embedding_(x, self.positions, self.table.cos, self.table.sin)
+            return x
+        return x.copy_(RotaryEmbedding.apply(x, self.cos, self.sin))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

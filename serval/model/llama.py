@@ -12,7 +12,7 @@ from serval.config import ModelConfig
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
 from serval.layers.norm import RMSNorm
-from serval.layers.rotary import RotaryEmbedding
+from serval.layers.rotary import RotaryEmbedding, RotaryStep
 
 
 class LlamaAttention(nn.Module):
@@ -28,11 +28,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: RotaryStep, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # Queries and keys rotate in one call: fewer small ops per layer, which is what batch-1 decode pays for.
-        qk = RotaryEmbedding.apply(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        # Queries and keys rotate in one call, in place: fewer small ops per layer, which batch-1 decode pays for.
+        qk = rope.rotate_(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -59,10 +59,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: RotaryStep, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added); the next norm adds the two."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,11 +86,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat token batch. ``kv_caches[i]`` is layer i's [2, blocks, ...] cache."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.for_step(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

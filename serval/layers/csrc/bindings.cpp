@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& token_table,
@@ -11,10 +12,18 @@ at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& packed, con
 at::Tensor block_quant_linear_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                         const std::string& format);
 std::string block_quant_kernel();
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps);
+void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 
+// Every kernel lets go of the GIL while it runs, as PyTorch's own ops do: the server's event loop thread keeps
+// serving HTTP while the engine thread is inside a kernel.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention of each query token over its prefix in the paged KV cache");
-  m.def("block_quant_linear", &block_quant_linear, "x W^T with W in GGUF-style blocks of 32 (q4, q8)");
-  m.def("block_quant_linear_reference", &block_quant_linear_reference, "the portable path of block_quant_linear");
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention", &paged_attention, "attention of each query token over its prefix in the paged KV cache", no_gil());
+  m.def("block_quant_linear", &block_quant_linear, "x W^T with W in GGUF-style blocks of 32 (q4, q8)", no_gil());
+  m.def("block_quant_linear_reference", &block_quant_linear_reference, "the portable path of block_quant_linear", no_gil());
+  m.def("add_rms_norm", &add_rms_norm, "weight * rms_norm(x + residual) and x + residual, in one pass", no_gil());
+  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place, by position", no_gil());
   m.def("block_quant_kernel", &block_quant_kernel, "which path block_quant_linear was compiled with");
 }

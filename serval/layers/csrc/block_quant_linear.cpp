@@ -259,9 +259,11 @@ inline __m512bh decode_bf16(const uint8_t* wp, const uint16_t* s) {
   return _mm512_cvtne2ps_pbh(w1, w0);  // weights 0-15 in the low half, 16-31 in the high half
 }
 
+// Rows r0 .. r0 + R of a column tile. The tile's weights come decoded from ``decoded`` ([groups][kBf16Cols]) when
+// given, else are decoded here block by block: the same bfloat16 values either way, so the same sums.
 template <bool kQ4, int R>
 inline void tile_bf16(const uint16_t* x, int64_t r0, int64_t groups, int64_t N, int64_t n0, int64_t cols,
-                      const uint8_t* packed, const uint16_t* scales, float* y) {
+                      const uint8_t* packed, const uint16_t* scales, const __m512bh* decoded, float* y) {
   const int64_t bytes = kQ4 ? 16 : 32, nscales = kQ4 ? 2 : 1, K = groups * kBlock;
   __m512 acc[R][kBf16Cols];
   for (int r = 0; r < R; ++r)
@@ -269,8 +271,12 @@ inline void tile_bf16(const uint16_t* x, int64_t r0, int64_t groups, int64_t N, 
   for (int64_t g = 0; g < groups; ++g) {
     __m512bh w[kBf16Cols];
     for (int c = 0; c < kBf16Cols; ++c) {
-      const int64_t block = (n0 + std::min<int64_t>(c, cols - 1)) * groups + g;
-      w[c] = decode_bf16<kQ4>(packed + block * bytes, scales + block * nscales);
+      if (decoded) {
+        w[c] = decoded[g * kBf16Cols + c];
+      } else {
+        const int64_t block = (n0 + std::min<int64_t>(c, cols - 1)) * groups + g;
+        w[c] = decode_bf16<kQ4>(packed + block * bytes, scales + block * nscales);
+      }
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r0 + r) * K + g * kBlock);
@@ -283,24 +289,35 @@ inline void tile_bf16(const uint16_t* x, int64_t r0, int64_t groups, int64_t N, 
 
 template <bool kQ4, int R>
 void rows_bf16(const uint16_t* x, int64_t r0, int64_t rest, int64_t groups, int64_t N, int64_t n0, int64_t cols,
-               const uint8_t* packed, const uint16_t* scales, float* y) {
+               const uint8_t* packed, const uint16_t* scales, const __m512bh* decoded, float* y) {
   if constexpr (R > 0) {
-    if (rest == R) return tile_bf16<kQ4, R>(x, r0, groups, N, n0, cols, packed, scales, y);
-    rows_bf16<kQ4, R - 1>(x, r0, rest, groups, N, n0, cols, packed, scales, y);
+    if (rest == R) return tile_bf16<kQ4, R>(x, r0, groups, N, n0, cols, packed, scales, decoded, y);
+    rows_bf16<kQ4, R - 1>(x, r0, rest, groups, N, n0, cols, packed, scales, decoded, y);
   }
 }
 
 template <bool kQ4>
 void gemm_bf16(const uint16_t* x, int64_t rows, int64_t groups, int64_t N, const uint8_t* packed,
                const uint16_t* scales, float* y) {
-  const int64_t tiles = (N + kBf16Cols - 1) / kBf16Cols;
+  const int64_t tiles = (N + kBf16Cols - 1) / kBf16Cols, bytes = kQ4 ? 16 : 32, nscales = kQ4 ? 2 : 1;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // More than one row tile (a prefill chunk): decode each column tile once into this buffer for all of them.
+    std::vector<__m512bh> buffer(rows > kBf16Rows ? groups * kBf16Cols : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kBf16Cols, cols = std::min<int64_t>(kBf16Cols, N - n0);
+      const __m512bh* decoded = nullptr;
+      if (!buffer.empty()) {
+        for (int64_t g = 0; g < groups; ++g)
+          for (int c = 0; c < kBf16Cols; ++c) {
+            const int64_t block = (n0 + std::min<int64_t>(c, cols - 1)) * groups + g;
+            buffer[g * kBf16Cols + c] = decode_bf16<kQ4>(packed + block * bytes, scales + block * nscales);
+          }
+        decoded = buffer.data();
+      }
       int64_t r0 = 0;
       for (; r0 + kBf16Rows <= rows; r0 += kBf16Rows)
-        tile_bf16<kQ4, kBf16Rows>(x, r0, groups, N, n0, cols, packed, scales, y);
-      rows_bf16<kQ4, kBf16Rows - 1>(x, r0, rows - r0, groups, N, n0, cols, packed, scales, y);
+        tile_bf16<kQ4, kBf16Rows>(x, r0, groups, N, n0, cols, packed, scales, decoded, y);
+      rows_bf16<kQ4, kBf16Rows - 1>(x, r0, rows - r0, groups, N, n0, cols, packed, scales, decoded, y);
     }
   });
 }
