@@ -122,7 +122,10 @@ def test_decode_steps_match_full_forward(tiny_ours: torch.nn.Module) -> None:
     ids = random_ids(40)
     runner = new_runner(tiny_ours, 12, BLOCK, torch.float32)
     meta = build_step(runner, [SeqStep(ids[30:31], 30, SHUFFLED_BLOCKS)])[0].meta
-    assert meta.num_decode_tokens == 1 and not meta.prefills  # a decode step, not a one-token chunk
+    if runner.attention_kernel:  # the CPU kernel: one query attending to its 31 keys
+        assert meta.token_table.tolist() == [0] and meta.context_lens.tolist() == [31] and not meta.prefills
+    else:
+        assert meta.num_decode_tokens == 1 and not meta.prefills  # a decode step, not a one-token chunk
     expected = full_logits(tiny_ours, ids)
     prefill = run_step(runner, [SeqStep(ids[:30], 0, SHUFFLED_BLOCKS)])[0]
     assert_logits_close(prefill, expected[:30], FP32_REL)
@@ -136,7 +139,10 @@ def test_chunked_prefill_matches_full_forward(tiny_ours: torch.nn.Module) -> Non
     expected = full_logits(tiny_ours, ids)
     runner = new_runner(tiny_ours, 12, BLOCK, torch.float32)
     meta = build_step(runner, [SeqStep(ids[7:14], 7, SHUFFLED_BLOCKS)])[0].meta
-    assert meta.prefills[0].mask is not None  # later chunks attend over the cache
+    if runner.attention_kernel:  # each query of a later chunk attends over the cache up to its own position
+        assert meta.context_lens.tolist() == list(range(8, 15))
+    else:
+        assert meta.prefills[0].mask is not None  # later chunks attend over the cache
     chunks = [run_step(runner, [SeqStep(ids[start:start + 7], start, SHUFFLED_BLOCKS)])[0]
               for start in range(0, 40, 7)]  # 7 × 5 then 5; chunks straddle block boundaries
     assert_logits_close(torch.cat(chunks), expected, FP32_REL)
