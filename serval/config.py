@@ -73,7 +73,8 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: tokens per step and sequences per step."""
 
-    max_num_batched_tokens: int = 512
+    # 256, measured: the mixed workload's ITL p99 686 ms against 1184 at 512, wall time within 1%
+    max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
 
