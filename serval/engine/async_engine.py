@@ -92,6 +92,7 @@ class AsyncEngine:
         thread.start()
         result = loaded.get()
         if isinstance(result, BaseException):
+            thread.join()  # it has nothing left to do: gone before the caller hears why
             raise result
         owner.append(cls(result))
         owner[0]._thread, owner[0]._go = thread, go

@@ -46,10 +46,13 @@ def test_the_loading_thread_steps_the_engine(monkeypatch):
 
 
 def test_a_failed_load_is_raised_to_the_caller_and_leaves_no_thread():
-    before = {t.name for t in threading.enumerate() if t.is_alive()}
+    def engine_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "serval-engine" and t.is_alive()}
+
+    before = engine_threads()
     with pytest.raises(FileNotFoundError):
         AsyncEngine.from_config(EngineConfig(model="/nonexistent/model.gguf"))
-    assert not any(t.name == "serval-engine" and t.is_alive() and t.name not in before for t in threading.enumerate())
+    assert engine_threads() <= before
 
 
 @pytest.mark.slow
