@@ -181,6 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from serval.engine.async_engine import AsyncEngine
+    from serval.engine.core_process import CoreProcessClient
     from serval.server.app import ServerConfig, create_app
     from serval.server.filters import BlocklistFilter, NoFilter
     from serval.server.tls import TLSConfig
@@ -201,11 +202,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("serval.requests").setLevel(logging.WARNING if args.disable_log_requests
                                                   else min(logging.INFO, root_level))
     print(f"serval: loading {server_config.served_model_name} ...", file=sys.stderr, flush=True)
-    engine = AsyncEngine.from_config(config)
+    engine = (AsyncEngine if args.engine_in_process else CoreProcessClient).from_config(config)
     engine.start()
     app = create_app(engine, server_config)
     scheme = "https" if tls.enabled else "http"
-    print(f"serval: engine ready in {engine.engine.load_time:.1f} s; serving on {scheme}://{args.host}:{args.port}",
+    print(f"serval: engine ready in {engine.load_time:.1f} s; serving on {scheme}://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            access_log=False,  # serval.requests has a line per request already
@@ -314,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no per-request log line (by default one INFO line per API request, as JSON)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
+    serve.add_argument("--engine-in-process", action="store_true",
+                       help="step the engine on a thread of the server's process (default: the engine core runs in "
+                       "its own process, and the server's HTTP, tokenizing and detokenizing never wait on its GIL)")
     serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
     serve.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key")
     serve.add_argument("--ssl-keyfile-password", default=None, help="unlocks an encrypted --ssl-keyfile")

@@ -1,4 +1,4 @@
-"""AsyncEngine: the step loop in one background thread, per-request async streams, abort.
+"""AsyncEngine: the EngineClient that steps an LLMEngine (front end and core) on one thread of this process.
 
 Only the engine thread touches the LLMEngine. Callers talk to it through a command queue (add, abort) and
 get outputs through one asyncio queue per request. The model's matmuls release the GIL, so the event loop
@@ -8,55 +8,32 @@ get outputs through one asyncio queue per request. The model's matmuls release t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from serval.config import EngineConfig
+from serval.engine.client import EngineClient, EngineDeadError, RequestStream
+from serval.engine.core import EngineCoreStats
 from serval.engine.engine import LLMEngine
-from serval.outputs import RequestOutput
 from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-@dataclass
-class EngineSnapshot:
-    """What the engine is doing right now, for metrics and the live view (read without locks: approximate)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_blocks: int
-    num_free_blocks: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_preemptions: int
-    num_steps: int
-    last_batch_size: int
-    last_batch_tokens: int
-
-
-@dataclass
-class _Stream:
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    finished: bool = False
-
-
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
+        super().__init__()
         self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.core.info.vocab_size
+        self.context_policy = engine.config.context_policy
+        self.load_time = engine.load_time
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
         # Adds sent to the engine thread that it has not taken yet: they are waiting too, or a burst arriving
         # within one step would all see an empty queue and slip past load shedding.
         self._num_pending_adds = 0
@@ -65,8 +42,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._go: threading.Event | None = None  # set by start() for a thread that loaded the engine and waits
         self.error: BaseException | None = None
-        self.last_batch_size = 0
-        self.last_batch_tokens = 0
         self.last_step_time = time.monotonic()
 
     @classmethod
@@ -123,30 +98,13 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- requests ------------------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Queues a request and yields its outputs until the final one. Raises ValueError (bad input) before the
-        first output. Leaving the loop early (client gone, task cancelled) aborts the request."""
-        stream = await self.add_request(request_id, prompt, params, priority)
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
-
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> _Stream:
+                          priority: int = 0) -> RequestStream:
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
-        stream = _Stream(asyncio.Queue(), loop)
+        stream = RequestStream(asyncio.Queue(), loop)
         with self._pending_lock:
             self._num_pending_adds += 1
         self._commands.put(("add", request_id, prompt, params, priority, stream, accepted))
@@ -162,16 +120,9 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    def snapshot(self) -> EngineSnapshot:
-        e = self.engine
-        kv = e.kv_cache
-        return EngineSnapshot(
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + self._num_pending_adds,
-            kv_cache_usage=kv.usage, num_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
-            prefix_cache_queried_tokens=kv.stats.queried_tokens, prefix_cache_hit_tokens=kv.stats.hit_tokens,
-            num_preemptions=e.scheduler.num_preemptions, num_steps=e.stats.num_steps,
-            last_batch_size=self.last_batch_size, last_batch_tokens=self.last_batch_tokens,
-        )
+    def snapshot(self) -> EngineCoreStats:
+        stats = self.engine.core.snapshot()
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._num_pending_adds)
 
     # -- the engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -184,14 +135,12 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self.last_step_time = time.monotonic()
-                self.last_batch_size = len(self.engine.scheduler.running)
                 for output in outputs:
                     self._deliver(output.request_id, output, output.finished)
         except BaseException as exc:  # the loop is dead: every waiting caller must hear it
             logger.exception("engine loop died")
             self.error = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"engine loop died: {exc}"), True)
+            self._fail_all(EngineDeadError(f"engine loop died: {exc}"))
 
     def _drain_commands(self) -> None:
         while True:
@@ -216,18 +165,6 @@ class AsyncEngine:
             elif command[0] == "abort":
                 if command[1] in self._streams:
                     self.engine.abort_request(command[1])
-
-    def _deliver(self, request_id: str, item, finished: bool) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        if finished:
-            stream.finished = True
-            del self._streams[request_id]
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

@@ -2,8 +2,9 @@
 
 Each step packs running requests first (decodes and unfinished prompt chunks), then admits waiting
 ones, under ``max_num_batched_tokens`` and ``max_num_seqs``. A long prompt is cut into chunks so it
-never stalls running decodes. When blocks run out, the newest running request is preempted: its
-blocks are freed and it is recomputed later (its generated tokens are kept).
+never stalls running decodes. When blocks run out, the least important (highest priority value), newest running
+request is preempted: its blocks are freed and it is recomputed later (its generated tokens are kept). A waiting
+request of higher priority (a lower value) than a running one preempts it when there is no seat or no room.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self.kv_cache.allocate_slots(request, num_new):
-                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                victim = self._least_important_running()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim.request_id in out.num_scheduled_tokens:  # it already had a place in this step
@@ -71,13 +72,31 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+        while self.waiting and budget > 0:
             request = self._next_waiting()
             if request is None:
                 break
+            # No seat or no blocks to spare: only a more important request gets in, by preempting a lesser one.
+            if (len(self.running) >= self.config.max_num_seqs or out.preempted) and not self._outranks(request):
+                break
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request, num_hit_tokens, budget)
-            if num_new == 0 or not self.kv_cache.allocate_slots(request, num_new, hit_blocks):
+            while True:
+                num_new = self._num_new_tokens(request, num_hit_tokens, budget)
+                if num_new == 0:
+                    break
+                if len(self.running) < self.config.max_num_seqs and \
+                        self.kv_cache.allocate_slots(request, num_new, hit_blocks):
+                    break
+                if not self._outranks(request):
+                    num_new = 0
+                    break
+                victim = self._least_important_running()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim.request_id in out.num_scheduled_tokens:
+                    out.scheduled.remove(victim)
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+            if num_new == 0:
                 break
             self.waiting.remove(request)
             self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
@@ -90,6 +109,13 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         return out
+
+    def _least_important_running(self) -> Request:
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+
+    def _outranks(self, request: Request) -> bool:
+        """A waiting request may preempt a running one only of strictly lower priority (a higher value)."""
+        return bool(self.running) and request.priority < self._least_important_running().priority
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advances the scheduled requests by what was computed; appends sampled tokens and checks stops.

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import serval
 from serval.chat import build_chat_prompt
-from serval.engine.async_engine import AsyncEngine, EngineDeadError
+from serval.engine.client import EngineClient, EngineDeadError
 from serval.outputs import RequestOutput
 from serval.server.filters import NoFilter, OutputFilter
 from serval.server.limits import RateLimiter
@@ -65,14 +65,15 @@ class _Choice:
     num_chars: int = 0  # of text sent, the echoed prompt included: where the next token's text_offset starts
     echoed: bool = False
     finish_reason: str | None = None
+    filter_checked: int = 0  # the output filter passed the text up to here
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     app = FastAPI(title="Serval", version=serval.__version__)
     metrics = ServerMetrics(engine)
     limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     state = {"draining": False}
     app.state.engine, app.state.config, app.state.metrics, app.state.flags = engine, config, metrics, state
 
@@ -180,13 +181,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": now(),
-                                            "owned_by": "serval", "max_model_len": engine.engine.max_model_len}]}
+                                            "owned_by": "serval", "max_model_len": engine.max_model_len}]}
 
     @app.get("/engine/state")
     async def engine_state():
         """The live view's data: batch, queue, KV use."""
         s = engine.snapshot()
-        return {**s.__dict__, "max_model_len": engine.engine.max_model_len, "alive": engine.is_alive}
+        return {**s.__dict__, "max_model_len": engine.max_model_len, "alive": engine.is_alive}
 
     @app.get("/")
     async def index():
@@ -201,12 +202,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
             ids = _chat_ids(body.messages, 1)
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         _check_model(body.model)
-        vocab = engine.engine.model.config.vocab_size
+        vocab = engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise OpenAIError(f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
@@ -260,13 +261,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
             if m.get("role") == "developer":
                 m["role"] = "system"
             m.setdefault("content", "")
-        room = engine.engine.max_model_len - max_tokens
+        room = engine.max_model_len - max_tokens
         if room <= 0:  # the chat is not at fault: say so, not "the chat is N tokens, more than -M"
             raise OpenAIError(f"max_tokens={max_tokens} leaves no room for the prompt in this model's context of "
-                              f"{engine.engine.max_model_len} tokens", param="max_tokens",
+                              f"{engine.max_model_len} tokens", param="max_tokens",
                               code="context_length_exceeded")
         try:
-            prompt = build_chat_prompt(tokenizer, as_dicts, room, engine.engine.config.context_policy)
+            prompt = build_chat_prompt(tokenizer, as_dicts, room, engine.context_policy)
             if request is not None and prompt.num_dropped_messages:  # the sliding-window policy says what it did
                 request.state.dropped_messages = prompt.num_dropped_messages
             return prompt.token_ids
@@ -285,7 +286,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
 
     def _check_model_limits(body, params) -> None:
         """What SamplingParams cannot know: this model's vocabulary, and what this server does not do yet."""
-        vocab = engine.engine.model.config.vocab_size
+        vocab = engine.vocab_size
         outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
         if outside:
             raise OpenAIError(f"logit_bias: token ids {outside} are not in the vocabulary [0, {vocab})",
@@ -367,12 +368,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                     for _ in range(new_tokens):
                         metrics.itl.observe((now_t - last_t) / new_tokens)
                     seen[key] = (len(completion.token_ids), now_t)
-                blocked_at = config.output_filter.find(completion.text)
+                # Text before a choice's last safe length is final and was checked: scan only what follows it.
+                blocked_at = config.output_filter.find(completion.text, choice.filter_checked)
                 if blocked_at is not None:
                     completion.text = completion.text[:blocked_at]
                     completion.finish_reason = "content_filter"
                 elif completion.finish_reason is None:  # a word still being written may yet be a blocked one
-                    completion.text = completion.text[:config.output_filter.safe_length(completion.text)]
+                    checked = choice.filter_checked
+                    safe = checked + config.output_filter.safe_length(completion.text[checked:])
+                    completion.text = completion.text[:safe]
+                    choice.filter_checked = safe
             if output.finished or all(c.finish_reason == "content_filter" for c in output.outputs):
                 metrics.e2e.observe(now_t - arrival)
                 if "first_scheduled_time" in output.metrics:

@@ -7,15 +7,16 @@ from typing import Protocol
 
 
 class OutputFilter(Protocol):
-    def find(self, text: str) -> int | None:
-        """Index in ``text`` where disallowed content starts, or None when the text is fine."""
+    def find(self, text: str, start: int = 0) -> int | None:
+        """Index in ``text`` where disallowed content starts, or None when the text is fine. ``start``: where the
+        search begins (a stream passes what an earlier search passed as safe, so no text is scanned twice)."""
 
     def safe_length(self, text: str) -> int:
         """How much of an unfinished text may be shown: what follows could still complete a blocked word."""
 
 
 class NoFilter:
-    def find(self, text: str) -> int | None:
+    def find(self, text: str, start: int = 0) -> int | None:
         return None
 
     def safe_length(self, text: str) -> int:
@@ -32,8 +33,8 @@ class BlocklistFilter:
         self.pattern = re.compile(r"\b(" + "|".join(map(re.escape, words)) + r")\b", re.IGNORECASE)
         self.max_words = max(len(w.split()) for w in words)
 
-    def find(self, text: str) -> int | None:
-        match = self.pattern.search(text)
+    def find(self, text: str, start: int = 0) -> int | None:
+        match = self.pattern.search(text, start)  # \b at ``start`` still sees the character before it
         return None if match is None else match.start()
 
     def safe_length(self, text: str) -> int:

@@ -113,7 +113,7 @@ def test_no_block_owned_after_finished_aborted_and_failed(make_llm):
     engine.add_request("late", PROMPTS[6], SamplingParams(max_tokens=5))
     engine.abort_request("late")  # still waiting
     # A request whose output processing fails: only it ends, with an error.
-    _, sample = engine.samples["r2"]
+    _, sample = engine.outputs.samples["r2"]
 
     def broken(token_id):
         raise RuntimeError("detokenizer exploded")

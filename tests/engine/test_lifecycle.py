@@ -28,7 +28,7 @@ def test_every_request_ends_exactly_once_with_a_finish_reason(make_llm):
     engine.add_request("n3", PROMPTS[1], SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=12))
     engine.add_request("waiting", PROMPTS[2], greedy)
     engine.abort_request("waiting")  # aborted before it ever ran
-    _, broken = engine.samples["r5"]
+    _, broken = engine.outputs.samples["r5"]
 
     def fail(token_id):
         raise RuntimeError("detokenizer exploded")

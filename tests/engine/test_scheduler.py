@@ -299,6 +299,42 @@ def test_lower_priority_value_is_admitted_first_then_arrival_order():
     assert order == ["urgent", "hi", "hi-later", "late-low"]
 
 
+@pytest.mark.parametrize("short_of", ["seats", "blocks"])
+def test_a_more_important_arrival_preempts_a_less_important_running_request(short_of):
+    """No seat (max_num_seqs) or no blocks left: a waiting request of higher priority takes the place of the least
+    important running one, which is recomputed later and still finishes."""
+    seats, blocks = (1, 64) if short_of == "seats" else (4, 4)
+    sched = make_scheduler(max_num_seqs=seats, num_blocks=blocks)
+    low = make_request("low", [1] * 8, max_tokens=8, priority=5)  # 16 tokens: all 4 blocks of the small cache, alone
+    sched.add_request(low)
+    step(sched)
+    step(sched)
+    assert low.status == RequestStatus.RUNNING and len(low.output_token_ids) == 2
+    urgent = make_request("urgent", [3] * 8, max_tokens=8, priority=-1)  # shares no cached prefix with low
+    sched.add_request(urgent)
+    out, _ = step(sched)
+    assert out.preempted == [low] and [r.request_id for r in out.scheduled] == ["urgent"]
+    assert low.status == RequestStatus.PREEMPTED and low.block_ids == []
+    while not urgent.status.finished:  # urgent keeps the place until it is done
+        out, _ = step(sched)
+        assert "low" not in out.num_scheduled_tokens and "urgent" in out.num_scheduled_tokens
+    run_to_completion(sched)
+    assert low.status == urgent.status == RequestStatus.FINISHED_LENGTH
+    assert low.output_token_ids == [1000 + i for i in range(8)]  # recomputed, then carried on where it was
+
+
+def test_an_arrival_of_equal_priority_waits_rather_than_preempting():
+    sched = make_scheduler(max_num_seqs=1)
+    first = make_request("first", 6, max_tokens=8)
+    sched.add_request(first)
+    step(sched)
+    sched.add_request(make_request("second", 6, max_tokens=8))
+    outs = run_to_completion(sched)
+    assert not any(o.preempted for o in outs) and first.num_preemptions == 0
+    # second ran only once first had finished
+    assert [sorted(o.num_scheduled_tokens) for o in outs][:7] == [["first"]] * 7
+
+
 # -- stop conditions ----------------------------------------------------------------------------------------------
 
 

@@ -51,6 +51,8 @@ def test_blocklist_finds_whole_words_only():
     assert f.find("the capital is seoul") is not None  # case-insensitive
     assert f.find("Seoulite cuisine") is None  # a word, not a substring
     assert f.find("a bad phrase here") == 2
+    # A stream searches from where its last search stopped: a word boundary there still sees what precedes it.
+    assert f.find("xSeoul", 1) is None and f.find("x Seoul", 1) == 2 and f.find("Seoul x", 1) is None
 
 
 def test_blocklist_holds_back_what_could_still_become_a_blocked_word():

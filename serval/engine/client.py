@@ -1,0 +1,102 @@
+"""EngineClient: the one interface the server (and later a router) uses to reach an engine.
+
+Two implementations: AsyncEngine (engine/async_engine.py) steps an LLMEngine on a thread of this process;
+CoreProcessClient (engine/core_process.py) keeps the front end here and the EngineCore in its own process. Both
+stream RequestOutputs into one asyncio queue per request; this base class owns those streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from serval.engine.core import EngineCoreStats
+from serval.outputs import RequestOutput
+from serval.sampling_params import SamplingParams
+from serval.tokenizer import Tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass
+class RequestStream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    finished: bool = False
+
+
+class EngineClient:
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    context_policy: str
+    load_time: float
+    error: BaseException | None = None
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+
+    # -- what each implementation provides -----------------------------------------------------------------------
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        raise NotImplementedError
+
+    @property
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Queues a request; raises ValueError for bad input and EngineDeadError when no engine runs."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def snapshot(self) -> EngineCoreStats:
+        """The engine's counters and gauges now (approximate: read without stopping the engine)."""
+        raise NotImplementedError
+
+    # -- shared ----------------------------------------------------------------------------------------------------
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queues a request and yields its outputs until the final one. Raises ValueError (bad input) before the
+        first output. Leaving the loop early (client gone, task cancelled) aborts the request."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, finished: bool) -> None:
+        """Hands an output (or the error that ends the stream) to its request's queue; callable from any thread."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if finished:
+            stream.finished = True
+            self._streams.pop(request_id, None)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._deliver(request_id, error, True)

@@ -1,0 +1,216 @@
+"""EngineCore: the step loop on token ids only (scheduler + runner + KV cache manager).
+
+It knows nothing of text: requests come in as token ids with resolved limits, and every step hands back, for all
+requests at once, the new token ids, their logprobs and the finish reasons. The front end (engine/frontend.py)
+tokenizes, detokenizes, checks stop strings and builds outputs. The same core runs inside LLMEngine (offline,
+tests) and in its own process for `serve` (engine/core_process.py); the messages below are what crosses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from serval.config import EngineConfig
+from serval.engine.kv_cache import KVCacheManager
+from serval.engine.request import Request, RequestStatus
+from serval.engine.runner import ModelRunner, kv_cache_block_bytes
+from serval.engine.scheduler import Scheduler
+from serval.layers.sampler import TokenLogprobs
+from serval.model.loader import load_model
+from serval.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the core takes it: already tokenized and validated, one per sample (n fans out before)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int  # resolved against the context window
+    priority: int = 0
+    group_id: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # Prompt logprobs computed this step: (index of the first prompt token scored, one entry per token).
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    first_scheduled_time: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineCoreStats:
+    """Counters and gauges of the core, sent with every step's outputs (the live view, metrics, load shedding)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0  # tokens run through the model (prompt chunks, recompute, decodes)
+    num_generated_tokens: int = 0
+    num_finished_requests: int = 0
+    num_received_requests: int = 0  # adds taken; the front end subtracts it from the adds it sent
+    last_batch_size: int = 0
+    last_batch_tokens: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: EngineCoreStats
+
+
+@dataclass
+class EngineCoreInfo:
+    """What a front end needs to know of the core it talks to (sent once, when the core is ready)."""
+
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    load_time: float
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_path: str, model=None) -> None:
+        """Loads the model at ``model_path`` (or reuses an already loaded ``model`` of the same dtype and device)."""
+        start = time.perf_counter()
+        self.config = config
+        self.model = model or load_model(model_path, config.torch_dtype, config.device, config.quantization)
+        model_config = self.model.config
+        cache = config.cache
+        num_blocks = cache.num_blocks or int(
+            cache.kv_cache_memory * 2**30 // kv_cache_block_bytes(model_config, cache.block_size, config.torch_dtype))
+        if num_blocks < 2:
+            raise ValueError(f"CacheConfig.kv_cache_memory={cache.kv_cache_memory} GiB holds fewer than 2 blocks")
+        # A request alone must always fit, or preemption could never make room for it.
+        max_model_len = min(config.max_model_len or model_config.max_position, num_blocks * cache.block_size)
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.torch_dtype, config.device)
+        self.stats = EngineCoreStats(num_blocks=num_blocks)
+        self._requests: dict[str, Request] = {}
+        self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
+        self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
+        self.info = EngineCoreInfo(str(model_path), max_model_len, model_config.vocab_size, num_blocks,
+                                   time.perf_counter() - start)
+
+    # -- requests in -------------------------------------------------------------------------------------------
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        """Queues a request. A duplicate id fails that request alone (an error output), never the core."""
+        self.stats.num_received_requests += 1
+        request_id = core_request.request_id
+        if request_id in self._requests:
+            self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error",
+                                                  error=f"request id {request_id!r} is already in use"))
+            return
+        request = Request(request_id, list(core_request.prompt_token_ids), core_request.params,
+                          frozenset(core_request.eos_token_ids), core_request.max_tokens, core_request.priority,
+                          group_id=core_request.group_id, arrival_time=core_request.arrival_time)
+        self._requests[request_id] = request
+        self._unreported.add(request_id)
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Ends requests now and frees their blocks: aborts, and stop strings the front end found. Silent: the front
+        end that asked has finished them already. Unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            self.scheduler.finish_request(request, status)
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """One iteration: schedule, run the batch, advance the requests. Returns an output for every request that
+        got tokens, prompt logprobs or a finish reason, and the core's counters."""
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(outputs, self.snapshot())
+        scheduled = self.scheduler.schedule()
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_scheduled_tokens += scheduled.total_num_scheduled_tokens
+        stats.last_batch_size = len(scheduled.scheduled)
+        stats.last_batch_tokens = scheduled.total_num_scheduled_tokens
+        step_start = time.monotonic()
+        by_id: dict[str, EngineCoreOutput] = {}
+
+        def output_of(request: Request) -> EngineCoreOutput:
+            out = by_id.get(request.request_id)
+            if out is None:
+                out = by_id[request.request_id] = EngineCoreOutput(
+                    request.request_id, [], num_cached_tokens=max(0, request.num_cached_tokens))
+            return out
+
+        for request in scheduled.scheduled:
+            if request.request_id in self._unreported:
+                self._unreported.discard(request.request_id)
+                output_of(request).first_scheduled_time = step_start
+        try:
+            result = self.runner.execute(scheduled)
+        except Exception as exc:  # a failed forward fails its batch, never the engine
+            logger.exception("step failed; failing its %d requests", len(scheduled.scheduled))
+            for request in scheduled.scheduled:
+                if request.status.finished:
+                    continue
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+                self._release(request)
+                out = output_of(request)
+                out.finish_reason, out.error = "error", f"internal error: {exc}"
+            return EngineCoreOutputs(outputs + list(by_id.values()), self.snapshot())
+        scheduled_by_id = {r.request_id: r for r in scheduled.scheduled}
+        for request_id, chunk in result.prompt_logprobs.items():
+            output_of(scheduled_by_id[request_id]).prompt_logprobs = chunk
+        for request in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):
+            out = output_of(request)
+            if request.request_id in result.sampled_token_ids:
+                out.new_token_ids.append(request.output_token_ids[-1])
+                logprobs = result.logprobs.get(request.request_id)
+                if logprobs is not None:
+                    out.new_logprobs = [logprobs]
+            if request.status.finished:
+                out.finish_reason = request.status.value
+                out.stop_reason = request.stop_reason
+                self._release(request)
+        stats.num_generated_tokens += len(result.sampled_token_ids)
+        return EngineCoreOutputs(outputs + list(by_id.values()), self.snapshot())
+
+    def _release(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        self._unreported.discard(request.request_id)
+        self.runner.release(request.request_id)
+        self.stats.num_finished_requests += 1
+
+    def snapshot(self) -> EngineCoreStats:
+        s, kv, scheduler = self.stats, self.kv_cache, self.scheduler
+        s.num_running, s.num_waiting = len(scheduler.running), len(scheduler.waiting)
+        s.num_free_blocks, s.kv_cache_usage = kv.pool.num_free_blocks, kv.usage
+        s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens = kv.stats.queried_tokens, kv.stats.hit_tokens
+        s.num_preemptions = scheduler.num_preemptions
+        return EngineCoreStats(**s.__dict__)

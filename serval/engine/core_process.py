@@ -1,0 +1,312 @@
+"""The EngineCore in its own process, and CoreProcessClient: the front end that talks to it over ZeroMQ.
+
+Why a process: the server's HTTP/SSE loop, tokenizing and detokenizing then never share a GIL with the step
+loop. The front end (this process) binds two ipc:// sockets: it PUSHes adds and finishes to the core, and PULLs
+each step's outputs (token ids, logprobs, finish reasons, the core's counters) back. Frames are msgpack.
+
+The core process exits when told to, when its loop dies (after saying why), or when its parent is gone. The
+front end notices a core that exits for any reason (a kill included) within a poll interval and fails every
+open stream with EngineDeadError: nothing waits on a dead core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+
+import msgpack
+import zmq
+
+from serval.config import EngineConfig
+from serval.engine.client import EngineClient, EngineDeadError, RequestStream
+from serval.engine.core import (
+    EngineCore,
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreStats,
+)
+from serval.engine.frontend import InputProcessor, OutputProcessor
+from serval.engine.request import RequestStatus
+from serval.layers.sampler import TokenLogprobs
+from serval.model.registry import resolve_model_path
+from serval.sampling_params import SamplingParams
+from serval.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 200  # how often an idle side checks that the other is still there
+
+
+# -- frames --------------------------------------------------------------------------------------------------------
+def _logprobs_to_wire(entry: TokenLogprobs | None):
+    return None if entry is None else (entry.token_id, entry.logprob, entry.rank, entry.top)
+
+
+def _logprobs_from_wire(raw) -> TokenLogprobs | None:
+    return None if raw is None else TokenLogprobs(raw[0], raw[1], raw[2], raw[3])
+
+
+def encode_request(r: EngineCoreRequest) -> list:
+    return [r.request_id, r.prompt_token_ids, r.params.__dict__, r.eos_token_ids, r.max_tokens, r.priority,
+            r.group_id, r.arrival_time]
+
+
+def decode_request(raw: list) -> EngineCoreRequest:
+    request_id, prompt, params, eos, max_tokens, priority, group_id, arrival = raw
+    return EngineCoreRequest(request_id, prompt, SamplingParams(**params), eos, max_tokens, priority, group_id,
+                             arrival)
+
+
+def encode_outputs(outputs: EngineCoreOutputs) -> list:
+    rows = []
+    for o in outputs.outputs:
+        logprobs = None if o.new_logprobs is None else [_logprobs_to_wire(e) for e in o.new_logprobs]
+        prompt_logprobs = None
+        if o.prompt_logprobs is not None:
+            prompt_logprobs = (o.prompt_logprobs[0], [_logprobs_to_wire(e) for e in o.prompt_logprobs[1]])
+        rows.append([o.request_id, o.new_token_ids, logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens,
+                     prompt_logprobs, o.first_scheduled_time, o.error])
+    return ["outputs", rows, dataclasses.astuple(outputs.stats)]
+
+
+def decode_outputs(raw: list) -> EngineCoreOutputs:
+    _, rows, stats = raw
+    outputs = []
+    for request_id, tokens, logprobs, finish, stop, cached, prompt_logprobs, scheduled_at, error in rows:
+        if logprobs is not None:
+            logprobs = [_logprobs_from_wire(e) for e in logprobs]
+        if prompt_logprobs is not None:
+            prompt_logprobs = (prompt_logprobs[0], [_logprobs_from_wire(e) for e in prompt_logprobs[1]])
+        outputs.append(EngineCoreOutput(request_id, tokens, logprobs, finish, stop, cached, prompt_logprobs,
+                                        scheduled_at, error))
+    return EngineCoreOutputs(outputs, EngineCoreStats(*stats))
+
+
+def pack(message) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(frame: bytes):
+    # Token ids are map keys (logit_bias, top logprobs); tuples come back as lists.
+    return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+
+
+# -- the core's process --------------------------------------------------------------------------------------------
+def run_engine_core(config: EngineConfig, model_path: str, input_address: str, output_address: str,
+                    parent_pid: int) -> None:
+    """The core process's main: load, say ready (or why not), then take commands and step until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops us in order
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    commands.connect(input_address)
+    results = context.socket(zmq.PUSH)
+    results.connect(output_address)
+    try:
+        core = EngineCore(config, model_path)
+    except BaseException as exc:  # noqa: BLE001 - the front end raises it
+        results.send(pack(["failed", f"{type(exc).__name__}: {exc}"]))
+        results.close(linger=5000)
+        return
+    results.send(pack(["ready", dataclasses.astuple(core.info)]))
+    try:
+        _core_loop(core, commands, results, parent_pid)
+    except BaseException as exc:  # noqa: BLE001 - the loop died: the front end must hear why
+        logger.exception("engine core loop died")
+        results.send(pack(["dead", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"]))
+    finally:
+        results.close(linger=2000)
+        commands.close(linger=0)
+        context.term()
+
+
+def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent_pid: int) -> None:
+    while True:
+        busy = core.has_unfinished_requests()
+        if commands.poll(0 if busy else POLL_MS):
+            while True:
+                try:
+                    message = unpack(commands.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                kind = message[0]
+                if kind == "add":
+                    for raw in message[1]:
+                        core.add_request(decode_request(raw))
+                elif kind == "finish":
+                    core.finish_requests(message[1], RequestStatus(message[2]))
+                elif kind == "shutdown":
+                    return
+        elif not busy:
+            if os.getppid() != parent_pid:  # the server is gone (killed): nobody will read our outputs
+                return
+            continue
+        if core.has_unfinished_requests():
+            results.send(pack(encode_outputs(core.step())))
+        else:  # the commands emptied the core (aborts, stops): no step follows to carry the freed blocks' counters
+            results.send(pack(encode_outputs(EngineCoreOutputs([], core.snapshot()))))
+
+
+# -- the front end's side ------------------------------------------------------------------------------------------
+class CoreProcessClient(EngineClient):
+    """The front end in this process (tokenize, detokenize, stop strings, outputs), the core in another."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        """Starts the core process and returns once it has loaded the model (raises RuntimeError if it fails)."""
+        super().__init__()
+        self.config = config
+        self.context_policy = config.context_policy
+        model_path = resolve_model_path(config.model)
+        self.tokenizer = Tokenizer.load(model_path)
+        self._ipc_dir = tempfile.mkdtemp(prefix="serval-core-")
+        self._zmq = zmq.Context()
+        self._commands = self._zmq.socket(zmq.PUSH)
+        self._commands.bind(f"ipc://{self._ipc_dir}/commands")
+        self._results = self._zmq.socket(zmq.PULL)
+        self._results.bind(f"ipc://{self._ipc_dir}/results")
+        self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe: adds, aborts and stops share it
+        self._lock = threading.Lock()  # the output processor: the output thread and the callers' aborts
+        # A fresh interpreter (no inherited threads or OpenMP pools, and unlike multiprocessing's spawn it never
+        # re-runs the caller's __main__); the settings go over its stdin.
+        self.process = subprocess.Popen([sys.executable, "-m", "serval.engine.core_process"], stdin=subprocess.PIPE)
+        self.process.stdin.write(pickle.dumps((config, model_path, f"ipc://{self._ipc_dir}/commands",
+                                               f"ipc://{self._ipc_dir}/results", os.getpid())))
+        self.process.stdin.close()
+        try:
+            info = self._wait_ready()
+        except BaseException:
+            self._close(kill=True)
+            raise
+        self.info = info
+        self.max_model_len, self.vocab_size, self.load_time = info.max_model_len, info.vocab_size, info.load_time
+        self._inputs = InputProcessor(config, self.tokenizer, info)
+        self._outputs = OutputProcessor(self.tokenizer)
+        self._stats = EngineCoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
+        self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read_outputs, name="serval-core-outputs", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> CoreProcessClient:
+        return cls(config)
+
+    def _wait_ready(self) -> EngineCoreInfo:
+        while True:
+            if self._results.poll(POLL_MS):
+                message = unpack(self._results.recv())
+                if message[0] == "ready":
+                    return EngineCoreInfo(*message[1])
+                raise RuntimeError(f"the engine core failed to load: {message[1]}")
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the engine core process exited with code {self.process.returncode} while "
+                                   "loading")
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self.process.poll() is None:
+            self._send(["shutdown"])
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._close(kill=True)
+
+    def _close(self, kill: bool) -> None:
+        if kill and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)
+        with self._send_lock:
+            self._commands.close(linger=0)
+        if not (hasattr(self, "_thread") and self._thread.is_alive()):
+            self._results.close(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self.process.poll() is None and self._thread.is_alive()
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine core is not running: {self.error}" if self.error else
+                                  "the engine core is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority)  # ValueError
+        stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
+        with self._lock:
+            self._outputs.add(request_id, prompt_text, core_requests)
+            self._streams[request_id] = stream
+            self._num_sent += len(core_requests)
+        self._send(["add", [encode_request(r) for r in core_requests]])
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            output, running = self._outputs.abort(request_id)
+        if output is None:
+            return
+        if running:
+            self._send(["finish", running, RequestStatus.FINISHED_ABORTED.value])
+        self._deliver(request_id, output, True)
+
+    def snapshot(self) -> EngineCoreStats:
+        stats = self._stats
+        pending = max(0, self._num_sent - stats.num_received_requests)  # sent, not yet taken: waiting too
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending)
+
+    def _send(self, message) -> None:
+        frame = pack(message)
+        with self._send_lock:
+            if not self._commands.closed:
+                self._commands.send(frame)
+
+    # -- the output thread ---------------------------------------------------------------------------------------
+    def _read_outputs(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._results.poll(POLL_MS):
+                    if self.process.poll() is not None:
+                        raise EngineDeadError(f"the engine core process exited with code {self.process.returncode}")
+                    continue
+                message = unpack(self._results.recv())
+                if message[0] == "dead":
+                    raise EngineDeadError(f"engine core loop died: {message[1]}")
+                core_outputs = decode_outputs(message)
+                with self._lock:
+                    outputs, ended_here = self._outputs.process(core_outputs.outputs)
+                    self._stats = core_outputs.stats
+                if ended_here:  # stop strings (and output failures) end the core's requests too
+                    self._send(["finish", ended_here, RequestStatus.FINISHED_STOPPED.value])
+                for output in outputs:
+                    self._deliver(output.request_id, output, output.finished)
+        except BaseException as exc:  # noqa: BLE001 - every open stream hears it; nothing hangs
+            if not self._stop.is_set():
+                logger.error("engine core is gone: %s", exc)
+                self.error = exc
+                self._fail_all(exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc)))
+        finally:
+            self._results.close(linger=0)
+
+
+if __name__ == "__main__":  # the core process: `python -m serval.engine.core_process`, settings on stdin
+    run_engine_core(*pickle.loads(sys.stdin.buffer.read()))

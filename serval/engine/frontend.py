@@ -1,0 +1,234 @@
+"""The engine's front end: text in and out around an EngineCore that knows only token ids.
+
+InputProcessor tokenizes and validates a request and fans its n samples out into EngineCoreRequests;
+OutputProcessor turns the core's per-step token ids into RequestOutputs (incremental detokenizing, stop strings,
+logprobs, n samples gathered back into one output). Both run wherever the front end runs: beside the core in
+LLMEngine, or in the server's process while the core steps in its own (engine/core_process.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from serval.config import EngineConfig
+from serval.engine.core import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
+from serval.layers.sampler import TokenLogprobs
+from serval.outputs import CompletionOutput, RequestOutput
+from serval.sampling_params import SamplingParams
+from serval.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, info: EngineCoreInfo) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = sorted(tokenizer.eos_token_ids)
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                priority: int = 0) -> tuple[str | None, list[EngineCoreRequest]]:
+        """(the prompt's text, one core request per sample). Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        prompt_text, prompt_ids = self._prompt_token_ids(prompt)
+        max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
+        arrival = time.monotonic()
+        requests = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child_params = params
+            if params.n > 1 and (params.seed is not None or params.prompt_logprobs is not None):
+                changes: dict = {"n": 1}
+                if params.seed is not None:  # distinct but reproducible samples
+                    changes["seed"] = params.seed + index
+                if index > 0:  # the first sample scores the prompt; the others share its cached blocks
+                    changes["prompt_logprobs"] = None
+                child_params = SamplingParams(**{**params.__dict__, **changes})
+            requests.append(EngineCoreRequest(child_id, prompt_ids, child_params, self.eos_token_ids, max_tokens,
+                                              priority, request_id if params.n > 1 else None, arrival))
+        return prompt_text, requests
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.vocab_size
+        for token in prompt:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise ValueError(f"prompt token id {token!r} is not in the vocabulary [0, {vocab})")
+        return None, list(prompt)
+
+    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        scheduler = self.config.scheduler
+        if not scheduler.enable_chunked_prefill and num_prompt_tokens > scheduler.max_num_batched_tokens:
+            raise ValueError(f"prompt is {num_prompt_tokens} tokens, more than max_num_batched_tokens="
+                             f"{scheduler.max_num_batched_tokens}, and chunked prefill is off")
+        # A prompt may fill the whole context only when nothing is generated after it (max_tokens 0).
+        if num_prompt_tokens > limit or (num_prompt_tokens == limit and params.max_tokens != 0):
+            raise ValueError(f"prompt is {num_prompt_tokens} tokens; this model's context is {limit} tokens")
+        if params.max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens is more "
+                             f"than this model's context of {limit} tokens")
+        return params.max_tokens
+
+
+@dataclass
+class _Sample:
+    """Output-side state of one sample (one core request)."""
+
+    request_id: str
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """A user request: its prompt and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # grows chunk by chunk; the first entry is None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, _Group] = {}
+        self.samples: dict[str, tuple[_Group, _Sample]] = {}
+
+    def add(self, request_id: str, prompt: str | None, core_requests: list[EngineCoreRequest]) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        first = core_requests[0]
+        group = _Group(request_id, prompt, first.prompt_token_ids, [], arrival_time=first.arrival_time,
+                       prompt_logprobs=[None] if first.params.prompt_logprobs is not None else None)
+        for core_request in core_requests:
+            params = core_request.params
+            group.samples.append(_Sample(core_request.request_id, params,
+                                         IncrementalDetokenizer(self.tokenizer, first.prompt_token_ids),
+                                         logprobs=[] if params.logprobs is not None else None))
+        self.groups[request_id] = group
+        for sample in group.samples:
+            self.samples[sample.request_id] = (group, sample)
+
+    def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """Ends a request here: (its final output with finish_reason "abort", the core requests still running).
+        (None, []) for an unknown or finished id."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None, []
+        unfinished = [s.request_id for s in group.samples if s.finish_reason is None]
+        for sample in group.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        return self._finish(group), unfinished
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """(an output for every request that advanced or finished, the core requests that a stop string ended:
+        the core must finish them too)."""
+        touched: dict[str, _Group] = {}
+        stopped: list[str] = []
+        for out in core_outputs:
+            entry = self.samples.get(out.request_id)
+            if entry is None:
+                continue  # aborted here while the core computed it
+            group, sample = entry
+            if sample.finish_reason is not None:
+                continue
+            touched[group.request_id] = group
+            try:
+                if self._process(group, sample, out):
+                    stopped.append(sample.request_id)
+            except Exception as exc:  # e.g. a detokenizer failure: only this request pays
+                sample.finish_reason = "error"
+                group.error = f"output processing failed: {exc}"
+                stopped.append(sample.request_id)
+        outputs = [self._finish(g) if g.finished else self._output(g) for g in touched.values()]
+        return outputs, stopped
+
+    def _process(self, group: _Group, sample: _Sample, out: EngineCoreOutput) -> bool:
+        """Applies one core output to a sample; True when a stop string ended it here."""
+        if out.first_scheduled_time is not None and group.first_scheduled_time is None:
+            group.first_scheduled_time = out.first_scheduled_time
+        sample.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            first, entries = out.prompt_logprobs
+            del group.prompt_logprobs[first:]  # a chunk computed again after a preemption replaces its entries
+            group.prompt_logprobs.extend(entries)
+        if out.error is not None:
+            sample.finish_reason = "error"
+            group.error = out.error
+            return False
+        if out.new_token_ids and group.first_token_time is None:
+            group.first_token_time = time.monotonic()
+        previous_len = len(sample.text)
+        for token_id in out.new_token_ids:
+            sample.token_ids.append(token_id)
+            sample.text += sample.detokenizer.add(token_id)
+        if sample.logprobs is not None and out.new_logprobs:
+            sample.logprobs.extend(out.new_logprobs)
+        stops = sample.params.stop
+        if stops and out.new_token_ids:
+            window_start = max(0, previous_len - max(map(len, stops)) + 1)
+            for stop in stops:
+                at = sample.text.find(stop, window_start)
+                if at != -1:
+                    keep = at + len(stop) if sample.params.include_stop_str_in_output else at
+                    sample.text = sample.text[:keep]
+                    sample.finish_reason, sample.stop_reason = "stop", stop
+                    return out.finish_reason is None
+        if out.finish_reason is not None:
+            sample.text += sample.detokenizer.flush()  # bytes of a character the output cut in half
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _finish(self, group: _Group) -> RequestOutput:
+        for sample in group.samples:
+            self.samples.pop(sample.request_id, None)
+        self.groups.pop(group.request_id, None)
+        return self._output(group)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for index, sample in enumerate(group.samples):
+            text = sample.text
+            stops = sample.params.stop
+            if sample.finish_reason is None and stops:  # hold back a possible stop string's beginning
+                text = text[: max(0, len(text) - max(map(len, stops)) + 1)]
+            completions.append(CompletionOutput(index, text, list(sample.token_ids), sample.finish_reason,
+                                                sample.stop_reason,
+                                                list(sample.logprobs) if sample.logprobs is not None else None))
+        metrics = {"arrival_time": group.arrival_time, "now": time.monotonic()}
+        if group.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = group.first_scheduled_time
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             group.samples[0].num_cached_tokens, group.finished, group.error, metrics,
+                             prompt_logprobs)

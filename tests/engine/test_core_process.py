@@ -1,0 +1,174 @@
+"""The engine core in its own process (CoreProcessClient over ZeroMQ): the same outputs as the in-process engine
+in the default configuration, aborts and stop strings free the core's blocks, a core that dies or fails to load is
+reported and never waited on. The frames' round trip is checked without a model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from real_model import requires_model
+
+from serval import SamplingParams
+from serval.config import CacheConfig, EngineConfig, SchedulerConfig
+from serval.engine import core_process
+from serval.engine.client import EngineDeadError
+from serval.engine.core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
+from serval.engine.core_process import (
+    CoreProcessClient,
+    decode_outputs,
+    decode_request,
+    encode_outputs,
+    encode_request,
+    pack,
+    unpack,
+)
+from serval.layers.sampler import TokenLogprobs
+
+NUM_BLOCKS = 64
+PROMPTS = ["The capital city of France is", "def fibonacci(n):", "Once upon a time, there lived",
+           "A list of fruits: apple, banana,"]
+REQUESTS = [  # (prompt index, params): greedy, sampled and seeded with n, stop strings, logprobs, prompt logprobs
+    (0, SamplingParams(temperature=0, max_tokens=24, logprobs=2)),
+    (1, SamplingParams(temperature=0, max_tokens=24, stop=["return"])),
+    (2, SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=16)),
+    (3, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1)),
+]
+
+
+def _config() -> EngineConfig:
+    """The default dtype and quantization (what `serve` runs), with a small cache."""
+    return EngineConfig(max_model_len=512, cache=CacheConfig(num_blocks=NUM_BLOCKS),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=512))
+
+
+@pytest.fixture(scope="module")
+def client():
+    client = CoreProcessClient.from_config(_config())
+    client.start()
+    yield client
+    client.shutdown()
+    assert client.process.poll() is not None  # shut down means gone
+
+
+async def _final(client, request_id, prompt, params):
+    outputs = [out async for out in client.generate(request_id, prompt, params)]
+    assert [o.finished for o in outputs].count(True) == 1 and outputs[-1].finished
+    return outputs[-1]
+
+
+@pytest.mark.slow
+@requires_model
+def test_outputs_equal_the_in_process_engine_in_the_default_configuration(client, make_llm):
+    config = _config()
+    llm = make_llm(dtype=str(config.torch_dtype).removeprefix("torch."), num_blocks=NUM_BLOCKS, max_model_len=512)
+    expected = [llm.generate(PROMPTS[i], params, use_tqdm=False)[0] for i, params in REQUESTS]
+
+    async def run_all():
+        return await asyncio.gather(*[_final(client, f"r{k}", PROMPTS[i], params)
+                                      for k, (i, params) in enumerate(REQUESTS)])
+
+    got = asyncio.run(run_all())
+    for want, have in zip(expected, got):
+        assert have.prompt_token_ids == want.prompt_token_ids
+        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in have.outputs] == \
+               [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in want.outputs]
+        assert [c.logprobs for c in have.outputs] == [c.logprobs for c in want.outputs]
+        assert have.prompt_logprobs == want.prompt_logprobs
+    assert got[1].outputs[0].finish_reason == "stop" and got[1].outputs[0].stop_reason == "return"
+    assert len(got[2].outputs) == 2 and got[0].outputs[0].logprobs and got[3].prompt_logprobs
+    assert got[0].metrics["first_scheduled_time"] >= got[0].metrics["arrival_time"]
+    _wait_all_blocks_free(client)
+
+
+@pytest.mark.slow
+@requires_model
+def test_an_abort_and_a_bad_request_touch_nothing_else(client):
+    async def scenario():
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        keeper = asyncio.ensure_future(_final(client, "keep", PROMPTS[0], SamplingParams(temperature=0,
+                                                                                           max_tokens=20)))
+        seen = 0
+        async for _ in client.generate("leaver", PROMPTS[1], long):
+            seen += 1
+            if seen == 3:
+                break  # the caller leaves: the stream aborts the request in the core
+        with pytest.raises(ValueError, match="vocabulary"):
+            await _final(client, "bad", [10**9], long)
+        with pytest.raises(ValueError, match="context"):
+            await _final(client, "too-long", PROMPTS[0], SamplingParams(max_tokens=10_000))
+        return await keeper
+
+    kept = asyncio.run(scenario())
+    assert kept.outputs[0].finish_reason == "length" and len(kept.outputs[0].token_ids) == 20
+    stats = _wait_all_blocks_free(client)
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def _wait_all_blocks_free(client, timeout: float = 10.0) -> EngineCoreStats:
+    """The core frees a request's blocks when its finish arrives and sends its counters after."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.snapshot()
+        if stats.num_free_blocks == stats.num_blocks or time.monotonic() > deadline:
+            assert stats.num_free_blocks == stats.num_blocks, stats
+            return stats
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@requires_model
+def test_a_killed_core_fails_open_streams_and_new_requests_at_once():
+    client = CoreProcessClient.from_config(_config())
+    client.start()
+    try:
+        async def scenario():
+            params = SamplingParams(max_tokens=400, ignore_eos=True)
+            stream = client.generate("victim", PROMPTS[0], params)
+            await stream.__anext__()
+            os.kill(client.process.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="exited"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - started < 30  # told, not left hanging
+            with pytest.raises(EngineDeadError):
+                await _final(client, "late", PROMPTS[0], params)
+
+        asyncio.run(scenario())
+        assert not client.is_alive and "exited" in str(client.error)
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.slow
+@requires_model
+def test_a_core_that_cannot_load_is_an_error_naming_the_cause(monkeypatch):
+    """The core process loads the model, then finds no room for a KV cache: the caller gets the core's own
+    error, and the process is gone."""
+    started = []
+    real_popen = core_process.subprocess.Popen
+    monkeypatch.setattr(core_process.subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k))
+                        or started[-1])
+    with pytest.raises(RuntimeError, match="failed to load: ValueError: .*fewer than 2 blocks"):
+        CoreProcessClient.from_config(EngineConfig(cache=CacheConfig(kv_cache_memory=1e-6)))
+    assert len(started) == 1 and started[0].wait(10) is not None
+
+
+def test_frames_round_trip():
+    params = SamplingParams(temperature=0.5, top_k=5, seed=3, stop=["\n\n"], stop_token_ids=[2], max_tokens=9,
+                            logit_bias={17: -100.0, 49151: 5.5}, logprobs=2, prompt_logprobs=0)
+    request = EngineCoreRequest("r#1", [1, 2, 3], params, [0, 2], 9, priority=-1, group_id="r", arrival_time=12.5)
+    again = decode_request(unpack(pack(encode_request(request))))
+    assert again == request and again.params.logit_bias == {17: -100.0, 49151: 5.5}
+
+    entry = TokenLogprobs(42, -0.25, 1, {42: -0.25, 7: -1.5})
+    outputs = EngineCoreOutputs(
+        [EngineCoreOutput("a", [42], [entry], "stop", 2, 16, (1, [entry, entry]), 3.0, None),
+         EngineCoreOutput("b", [], None, "error", None, 0, None, None, "boom")],
+        EngineCoreStats(num_running=1, num_waiting=2, num_blocks=8, num_free_blocks=3, kv_cache_usage=0.625,
+                        num_steps=5, num_received_requests=2))
+    assert decode_outputs(unpack(pack(encode_outputs(outputs)))) == outputs
