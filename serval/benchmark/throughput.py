@@ -2,7 +2,7 @@
 Hugging Face transformers on the same weights and prompts, in one run (only ratios from one run compare: a shared
 machine's speed drifts between runs).
 
-    serval bench throughput --num-prompts 16 --output-tokens 128 [--dtype bfloat16] [--quantization int8]
+    serval bench throughput --num-prompts 16 --output-tokens 128 [--dtype bfloat16] [--quantization none]
 
 Both generate greedily exactly ``--output-tokens`` tokens per prompt (EOS ignored) after a short warm-up;
 tokens/s is generated tokens over wall time, prompt processing included.
@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 
 from serval.benchmark.workloads import parse_range, prose
+from serval.config import QUANTIZATION_CHOICES
 
 
 def run_serval(args: argparse.Namespace, prompts: list[str]) -> tuple[dict, object]:
     from serval.engine.llm import LLM
+    from serval.model.loader import resolve_quantization
     from serval.sampling_params import SamplingParams
 
     start = time.perf_counter()
@@ -32,8 +34,10 @@ def run_serval(args: argparse.Namespace, prompts: list[str]) -> tuple[dict, obje
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    config = llm.engine.config
-    return ({"dtype": config.dtype, "quantization": config.quantization, "load_s": load_s,
+    config, path = llm.engine.config, llm.engine.model_path
+    dtype = str(config.torch_dtype).removeprefix("torch.")  # "auto" resolved, as the engine did
+    quantization = resolve_quantization(path, config.device, config.torch_dtype, config.quantization)
+    return ({"dtype": dtype, "quantization": quantization, "load_s": load_s,
              "generated_tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed},
             llm.engine.model_path)
 
@@ -70,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="Serval's dtype; transformers runs in the dtype it resolves to")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--quantization", default=None, choices=["int8"], help="Serval's weight-only int8 linears")
+    parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
+                        help="Serval's weights: auto (a GGUF's 4/8-bit blocks as stored, on the CPU), none "
+                        "(dequantized), gguf, int8 (weight-only)")
     parser.add_argument("--num-prompts", type=int, default=16, help="prompts generated as one batch")
     parser.add_argument("--input-words", default="10:40", help="prompt length range in words, LOW:HIGH")
     parser.add_argument("--output-tokens", type=int, default=128, help="tokens generated per prompt")
@@ -94,15 +100,16 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     serval, model_path = run_serval(args, prompts)
     results = {"machine": machine, "num_prompts": args.num_prompts, "input_words": [low, high],
                "output_tokens": args.output_tokens, "model": str(model_path), "serval": serval}
-    print(f"{'':<14}{'dtype':>10}{'tokens':>9}{'seconds':>9}{'tok/s':>9}")
-    print(f"{'serval':<14}{serval['dtype'] + ('+int8' if serval['quantization'] else ''):>10}"
+    print(f"{'':<14}{'weights':>14}{'tokens':>9}{'seconds':>9}{'tok/s':>9}")
+    form = serval["dtype"] + ("" if serval["quantization"] == "none" else "+" + serval["quantization"])
+    print(f"{'serval':<14}{form:>14}"
           f"{serval['generated_tokens']:>9}{serval['seconds']:>9.2f}{serval['tokens_per_s']:>9.1f}", flush=True)
     if not args.no_hf:
         hf = run_transformers(Path(model_path), args.hf_dtype or serval["dtype"], args.device, prompts,
                               args.output_tokens)
         results["transformers"] = hf
         results["serval_vs_transformers"] = serval["tokens_per_s"] / hf["tokens_per_s"]
-        print(f"{'transformers':<14}{hf['dtype']:>10}{hf['generated_tokens']:>9}{hf['seconds']:>9.2f}"
+        print(f"{'transformers':<14}{hf['dtype']:>14}{hf['generated_tokens']:>9}{hf['seconds']:>9.2f}"
               f"{hf['tokens_per_s']:>9.1f}")
         print(f"serval / transformers: {results['serval_vs_transformers']:.2f}x")
     if args.output:
