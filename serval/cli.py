@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+from serval.benchmark import quality as quality_benchmark
 from serval.benchmark import serve as serve_benchmark  # light: the flags; torch and openai load when a run starts
 from serval.benchmark import throughput as throughput_benchmark
 from serval.sampling_params import SamplingParams
@@ -343,6 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers on the same weights and prompts.")
     throughput_benchmark.add_arguments(bench_throughput)
     bench_throughput.set_defaults(func=throughput_benchmark.cmd_bench_throughput)
+    bench_quality = bench_sub.add_parser(
+        "quality", formatter_class=DefaultsHelpFormatter,
+        help="perplexity and greedy agreement of each weight form (dtype, quantization) against float32",
+        description="Perplexity of a fixed text (Python's library reference topics) and greedy agreement with the "
+        "float32 dequantized reference, for each weight form, through the engine.")
+    quality_benchmark.add_arguments(bench_quality)
+    bench_quality.set_defaults(func=quality_benchmark.cmd_bench_quality)
 
     models = add_verb("models", "list the models Serval can load")
     models.set_defaults(func=cmd_models)
