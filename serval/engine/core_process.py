@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from pathlib import Path
 
 import msgpack
 import zmq
@@ -180,7 +181,12 @@ class CoreProcessClient(EngineClient):
         self._lock = threading.Lock()  # the output processor: the output thread and the callers' aborts
         # A fresh interpreter (no inherited threads or OpenMP pools, and unlike multiprocessing's spawn it never
         # re-runs the caller's __main__); the settings go over its stdin.
-        self.process = subprocess.Popen([sys.executable, "-m", "serval.engine.core_process"], stdin=subprocess.PIPE)
+        # The child imports this very serval (a checkout run without installing it, a worktree beside another).
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
+        self.process = subprocess.Popen([sys.executable, "-m", "serval.engine.core_process"], stdin=subprocess.PIPE,
+                                        env=env)
         self.process.stdin.write(pickle.dumps((config, model_path, f"ipc://{self._ipc_dir}/commands",
                                                f"ipc://{self._ipc_dir}/results", os.getpid())))
         self.process.stdin.close()
