@@ -16,6 +16,8 @@ exited. Servers:
     .venv/bin/python benchmarks/run_peers.py --servers serval,llama.cpp --num-requests 2 --output-tokens 8 \\
         --input-words 40 --prefix-words 50                                     # a smoke run, under a minute
     .venv/bin/python benchmarks/run_peers.py --serval serval= --serval "serval-int8=--quantization int8"
+    .venv/bin/python benchmarks/run_peers.py --servers serval,serval-ngram --serval serval= \\
+        --serval "serval-ngram=--speculative-model ngram" --workloads grounded-1,grounded-16,chat-1,chat-16
 
 Only ratios from one run mean anything: a shared machine's speed drifts between runs.
 """
@@ -58,6 +60,7 @@ class Workload:
     concurrency: int
     metrics: list[tuple[str, str, bool]]  # (label, summary key path, higher is better)
     ignore_eos: bool = True
+    chat: bool = False  # /v1/chat/completions (the model's chat template) instead of /v1/completions
 
 
 def suite(args: argparse.Namespace) -> list[Workload]:
@@ -80,9 +83,22 @@ def suite(args: argparse.Namespace) -> list[Workload]:
         Workload("shared-prefix", sized(WorkloadConfig("prefix", 16, (10, 20), (32, 32), prefix_words=600, seed=4)),
                  4, [("TTFT p50 ms", "ttft_ms.p50", False)]),
     ]
+    # Speculative decoding's workloads, run only when named (--workloads): chat answers that quote or edit a given
+    # text (where prompt lookup guesses well) and free chat (ShareGPT), greedy, one stream and 16.
+    greedy_chat = dict(ignore_eos=False, chat=True)
+    spec_workloads = [
+        Workload("grounded-1", sized(WorkloadConfig("grounded", 4, (80, 160), (64, 256), seed=5)), 1, [tok_s],
+                 **greedy_chat),
+        Workload("grounded-16", sized(WorkloadConfig("grounded", 32, (80, 160), (64, 256), seed=6)), 16, [tok_s],
+                 **greedy_chat),
+        Workload("chat-1", sized(WorkloadConfig("sharegpt", 4, (10, 200), (64, 256), seed=7)), 1, [tok_s],
+                 **greedy_chat),
+        Workload("chat-16", sized(WorkloadConfig("sharegpt", 32, (10, 200), (64, 256), seed=8)), 16, [tok_s],
+                 **greedy_chat),
+    ]
     if args.workloads:
         wanted = args.workloads.split(",")
-        workloads = [w for w in workloads if w.name in wanted]
+        workloads = [w for w in workloads + spec_workloads if w.name in wanted]
     return workloads
 
 
@@ -203,7 +219,8 @@ def run_server(server: Server, workloads: list[Workload], log_dir: Path, timeout
             if server.workloads is not None and w.name not in server.workloads:
                 continue
             config = ServeBenchConfig(
-                endpoint=Endpoint(base_url=f"http://127.0.0.1:{port}/v1", model=MODEL_NAME, ignore_eos=w.ignore_eos),
+                endpoint=Endpoint(base_url=f"http://127.0.0.1:{port}/v1", model=MODEL_NAME, ignore_eos=w.ignore_eos,
+                                  chat=w.chat),
                 workload=w.workload, load=LoadConfig(concurrency=w.concurrency, seed=w.workload.seed),
                 warmup_requests=2)
             report = run_serve_benchmark(config, progress=False)
@@ -288,7 +305,8 @@ def main() -> None:
                         "int8' (repeatable; default: serval=)")
     parser.add_argument("--servers", default=None, help="comma-separated server names to run (default: all found)")
     parser.add_argument("--workloads", default=None,
-                        help="comma-separated: single, decode-heavy, mixed, shared-prefix (default: all)")
+                        help="comma-separated: single, decode-heavy, mixed, shared-prefix (default: these four); "
+                        "speculative decoding's: grounded-1, grounded-16, chat-1, chat-16")
     parser.add_argument("--num-requests", type=int, default=None, help="requests per workload (smaller: faster)")
     parser.add_argument("--output-tokens", type=int, default=None, help="caps every workload's output lengths")
     parser.add_argument("--input-words", type=int, default=None, help="caps every workload's prompt lengths")

@@ -38,6 +38,14 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "for a GGUF file with such blocks, else none")
     parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
                         help="a chat longer than the context: reject it, or drop the oldest turns")
+    parser.add_argument("--speculative-model", default=None, choices=["ngram"],
+                        help="speculative decoding: ngram guesses the next tokens by prompt lookup, and one forward "
+                        "checks them (output unchanged; default: off)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens guessed per step")
+    parser.add_argument("--ngram-prompt-lookup-max", type=int, default=4, help="longest n-gram looked up")
+    parser.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram looked up")
+    parser.add_argument("--speculative-max-batch-size", type=int, default=4,
+                        help="speculate only while at most this many requests run")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +62,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace):
     """The engine flags, shared by serve, generate and chat, as one EngineConfig."""
-    from serval.config import CacheConfig, EngineConfig, SchedulerConfig
+    from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -63,6 +71,11 @@ def _engine_config(args: argparse.Namespace):
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
+        speculative=SpeculativeConfig(method=args.speculative_model,
+                                      num_speculative_tokens=args.num_speculative_tokens,
+                                      prompt_lookup_max=args.ngram_prompt_lookup_max,
+                                      prompt_lookup_min=args.ngram_prompt_lookup_min,
+                                      max_batch_size=args.speculative_max_batch_size),
     )
 
 

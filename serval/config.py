@@ -87,6 +87,39 @@ class SchedulerConfig:
 
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses the next tokens, one target forward checks them all.
+
+    ``method`` None is off; "ngram" proposes by prompt lookup: the tokens that followed the latest earlier occurrence
+    of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``)."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # Speculate only while at most this many requests run: a large batch is compute-bound already, and verifying
+    # guesses would cost more than they save.
+    max_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"SpeculativeConfig.method must be one of {list(SPECULATIVE_METHODS)} or None, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpeculativeConfig.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("SpeculativeConfig.prompt_lookup_min must be <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} > {self.prompt_lookup_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
 
 
 @dataclass
@@ -104,6 +137,7 @@ class EngineConfig:
     quantization: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

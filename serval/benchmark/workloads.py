@@ -11,7 +11,7 @@ import random
 import re
 from dataclasses import dataclass
 
-WORKLOADS = ("random", "sharegpt", "prefix")
+WORKLOADS = ("random", "sharegpt", "prefix", "grounded")
 
 # Plain English words for the seeded prose: any tokenizer splits them the way it splits real text.
 _NOUNS = ("river", "city", "garden", "machine", "teacher", "ocean", "library", "mountain", "engine", "market",
@@ -23,6 +23,10 @@ _ADJECTIVES = ("quiet", "old", "bright", "narrow", "patient", "distant", "warm",
                "careful", "tired", "golden", "strange", "gentle", "northern", "hidden", "early")
 _TAILS = ("before the rain", "every morning", "near the old wall", "after dinner", "in the spring",
           "without a word", "for the first time", "under the stars", "along the shore", "at the end of the day")
+# The grounded workload's tasks: the answer quotes or edits the given text (where prompt-lookup guesses pay).
+_GROUNDED_TASKS = ("Repeat the following text exactly, word for word:", "Copy this passage without changing it:",
+                   "Rewrite the text below with every sentence on its own line:",
+                   "Quote the following paragraph in full:")
 _QUESTIONS = ("What happens to the {n} in the story?", "Why does the {a} {n} matter here?",
               "Summarize what the {n} does, in one paragraph.", "Who {v} the {n}, and when?",
               "Describe the {a} {n} in your own words.", "What would change without the {n}?")
@@ -81,6 +85,13 @@ def build_requests(config: WorkloadConfig) -> list[BenchRequest]:
     if config.name == "random":
         return [BenchRequest(prose(rng, rng.randint(*config.input_words)), rng.randint(*config.output_tokens))
                 for _ in range(config.num_requests)]
+    if config.name == "grounded":  # output about as long as the text it quotes: 4/3 tokens a word
+        requests = []
+        for _ in range(config.num_requests):
+            text = prose(rng, rng.randint(*config.input_words))
+            tokens = min(config.output_tokens[1], max(config.output_tokens[0], round(len(text.split()) * 4 / 3)))
+            requests.append(BenchRequest(f"{rng.choice(_GROUNDED_TASKS)}\n\n{text}", tokens))
+        return requests
     if config.name == "prefix":
         system = "Read this story, then answer the question after it.\n\n" + prose(rng, config.prefix_words)
         return [BenchRequest(question(rng, rng.randint(*config.input_words)), rng.randint(*config.output_tokens),

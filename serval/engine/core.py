@@ -17,6 +17,7 @@ from serval.engine.kv_cache import KVCacheManager
 from serval.engine.request import Request, RequestStatus
 from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler
+from serval.engine.spec_decode import NgramProposer
 from serval.layers.sampler import TokenLogprobs
 from serval.model.loader import load_model
 from serval.sampling_params import SamplingParams
@@ -71,6 +72,12 @@ class EngineCoreStats:
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
     num_received_requests: int = 0  # adds taken; the front end subtracts it from the adds it sent
+    # Speculative decoding: steps that checked a request's guesses, guesses checked, guesses accepted, and how
+    # often the guess at each position (1st, 2nd, ...) was accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     last_batch_size: int = 0
     last_batch_tokens: int = 0
 
@@ -110,6 +117,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.torch_dtype, config.device)
         self.stats = EngineCoreStats(num_blocks=num_blocks)
+        self.max_model_len = max_model_len
+        self.speculative = config.speculative
+        self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
+        self.stats.spec_accepted_per_position = [0] * config.speculative.num_speculative_tokens
         self._requests: dict[str, Request] = {}
         self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
         self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
@@ -187,24 +198,56 @@ class EngineCore:
         scheduled_by_id = {r.request_id: r for r in scheduled.scheduled}
         for request_id, chunk in result.prompt_logprobs.items():
             output_of(scheduled_by_id[request_id]).prompt_logprobs = chunk
+        before = {r.request_id: len(r.output_token_ids) for r in scheduled.scheduled}
         for request in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):
             out = output_of(request)
-            if request.request_id in result.sampled_token_ids:
-                out.new_token_ids.append(request.output_token_ids[-1])
+            new_tokens = request.output_token_ids[before[request.request_id]:]
+            if new_tokens:
+                out.new_token_ids += new_tokens
+                stats.num_generated_tokens += len(new_tokens)
                 logprobs = result.logprobs.get(request.request_id)
                 if logprobs is not None:
-                    out.new_logprobs = [logprobs]
+                    out.new_logprobs = logprobs[: len(new_tokens)]
             if request.status.finished:
                 out.finish_reason = request.status.value
                 out.stop_reason = request.stop_reason
                 self._release(request)
-        stats.num_generated_tokens += len(result.sampled_token_ids)
+        self._count_accepted(scheduled, result.sampled_token_ids)
+        if self.proposer is not None:
+            self._propose()
         return EngineCoreOutputs(outputs + list(by_id.values()), self.snapshot())
+
+    # -- speculative decoding ------------------------------------------------------------------------------------
+    def _propose(self) -> None:
+        """Guesses the next tokens of every running request past its prompt, while the batch is small enough for
+        guesses to pay (SpeculativeConfig.max_batch_size)."""
+        running = self.scheduler.running
+        if len(running) > self.speculative.max_batch_size:
+            return
+        for request in running:
+            if request.num_computed_tokens != request.num_tokens - 1 or request.max_tokens == 0:
+                continue  # still computing its prompt (or recomputing after a preemption)
+            room = min(self.speculative.num_speculative_tokens,
+                       request.max_tokens - len(request.output_token_ids) - 1,  # the step adds one more token
+                       self.max_model_len - request.num_tokens)  # every guess takes a KV slot
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room) if room > 0 else []
+
+    def _count_accepted(self, scheduled, sampled: dict[str, list[int]]) -> None:
+        stats = self.stats
+        for request_id, guesses in scheduled.spec_token_ids.items():
+            kept = sampled.get(request_id)
+            if kept is None:
+                continue  # failed or aborted while the step ran
+            accepted = len(kept) - 1
+            stats.spec_num_drafts += 1
+            stats.spec_num_draft_tokens += len(guesses)
+            stats.spec_num_accepted_tokens += accepted
+            for position in range(accepted):
+                stats.spec_accepted_per_position[position] += 1
 
     def _release(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
         self._unreported.discard(request.request_id)
-        self.runner.release(request.request_id)
         self.stats.num_finished_requests += 1
 
     def snapshot(self) -> EngineCoreStats:
@@ -213,4 +256,4 @@ class EngineCore:
         s.num_free_blocks, s.kv_cache_usage = kv.pool.num_free_blocks, kv.usage
         s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens = kv.stats.queried_tokens, kv.stats.hit_tokens
         s.num_preemptions = scheduler.num_preemptions
-        return EngineCoreStats(**s.__dict__)
+        return EngineCoreStats(**{**s.__dict__, "spec_accepted_per_position": list(s.spec_accepted_per_position)})

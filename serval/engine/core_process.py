@@ -135,6 +135,8 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
 
 def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent_pid: int) -> None:
     while True:
+        if os.getppid() != parent_pid:  # the server is gone (killed): nobody will read our outputs; checked every
+            return                      # step, since a busy orphan would otherwise compute its requests for nobody
         busy = core.has_unfinished_requests()
         if commands.poll(0 if busy else POLL_MS):
             while True:
@@ -151,8 +153,6 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
                 elif kind == "shutdown":
                     return
         elif not busy:
-            if os.getppid() != parent_pid:  # the server is gone (killed): nobody will read our outputs
-                return
             continue
         if core.has_unfinished_requests():
             results.send(pack(encode_outputs(core.step())))

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from serval.chat import build_chat_prompt
-from serval.config import CacheConfig, EngineConfig, SchedulerConfig
+from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from serval.engine.engine import LLMEngine
 from serval.outputs import RequestOutput
 from serval.sampling_params import SamplingParams
@@ -26,7 +26,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 256, enable_chunked_prefill: bool = True,
                  kv_cache_memory: float = 1.0, num_blocks: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
-                 context_policy: str = "error", quantization: str = "auto") -> None:
+                 context_policy: str = "error", quantization: str = "auto", speculative_model: str | None = None,
+                 num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, context_policy=context_policy,
             quantization=quantization,
@@ -34,6 +35,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill),
+            speculative=SpeculativeConfig(method=speculative_model, num_speculative_tokens=num_speculative_tokens,
+                                          max_batch_size=speculative_max_batch_size),
         )
         self._attach(LLMEngine(config))
 

@@ -42,6 +42,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first scheduling
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    spec_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, checked by the next step
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """Turns a SchedulerOutput into one forward pass over a flat token batch, then samples.
 
-Owns the device side: the model, the preallocated KV cache tensor, per-request random generators.
+Owns the device side: the model and the preallocated KV cache tensor.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from serval.config import ModelConfig
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
+from serval.engine.spec_decode import accept
 from serval.layers import cpu_kernels
 from serval.layers.attention import AttentionMetadata, PrefillChunk
 from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
@@ -25,8 +26,10 @@ PROMPT_LOGITS_SLICE_ELEMENTS = 1 << 24
 class ModelRunnerOutput:
     """What one step computed, by request id."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # requests whose prompt is now fully computed
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of those sampled tokens, when asked for
+    # Requests whose prompt is now fully computed: their new tokens (one; with guesses, the accepted ones and the
+    # target's token after them), and those tokens' logprobs when asked for.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # For requests that ask for prompt logprobs: (index of the first prompt token scored, one entry per token).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
@@ -39,8 +42,9 @@ class StepInputs:
     positions: torch.Tensor | None = None  # [T]
     meta: AttentionMetadata | None = None
     rows: dict[str, int] = field(default_factory=dict)  # each request's first row in the batch
-    sampling_requests: list[Request] = field(default_factory=list)  # requests that sample a token this step
-    logits_indices: list[int] = field(default_factory=list)  # the row each of them samples from
+    sampling_requests: list[Request] = field(default_factory=list)  # requests that sample this step
+    guesses: list[list[int]] = field(default_factory=list)  # each one's guessed tokens (speculative decoding)
+    logits_indices: list[int] = field(default_factory=list)  # the rows they sample from: 1 + len(guesses) each
     scored: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first row, prompt tokens scored)
 
 
@@ -61,7 +65,6 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                     dtype=dtype, device=self.device)
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
         # Which attention path the steps take, decided once: the CPU kernel reads per-token tables; the PyTorch
         # path (CUDA, or no compiler) reads decode tables and masks and one entry per prefill chunk.
         self.attention_kernel = self.device.type == "cpu" and cpu_kernels.load() is not None
@@ -80,15 +83,22 @@ class ModelRunner:
             targets = request.prompt_token_ids[first: first + count]
             result.prompt_logprobs[request.request_id] = (
                 first, self._score(hidden[row: row + count], targets, request.sampling_params.prompt_logprobs))
-        sampling_requests = inputs.sampling_requests
-        if not sampling_requests:
+        if not inputs.sampling_requests:
             return result
         logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
-        rows = [self._sampling_row(r) for r in sampling_requests]
+        # Row i of a request with guesses samples as if guesses[:i] had been accepted.
+        rows = [self._sampling_row(request, guesses[:i])
+                for request, guesses in zip(inputs.sampling_requests, inputs.guesses)
+                for i in range(len(guesses) + 1)]
         sampler_output = self.sampler(logits, rows)
-        result.sampled_token_ids = {r.request_id: t for r, t in zip(sampling_requests, sampler_output.token_ids)}
-        result.logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, sampler_output.logprobs)
-                           if lp is not None}
+        first = 0
+        for request, guesses in zip(inputs.sampling_requests, inputs.guesses):
+            sampled = sampler_output.token_ids[first: first + len(guesses) + 1]
+            kept = accept(guesses, sampled)
+            result.sampled_token_ids[request.request_id] = kept
+            if request.sampling_params.logprobs is not None:
+                result.logprobs[request.request_id] = sampler_output.logprobs[first: first + len(kept)]
+            first += len(guesses) + 1
         return result
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs | None:
@@ -114,13 +124,15 @@ class ModelRunner:
             if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids \
                     and num_scored > 0:
                 inputs.scored.append((request, len(input_ids), num_scored))
-            input_ids += request.token_ids_slice(start, end)
+            guesses = out.spec_token_ids.get(request.request_id, [])
+            input_ids += request.token_ids_slice(start, end - len(guesses)) + guesses
             positions += range(start, end)
             blocks = request.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            if end == request.num_tokens and request.max_tokens > 0:
+            if end - len(guesses) == request.num_tokens and request.max_tokens > 0:
                 inputs.sampling_requests.append(request)
-                inputs.logits_indices.append(len(input_ids) - 1)
+                inputs.guesses.append(guesses)
+                inputs.logits_indices += range(len(input_ids) - len(guesses) - 1, len(input_ids))
         if not input_ids:
             return None
 
@@ -170,22 +182,20 @@ class ModelRunner:
             scores += token_logprobs(logits, self._tensor(token_ids[i: i + rows]), num_top)
         return scores
 
-    def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
-
-    def _sampling_row(self, request: Request) -> SamplingRow:
+    def _sampling_row(self, request: Request, guesses: list[int]) -> SamplingRow:
+        """The sampler's view of ``request`` at its next output position, after ``guesses`` were accepted."""
         params = request.sampling_params
+        outputs = request.output_token_ids + guesses if guesses else request.output_token_ids
         generator = None
         if params.seed is not None and not params.greedy:
-            generator = self.generators.get(request.request_id)
-            if generator is None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
-                self.generators[request.request_id] = generator
+            # A seeded draw depends only on the seed and the output position: the same token whether it is drawn
+            # in a plain decode step or while checking guesses, and whatever else shares the batch.
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((params.seed * 1_000_003 + len(outputs)) % (1 << 63))
         blocked: list[int] = []
-        if len(request.output_token_ids) < params.min_tokens:
+        if len(outputs) < params.min_tokens:
             blocked = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids))
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, generator, blocked)
+        return SamplingRow(params, request.prompt_token_ids, outputs, generator, blocked)
 
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

@@ -23,6 +23,9 @@ class SchedulerOutput:
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that check guessed tokens this step (speculative decoding): their guesses, which are part of their
+    # num_scheduled_tokens (1 + len(guesses)).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -57,6 +60,16 @@ class Scheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new == 0:
                 continue
+            if request.spec_token_ids:  # a decode with guesses: room for them too, else a plain decode
+                guesses = request.spec_token_ids[: budget - num_new]
+                if guesses and self.kv_cache.allocate_slots(request, num_new + len(guesses)):
+                    request.spec_token_ids = guesses
+                    out.scheduled.append(request)
+                    out.num_scheduled_tokens[request.request_id] = num_new + len(guesses)
+                    out.spec_token_ids[request.request_id] = guesses
+                    budget -= num_new + len(guesses)
+                    continue
+                request.spec_token_ids = []
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self._least_important_running()
                 self._preempt(victim)
@@ -117,29 +130,36 @@ class Scheduler:
         """A waiting request may preempt a running one only of strictly lower priority (a higher value)."""
         return bool(self.running) and request.priority < self._least_important_running().priority
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advances the scheduled requests by what was computed; appends sampled tokens and checks stops.
 
-        Returns the requests that got a new token (finished ones included), and those with max_tokens 0 whose
-        prompt is now computed: they end there, with no token ("length")."""
+        ``sampled``: each request's new tokens (one, or with guesses the accepted ones and the one after; the
+        guesses not accepted leave their KV slots to be overwritten). Returns the requests that got new tokens
+        (finished ones included), and those with max_tokens 0 whose prompt is now computed: they end there, with
+        no token ("length")."""
         updated = []
         for request in out.scheduled:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            tokens = sampled.get(request.request_id) or [] if request.max_tokens > 0 else []  # 0: scores the prompt
+            guesses = out.spec_token_ids.get(request.request_id, ())
+            rejected = len(guesses) - (len(tokens) - 1) if tokens else len(guesses)
+            request.spec_token_ids = []
+            status = None
+            for token in tokens:  # accepted guesses are computed tokens: appended before the blocks are hashed
+                request.output_token_ids.append(token)
+                status = request.check_stop()
+                if status is not None:
+                    break  # a stop among the accepted guesses: what follows it is dropped
+            computed = request.num_computed_tokens + out.num_scheduled_tokens[request.request_id] - rejected
+            request.num_computed_tokens = min(computed, request.num_tokens)
             self.kv_cache.cache_computed_blocks(request)
             if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
-                self.finish_request(request, RequestStatus.FINISHED_LENGTH)
-                updated.append(request)
-                continue
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue  # a prompt chunk that is not the last one
-            request.output_token_ids.append(token)
-            status = request.check_stop()
+                status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.finish_request(request, status)
-            updated.append(request)
+            if tokens or status is not None:  # a prompt chunk that is not the last one has nothing to report
+                updated.append(request)
         return updated
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -176,6 +196,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

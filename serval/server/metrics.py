@@ -32,6 +32,18 @@ class _EngineCollector:
                                   s.prefix_cache_hit_tokens)
         yield CounterMetricFamily("serval:num_preemptions", "Requests preempted for lack of KV blocks.",
                                   s.num_preemptions)
+        yield CounterMetricFamily("serval:spec_decode_num_drafts", "Steps that checked a request's guessed tokens.",
+                                  s.spec_num_drafts)
+        yield CounterMetricFamily("serval:spec_decode_num_draft_tokens", "Guessed tokens checked.",
+                                  s.spec_num_draft_tokens)
+        yield CounterMetricFamily("serval:spec_decode_num_accepted_tokens", "Guessed tokens accepted.",
+                                  s.spec_num_accepted_tokens)
+        per_position = CounterMetricFamily("serval:spec_decode_num_accepted_tokens_per_pos",
+                                           "Guessed tokens accepted, by position in the guess (0 = first).",
+                                           labels=["position"])
+        for position, count in enumerate(s.spec_accepted_per_position):
+            per_position.add_metric([str(position)], count)
+        yield per_position
         yield GaugeMetricFamily("serval:engine_alive", "1 while the engine loop runs.", int(self.engine.is_alive))
 
 

@@ -19,6 +19,17 @@ def test_random_workload_is_seeded_with_lengths_in_range():
     assert len({r.prompt for r in requests}) == 50
 
 
+def test_grounded_workload_asks_to_quote_a_given_text_with_an_answer_about_as_long():
+    config = WorkloadConfig("grounded", num_requests=20, input_words=(80, 160), output_tokens=(64, 256), seed=3)
+    requests = build_requests(config)
+    assert requests == build_requests(config)
+    for r in requests:
+        task, text = r.prompt.split("\n\n", 1)
+        assert task.endswith(":") and 80 <= len(text.split()) <= 160
+        assert r.max_tokens == min(256, max(64, round(len(text.split()) * 4 / 3)))
+    assert len({r.prompt.split("\n\n")[0] for r in requests}) > 1  # several kinds of task
+
+
 def test_prefix_workload_shares_one_long_prompt_and_asks_distinct_questions():
     requests = build_requests(WorkloadConfig("prefix", num_requests=8, input_words=(10, 20), output_tokens=(32, 32),
                                              prefix_words=300))

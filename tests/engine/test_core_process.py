@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from real_model import requires_model
 
+import serval
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig
 from serval.engine import core_process
@@ -142,6 +146,57 @@ def test_a_killed_core_fails_open_streams_and_new_requests_at_once():
         assert not client.is_alive and "exited" in str(client.error)
     finally:
         client.shutdown()
+
+
+ORPHAN_SCRIPT = """
+import asyncio, sys
+import serval
+from serval import SamplingParams
+from serval.config import CacheConfig, EngineConfig
+from serval.engine.core_process import CoreProcessClient
+
+client = CoreProcessClient.from_config(EngineConfig(max_model_len=4096, cache=CacheConfig(num_blocks=300)))
+client.start()
+
+async def main():
+    params = SamplingParams(max_tokens=4000, ignore_eos=True)
+    async for _ in client.generate("long", "Once upon a time", params):
+        print(client.process.pid, flush=True)  # the core is busy: tell the test who it is, then keep going
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@requires_model
+def test_a_busy_core_whose_server_is_killed_exits(tmp_path):
+    """A server killed outright (SIGKILL: no shutdown) leaves its core mid-request; the core notices within a step
+    that its parent is gone and exits, rather than computing thousands of tokens for nobody."""
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT)
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(serval.__file__).parents[1])})
+    try:
+        core_pid = int(server.stdout.readline())
+        assert _alive(core_pid)
+        server.kill()
+        server.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(core_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(core_pid)
+    finally:
+        server.kill()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def step(sched: Scheduler, token_for: Callable[[Request], int] = counting_token)
     for r in out.scheduled:  # what the runner relies on: a live request with blocks for every token it computes
         assert r.status == RequestStatus.RUNNING and r not in out.preempted
         assert len(r.block_ids) * BLOCK >= r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
-    sampled = {r.request_id: token_for(r) for r in out.scheduled
+    sampled = {r.request_id: [token_for(r)] for r in out.scheduled
                if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}
     updated = sched.update_from_output(out, sampled)
     assert_consistent(sched)
@@ -451,7 +451,7 @@ def test_abort_while_a_step_runs_drops_that_steps_token():
     sched.add_request(other)
     out = sched.schedule()
     sched.finish_request(request, RequestStatus.FINISHED_ABORTED)
-    updated = sched.update_from_output(out, {"r": 7, "other": 8})
+    updated = sched.update_from_output(out, {"r": [7], "other": [8]})
     assert updated == [other]
     assert request.output_token_ids == [] and request.status == RequestStatus.FINISHED_ABORTED
     assert_consistent(sched)
