@@ -16,8 +16,8 @@ exited. Servers:
     .venv/bin/python benchmarks/run_peers.py --servers serval,llama.cpp --num-requests 2 --output-tokens 8 \\
         --input-words 40 --prefix-words 50                                     # a smoke run, under a minute
     .venv/bin/python benchmarks/run_peers.py --serval serval= --serval "serval-int8=--quantization int8"
-    .venv/bin/python benchmarks/run_peers.py --servers serval,serval-ngram --serval serval= \\
-        --serval "serval-ngram=--speculative-model ngram" --workloads grounded-1,grounded-16,chat-1,chat-16
+    .venv/bin/python benchmarks/run_peers.py --servers serval,serval-no-spec --serval serval= \\
+        --serval "serval-no-spec=--speculative-model none" --workloads grounded-1,grounded-16,chat-1,chat-16
 
 Only ratios from one run mean anything: a shared machine's speed drifts between runs.
 """

@@ -38,9 +38,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "for a GGUF file with such blocks, else none")
     parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
                         help="a chat longer than the context: reject it, or drop the oldest turns")
-    parser.add_argument("--speculative-model", default=None, choices=["ngram"],
+    parser.add_argument("--speculative-model", default="ngram", choices=["ngram", "none"],
                         help="speculative decoding: ngram guesses the next tokens by prompt lookup, and one forward "
-                        "checks them (output unchanged; default: off)")
+                        "checks them (greedy and seeded output unchanged); none: off")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens guessed per step")
     parser.add_argument("--ngram-prompt-lookup-max", type=int, default=4, help="longest n-gram looked up")
     parser.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram looked up")
@@ -71,7 +71,7 @@ def _engine_config(args: argparse.Namespace):
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
-        speculative=SpeculativeConfig(method=args.speculative_model,
+        speculative=SpeculativeConfig(method=None if args.speculative_model == "none" else args.speculative_model,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_max=args.ngram_prompt_lookup_max,
                                       prompt_lookup_min=args.ngram_prompt_lookup_min,

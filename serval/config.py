@@ -94,15 +94,19 @@ SPECULATIVE_METHODS = ("ngram",)
 class SpeculativeConfig:
     """Speculative decoding: a proposer guesses the next tokens, one target forward checks them all.
 
-    ``method`` None is off; "ngram" proposes by prompt lookup: the tokens that followed the latest earlier occurrence
-    of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``)."""
+    ``method`` None is off; "ngram" (the default) proposes by prompt lookup: the tokens that followed the latest
+    earlier occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``).
+    On by default: greedy and seeded outputs are unchanged and sampled ones keep their distribution, and measured
+    (benchmarks/README.md) it gave 1.9x one stream's tokens/s on prose, 2.3x on quoting chat, 1.5x on free chat,
+    and within 5% either way at 16 streams, where max_batch_size turns it off."""
 
-    method: str | None = None
+    method: str | None = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # Speculate only while at most this many requests run: a large batch is compute-bound already, and verifying
-    # guesses would cost more than they save.
+    # guesses costs more than they save. Measured offline (greedy chat, this CPU): free chat 1.19x at 1 request,
+    # 1.01x at 2 and 4, 0.93x at 8; quoting chat 2.26x at 1 down to 1.13x at 16.
     max_batch_size: int = 4
 
     def __post_init__(self) -> None:

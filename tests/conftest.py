@@ -47,7 +47,7 @@ def make_llm(smollm):
     def make(*, dtype: str = "float32", quantization: str = "auto", max_num_seqs: int = 64,
              max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
              num_blocks: int | None = 512, block_size: int = 16, enable_prefix_caching: bool = True,
-             max_model_len: int | None = 2048, context_policy: str = "error", speculative_model: str | None = None,
+             max_model_len: int | None = 2048, context_policy: str = "error", speculative_model: str | None = "ngram",
              num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4) -> LLM:
         model, tokenizer = smollm(dtype, quantization)
         config = EngineConfig(

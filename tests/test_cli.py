@@ -164,7 +164,12 @@ def test_chat_ctrl_c_stops_an_answer_then_ctrl_c_at_the_prompt_quits(tmp_path):
         chat.wait_for(lambda out: out.count("you> ") == 3, timeout=120)
         assert "Seoul" in chat.stdout.split("you> ")[2]
         chat.proc.send_signal(signal.SIGINT)  # at the prompt: quit
-        assert chat.proc.wait(timeout=60) == 0
+        try:
+            assert chat.proc.wait(timeout=60) == 0
+        except subprocess.TimeoutExpired:  # say where it hangs (seen once in a full run, never alone)
+            dump = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(chat.proc.pid)],
+                                  capture_output=True, text=True, timeout=60)
+            raise AssertionError(f"chat did not quit:\n{dump.stdout}{dump.stderr}\n{chat.stderr}") from None
     finally:
         chat.kill()
     chat._reader.join(timeout=10)

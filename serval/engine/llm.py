@@ -26,7 +26,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 256, enable_chunked_prefill: bool = True,
                  kv_cache_memory: float = 1.0, num_blocks: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
-                 context_policy: str = "error", quantization: str = "auto", speculative_model: str | None = None,
+                 context_policy: str = "error", quantization: str = "auto", speculative_model: str | None = "ngram",
                  num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, context_policy=context_policy,

@@ -114,7 +114,7 @@ FREE = ["Once upon a time, in a small village by the sea,", "The three primary c
 
 def _engines(make_llm):
     dtype = str(EngineConfig().torch_dtype).removeprefix("torch.")  # what users get on this machine
-    plain = make_llm(dtype=dtype)
+    plain = make_llm(dtype=dtype, speculative_model=None)
     spec = make_llm(dtype=dtype, speculative_model="ngram", num_speculative_tokens=4, speculative_max_batch_size=64)
     return plain, spec
 
@@ -153,6 +153,44 @@ def test_speculation_keeps_logprobs_stop_strings_and_max_tokens(make_llm):
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     got = spec.generate(GROUNDED[2], params, use_tqdm=False)[0].outputs[0]
     assert len(got.token_ids) == 7 and got.finish_reason == "length"
+
+
+@pytest.mark.slow
+@requires_model
+def test_speculation_is_unchanged_by_preemption_prefix_hits_and_n(make_llm):
+    """Guesses scheduled in a cache too small for the batch (requests preempted and recomputed, guesses dropped for
+    lack of room), then the same prompts again (prefix-cache hits), with n = 2 seeded samples: the outputs of the
+    plain engine with room to spare."""
+    dtype = str(EngineConfig().torch_dtype).removeprefix("torch.")
+    plain = make_llm(dtype=dtype, speculative_model=None)
+    tight = make_llm(dtype=dtype, num_blocks=14, max_model_len=224, speculative_model="ngram",
+                     speculative_max_batch_size=64)
+    prompts = GROUNDED + FREE
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    pairs = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=20, ignore_eos=True)
+    for params in (greedy, pairs):
+        expected = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
+        for _ in range(2):  # the second time, prompts hit the prefix cache
+            got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+            assert got == expected
+    engine = tight.engine
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_cache.stats.hit_tokens > 0
+    assert engine.stats.spec_num_accepted_tokens > 0
+    assert engine.kv_cache.pool.num_owned_blocks() == 0
+
+
+@pytest.mark.slow
+@requires_model
+def test_speculation_on_the_pytorch_attention_path(make_llm):
+    """The path CUDA takes (decode tables, chunk masks) checks guesses as a chunk with earlier context: the same
+    greedy tokens as its own plain decode."""
+    plain, spec = _engines(make_llm)
+    for llm in (plain, spec):
+        llm.engine.runner.attention_kernel = False
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(GROUNDED[:3], params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(GROUNDED[:3], params, use_tqdm=False)] == want
+    assert spec.engine.stats.spec_num_accepted_tokens > 0
 
 
 # -- the sampled distribution is the target's ----------------------------------------------------------------------
