@@ -343,27 +343,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = add_verb("bench", "benchmarks: a serving load against any OpenAI-compatible server, or offline")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bench_serve = bench_sub.add_parser(
-        "serve", formatter_class=DefaultsHelpFormatter,
-        help="streaming load against an OpenAI-compatible server: throughput, TTFT/TPOT/ITL/E2E, goodput",
-        description="Streaming load against an OpenAI-compatible server (Serval, vLLM, llama.cpp, ...): "
-        "throughput, TTFT/TPOT/ITL/E2E percentiles, goodput under SLOs.")
-    serve_benchmark.add_arguments(bench_serve)
-    bench_serve.set_defaults(func=serve_benchmark.cmd_bench_serve)
-    bench_throughput = bench_sub.add_parser(
-        "throughput", formatter_class=DefaultsHelpFormatter,
-        help="offline tokens/s of the engine on a batch of prompts, and of transformers on the same weights",
-        description="Offline tokens/s of the in-process engine on a batch of prompts, and of Hugging Face "
-        "transformers on the same weights and prompts.")
-    throughput_benchmark.add_arguments(bench_throughput)
-    bench_throughput.set_defaults(func=throughput_benchmark.cmd_bench_throughput)
-    bench_quality = bench_sub.add_parser(
-        "quality", formatter_class=DefaultsHelpFormatter,
-        help="perplexity and greedy agreement of each weight form (dtype, quantization) against float32",
-        description="Perplexity of a fixed text (Python's library reference topics) and greedy agreement with the "
-        "float32 dequantized reference, for each weight form, through the engine.")
-    quality_benchmark.add_arguments(bench_quality)
-    bench_quality.set_defaults(func=quality_benchmark.cmd_bench_quality)
+    benchmarks = [
+        ("serve", serve_benchmark.add_arguments, serve_benchmark.cmd_bench_serve,
+         "streaming load against an OpenAI-compatible server: throughput, TTFT/TPOT/ITL/E2E, goodput",
+         "Streaming load against an OpenAI-compatible server (Serval, vLLM, llama.cpp, ...): throughput, "
+         "TTFT/TPOT/ITL/E2E percentiles, goodput under SLOs."),
+        ("throughput", throughput_benchmark.add_arguments, throughput_benchmark.cmd_bench_throughput,
+         "offline tokens/s of the engine on a batch of prompts, and of transformers on the same weights",
+         "Offline tokens/s of the in-process engine on a batch of prompts, and of Hugging Face transformers on the "
+         "same weights and prompts."),
+        ("quality", quality_benchmark.add_arguments, quality_benchmark.cmd_bench_quality,
+         "perplexity and greedy agreement of each weight form (dtype, quantization) against float32",
+         "Perplexity of a fixed text (Python's library reference topics) and greedy agreement with the float32 "
+         "dequantized reference, for each weight form, through the engine."),
+    ]
+    for name, add_arguments, command, summary, description in benchmarks:
+        bench_verb = bench_sub.add_parser(name, formatter_class=DefaultsHelpFormatter, help=summary,
+                                          description=description)
+        add_arguments(bench_verb)
+        bench_verb.set_defaults(func=command)
 
     models = add_verb("models", "list the models Serval can load")
     models.set_defaults(func=cmd_models)

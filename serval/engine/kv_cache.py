@@ -154,6 +154,14 @@ class KVCacheManager:
             self.pool.cache(request.block_ids[i], request.block_hashes[i], self._block_key(request, i))
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
+    def trim(self, request: Request) -> None:
+        """Gives back blocks past the ones the request's tokens need (slots taken for speculative guesses that were
+        rejected). They hold no computed token, so none of them is in the prefix cache."""
+        needed = -(-request.num_tokens // self.block_size)
+        if len(request.block_ids) > needed:
+            self.pool.release(request.block_ids[needed:])
+            del request.block_ids[needed:]
+
     def free(self, request: Request) -> None:
         self.pool.release(request.block_ids)
         request.block_ids = []

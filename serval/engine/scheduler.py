@@ -154,6 +154,8 @@ class Scheduler:
             computed = request.num_computed_tokens + out.num_scheduled_tokens[request.request_id] - rejected
             request.num_computed_tokens = min(computed, request.num_tokens)
             self.kv_cache.cache_computed_blocks(request)
+            if rejected:
+                self.kv_cache.trim(request)
             if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:

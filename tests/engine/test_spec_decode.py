@@ -68,6 +68,13 @@ def test_guesses_are_scheduled_with_the_decode_and_only_accepted_ones_count_as_c
     assert request.spec_token_ids == []
     out = sched.schedule()  # no guesses now: a plain decode
     assert out.num_scheduled_tokens == {"r": 1} and out.spec_token_ids == {}
+    sched.update_from_output(out, {"r": [556]})  # 13 tokens
+    request.spec_token_ids = [1, 2, 3, 4]
+    out = sched.schedule()
+    assert len(request.block_ids) == 5  # slots up to position 12 + 4
+    sched.update_from_output(out, {"r": [9]})  # every guess rejected: 14 tokens need 4 blocks
+    assert len(request.block_ids) == 4 and request.num_computed_tokens == 13
+    assert sched.kv_cache.pool.num_free_blocks == 16 - 4  # the slack block went back to the pool
 
 
 def test_guesses_are_cut_to_the_budget_and_dropped_without_room():
