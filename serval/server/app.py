@@ -68,6 +68,10 @@ class _Choice:
     filter_checked: int = 0  # the output filter passed the text up to here
 
 
+# What a GET route also answers: HEAD (load balancers and uptime checks probe /health that way).
+READ_METHODS = ["GET", "HEAD"]
+
+
 def create_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     app = FastAPI(title="Serval", version=serval.__version__)
@@ -164,32 +168,32 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         return response
 
     # -- plain endpoints ---------------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def health():
         if not engine.is_alive:
             return JSONResponse({"status": "dead", "error": str(engine.error)}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/version")
+    @app.api_route("/version", methods=READ_METHODS)
     async def version():
         return {"version": serval.__version__}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def metrics_endpoint():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ_METHODS)
     async def models():
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": now(),
                                             "owned_by": "serval", "max_model_len": engine.max_model_len}]}
 
-    @app.get("/engine/state")
+    @app.api_route("/engine/state", methods=READ_METHODS)
     async def engine_state():
         """The live view's data: batch, queue, KV use."""
         s = engine.snapshot()
         return {**s.__dict__, "max_model_len": engine.max_model_len, "alive": engine.is_alive}
 
-    @app.get("/")
+    @app.api_route("/", methods=READ_METHODS)
     async def index():
         return FileResponse(STATIC / "index.html")
 

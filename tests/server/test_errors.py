@@ -121,16 +121,24 @@ def test_unknown_path_is_404(server, method, path):
 
 
 @pytest.mark.parametrize("method, path, allowed", [
-    ("DELETE", "/v1/models", "GET"),
+    ("DELETE", "/v1/models", "GET, HEAD"),
     ("GET", "/v1/completions", "POST"),
     ("PUT", "/v1/chat/completions", "POST"),
-    ("POST", "/health", "GET"),
+    ("POST", "/health", "GET, HEAD"),
 ])
 def test_wrong_method_is_405_with_allow(server, method, path, allowed):
     r = httpx.request(method, f"{server.url}{path}", timeout=10)
     error = assert_openai_error(r, 405, param=None)
     assert error["code"] == "method_not_allowed" and f"{method} {path}" in error["message"]
     assert r.headers["allow"] == allowed
+
+
+@pytest.mark.parametrize("path", ["/health", "/version", "/metrics", "/v1/models", "/engine/state", "/"])
+def test_head_answers_what_get_answers_without_a_body(server, path):
+    get, head = httpx.get(f"{server.url}{path}", timeout=10), httpx.head(f"{server.url}{path}", timeout=10)
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    assert head.headers["x-request-id"]
 
 
 def test_the_openai_client_sees_an_unserved_endpoint_as_not_found(client):
