@@ -6,6 +6,38 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow: exactly one of the fields (vLLM's names).
+
+    ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON object; ``regex``; ``choice``: one of
+    these strings; ``grammar``: an EBNF grammar with a ``root`` rule. Compiled and enforced by the engine
+    (engine/structured_output.py); compile errors are ValueErrors.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) == 1, "structured_outputs",
+               f"must set exactly one of json, json_object, regex, choice, grammar; got {given or 'none'}")
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json",
+               "must be a JSON schema (an object, or its JSON text)")
+        _check(self.regex is None or isinstance(self.regex, str), "structured_outputs.regex", "must be a string")
+        _check(self.grammar is None or isinstance(self.grammar, str), "structured_outputs.grammar",
+               "must be a string")
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice), "structured_outputs.choice",
+                   "must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+
+@dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -32,8 +64,13 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: only the prompt's own token)
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a grammar
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # as it crosses to the core process
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

@@ -121,6 +121,7 @@ class EngineCore:
         self.speculative = config.speculative
         self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
         self.stats.spec_accepted_per_position = [0] * config.speculative.num_speculative_tokens
+        self.structured = None  # StructuredOutputManager, once a front end sets it up (setup_structured_outputs)
         self._requests: dict[str, Request] = {}
         self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
         self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
@@ -128,13 +129,25 @@ class EngineCore:
                                    time.perf_counter() - start)
 
     # -- requests in -------------------------------------------------------------------------------------------
+    def setup_structured_outputs(self, compiler) -> None:
+        """Readies grammar-constrained requests with a front end's GrammarCompiler (the core has no tokenizer;
+        xgrammar is imported only once a request asks for a grammar)."""
+        if self.structured is None:
+            from serval.engine.structured_output import StructuredOutputManager
+            self.structured = StructuredOutputManager(compiler)
+
     def add_request(self, core_request: EngineCoreRequest) -> None:
-        """Queues a request. A duplicate id fails that request alone (an error output), never the core."""
+        """Queues a request. A duplicate id or a grammar that does not compile fails that request alone (an error
+        output), never the core."""
         self.stats.num_received_requests += 1
         request_id = core_request.request_id
+        error = None
         if request_id in self._requests:
-            self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error",
-                                                  error=f"request id {request_id!r} is already in use"))
+            error = f"request id {request_id!r} is already in use"
+        elif core_request.params.structured_outputs is not None:
+            error = self._add_grammar(request_id, core_request.params)
+        if error is not None:
+            self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
             return
         request = Request(request_id, list(core_request.prompt_token_ids), core_request.params,
                           frozenset(core_request.eos_token_ids), core_request.max_tokens, core_request.priority,
@@ -184,7 +197,7 @@ class EngineCore:
                 self._unreported.discard(request.request_id)
                 output_of(request).first_scheduled_time = step_start
         try:
-            result = self.runner.execute(scheduled)
+            result = self.runner.execute(scheduled, self._grammar_bitmasks(scheduled))
         except Exception as exc:  # a failed forward fails its batch, never the engine
             logger.exception("step failed; failing its %d requests", len(scheduled.scheduled))
             for request in scheduled.scheduled:
@@ -208,6 +221,8 @@ class EngineCore:
                 logprobs = result.logprobs.get(request.request_id)
                 if logprobs is not None:
                     out.new_logprobs = logprobs[: len(new_tokens)]
+                if request.request_id in self.structured_ids:
+                    out.error = self._advance_grammar(request, new_tokens)
             if request.status.finished:
                 out.finish_reason = request.status.value
                 out.stop_reason = request.stop_reason
@@ -230,7 +245,49 @@ class EngineCore:
             room = min(self.speculative.num_speculative_tokens,
                        request.max_tokens - len(request.output_token_ids) - 1,  # the step adds one more token
                        self.max_model_len - request.num_tokens)  # every guess takes a KV slot
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room) if room > 0 else []
+            guesses = self.proposer.propose(request.all_token_ids, room) if room > 0 else []
+            if guesses and request.request_id in self.structured_ids:
+                guesses = self.structured.valid_prefix(request.request_id, guesses)
+            request.spec_token_ids = guesses
+
+    # -- structured outputs --------------------------------------------------------------------------------------
+    @property
+    def structured_ids(self):
+        """The ids of the requests under a grammar (supports ``in`` and ``len``)."""
+        return self.structured if self.structured is not None else ()
+
+    def _add_grammar(self, request_id: str, params: SamplingParams) -> str | None:
+        if self.structured is None:
+            return "structured outputs are not set up in this engine core"
+        try:
+            self.structured.add(request_id, params.structured_outputs)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _grammar_bitmasks(self, scheduled) -> dict:
+        """Bitmasks for the constrained requests that sample this step (their prompt is computed by its end)."""
+        if not self.structured_ids:
+            return {}
+        wanted = {}
+        for request in scheduled.scheduled:
+            if request.request_id not in self.structured_ids or request.max_tokens == 0:
+                continue
+            guesses = scheduled.spec_token_ids.get(request.request_id, [])
+            end = request.num_computed_tokens + scheduled.num_scheduled_tokens[request.request_id] - len(guesses)
+            if end == request.num_tokens:
+                wanted[request.request_id] = guesses
+        return self.structured.bitmasks(wanted) if wanted else {}
+
+    def _advance_grammar(self, request: Request, new_tokens: list[int]) -> str | None:
+        """Feeds the kept tokens to the request's matcher; a finished grammar ends the request (even one that
+        ignores eos), and a refused token (only when every token was masked) fails it: returns its error."""
+        if not self.structured.accept(request.request_id, new_tokens):
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+            return "the grammar allowed no token at this position (are logit_bias or min_tokens excluding them?)"
+        if self.structured.is_terminated(request.request_id) and not request.status.finished:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        return None
 
     def _count_accepted(self, scheduled, sampled: dict[str, list[int]]) -> None:
         stats = self.stats
@@ -247,6 +304,8 @@ class EngineCore:
 
     def _release(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
+        if request.request_id in self.structured_ids:
+            self.structured.remove(request.request_id)
         self._unreported.discard(request.request_id)
         self.stats.num_finished_requests += 1
 

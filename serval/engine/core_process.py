@@ -60,7 +60,7 @@ def _logprobs_from_wire(raw) -> TokenLogprobs | None:
 
 
 def encode_request(r: EngineCoreRequest) -> list:
-    return [r.request_id, r.prompt_token_ids, r.params.__dict__, r.eos_token_ids, r.max_tokens, r.priority,
+    return [r.request_id, r.prompt_token_ids, dataclasses.asdict(r.params), r.eos_token_ids, r.max_tokens, r.priority,
             r.group_id, r.arrival_time]
 
 
@@ -148,6 +148,9 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
                 if kind == "add":
                     for raw in message[1]:
                         core.add_request(decode_request(raw))
+                elif kind == "grammar_setup":
+                    from serval.engine.structured_output import GrammarCompiler
+                    core.setup_structured_outputs(GrammarCompiler.from_json(message[1]))
                 elif kind == "finish":
                     core.finish_requests(message[1], RequestStatus(message[2]))
                 elif kind == "shutdown":
@@ -201,6 +204,7 @@ class CoreProcessClient(EngineClient):
         self._outputs = OutputProcessor(self.tokenizer)
         self._stats = EngineCoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
         self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
+        self._grammar_sent = False  # the grammar compiler's tokenizer table, sent before the first grammar
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_outputs, name="serval-core-outputs", daemon=True)
 
@@ -258,6 +262,9 @@ class CoreProcessClient(EngineClient):
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority)  # ValueError
+        if core_requests[0].params.structured_outputs is not None and not self._grammar_sent:
+            self._send(["grammar_setup", self._inputs.grammar_compiler().to_json()])  # once, before its first use
+            self._grammar_sent = True
         stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
             self._outputs.add(request_id, prompt_text, core_requests)

@@ -67,6 +67,8 @@ class LLMEngine:
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, core_requests = self.inputs.process(request_id, prompt, params, priority)
+        if core_requests[0].params.structured_outputs is not None:
+            self.core.setup_structured_outputs(self.inputs.grammar_compiler())
         self.outputs.add(request_id, prompt_text, core_requests)
         for core_request in core_requests:
             self.core.add_request(core_request)

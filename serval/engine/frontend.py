@@ -26,6 +26,15 @@ class InputProcessor:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.eos_token_ids = sorted(tokenizer.eos_token_ids)
+        self._grammar_compiler = None
+
+    def grammar_compiler(self):
+        """The GrammarCompiler for this tokenizer, built when a request first asks for a grammar (xgrammar and the
+        tokenizer's byte table cost about a second)."""
+        if self._grammar_compiler is None:
+            from serval.engine.structured_output import GrammarCompiler, tokenizer_info
+            self._grammar_compiler = GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size))
+        return self._grammar_compiler
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                 priority: int = 0) -> tuple[str | None, list[EngineCoreRequest]]:
@@ -35,6 +44,8 @@ class InputProcessor:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         prompt_text, prompt_ids = self._prompt_token_ids(prompt)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
+        if params.structured_outputs is not None:
+            self.grammar_compiler().compile(params.structured_outputs)  # a bad grammar is the caller's error
         arrival = time.monotonic()
         requests = []
         for index in range(params.n):

@@ -70,9 +70,12 @@ class ModelRunner:
         self.attention_kernel = self.device.type == "cpu" and cpu_kernels.load() is not None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, grammar_bitmasks: dict[str, torch.Tensor] | None = None
+                ) -> ModelRunnerOutput:
         """Runs the step: samples for each request whose prompt is now fully computed (unless it asks for no
-        tokens, max_tokens 0), and scores the prompt tokens of chunks whose request asks for prompt logprobs."""
+        tokens, max_tokens 0), and scores the prompt tokens of chunks whose request asks for prompt logprobs.
+        ``grammar_bitmasks``: the tokens each constrained request may take, one row per position it samples."""
+        grammar_bitmasks = grammar_bitmasks or {}
         result = ModelRunnerOutput()
         inputs = self.prepare_inputs(out)
         if inputs is None:
@@ -87,10 +90,10 @@ class ModelRunner:
             return result
         logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
         # Row i of a request with guesses samples as if guesses[:i] had been accepted.
-        rows = [self._sampling_row(request, guesses[:i])
+        rows = [self._sampling_row(request, guesses[:i], request.request_id in grammar_bitmasks)
                 for request, guesses in zip(inputs.sampling_requests, inputs.guesses)
                 for i in range(len(guesses) + 1)]
-        sampler_output = self.sampler(logits, rows)
+        sampler_output = self.sampler(logits, rows, self._allowed(inputs, grammar_bitmasks))
         first = 0
         for request, guesses in zip(inputs.sampling_requests, inputs.guesses):
             sampled = sampler_output.token_ids[first: first + len(guesses) + 1]
@@ -182,7 +185,19 @@ class ModelRunner:
             scores += token_logprobs(logits, self._tensor(token_ids[i: i + rows]), num_top)
         return scores
 
-    def _sampling_row(self, request: Request, guesses: list[int]) -> SamplingRow:
+    @staticmethod
+    def _allowed(inputs: StepInputs, bitmasks: dict[str, torch.Tensor]) -> tuple[list[int], torch.Tensor] | None:
+        """The constrained rows of the step's logits and their bitmasks, stacked in row order."""
+        row_index, masks, first = [], [], 0
+        for request, guesses in zip(inputs.sampling_requests, inputs.guesses):
+            mask = bitmasks.get(request.request_id)
+            if mask is not None:
+                row_index += range(first, first + len(guesses) + 1)
+                masks.append(mask)
+            first += len(guesses) + 1
+        return (row_index, torch.cat(masks)) if masks else None
+
+    def _sampling_row(self, request: Request, guesses: list[int], constrained: bool = False) -> SamplingRow:
         """The sampler's view of ``request`` at its next output position, after ``guesses`` were accepted."""
         params = request.sampling_params
         outputs = request.output_token_ids + guesses if guesses else request.output_token_ids
@@ -193,7 +208,7 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
             generator.manual_seed((params.seed * 1_000_003 + len(outputs)) % (1 << 63))
         blocked: list[int] = []
-        if len(outputs) < params.min_tokens:
+        if len(outputs) < params.min_tokens and not constrained:  # a grammar decides when its output may end
             blocked = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids))
         return SamplingRow(params, request.prompt_token_ids, outputs, generator, blocked)
 

@@ -53,13 +53,18 @@ class Sampler:
     and lets each seeded row draw its noise from its own generator. Logprobs are of the raw logits, as in vLLM v1.
     """
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 allowed: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
+        """``allowed``: (rows constrained by a grammar, their ``[len(rows), ceil(V / 32)]`` int32 bitmask of the
+        tokens they may take; bit i of word w is token 32w + i)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
         raw = logits.float()  # no copy when already float32; nothing below writes into it
         x = _block(raw, rows)
         x = _add_logit_bias(x, rows)
         x = apply_penalties(x, rows)
+        if allowed is not None:
+            x = apply_token_bitmask(x, *allowed)
 
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not sampled:
@@ -113,6 +118,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     if use_pres:
         logits = logits - _column([p.presence_penalty for p in params], logits) * in_output
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, row_index: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """Sets the logits of tokens a row's bitmask leaves out to -inf (a new tensor; ``logits`` is not written).
+
+    The bits are unpacked for the constrained rows only, in one broadcast shift over the batch: no loop over rows
+    or the vocabulary.
+    """
+    vocab = logits.shape[1]
+    index = _tensor(row_index, torch.long, logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device, non_blocking=True).unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    refused = bits.view(len(row_index), -1)[:, :vocab] == 0
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(refused, float("-inf"))
+    return out
 
 
 def _block(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -283,7 +283,9 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         try:
             params = body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
-            param = str(exc).split()[0].removeprefix("SamplingParams.")
+            param = str(exc).split()[0].removeprefix("SamplingParams.").rstrip(":")
+            if param.startswith("structured_outputs") or param == "response_format":
+                param = _constraint_field(body)
             raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
         _check_model_limits(body, params)
         return params
@@ -295,9 +297,6 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         if outside:
             raise OpenAIError(f"logit_bias: token ids {outside} are not in the vocabulary [0, {vocab})",
                               param="logit_bias", code="invalid_value")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise OpenAIError(f"response_format type {body.response_format.type!r} is not supported yet; only "
-                              "'text' is", param="response_format", code="unsupported_value")
 
     async def _serve(request: Request, body, prompts: list, params, chat: bool, echo: bool):
         snapshot = engine.snapshot()
@@ -325,6 +324,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                 await s.aclose()
             message = str(exc)
             param = "max_tokens" if "max_tokens" in message else ("messages" if chat else "prompt")
+            if message.startswith("invalid structured output"):
+                param = _constraint_field(body)
             code = "context_length_exceeded" if "context" in message else "invalid_value"
             raise OpenAIError(message, param=param, code=code) from exc
         except EngineDeadError as exc:
@@ -636,3 +637,11 @@ def _chat_logprobs(tokenizer, logprobs) -> dict:
         content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in tops]})
     return {"content": content}
+
+
+def _constraint_field(body) -> str:
+    """The request field an invalid grammar came from (response_format or a guided_* extra)."""
+    try:
+        return body.structured_outputs_field or "response_format"
+    except ValueError:
+        return "response_format"

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serval.sampling_params import SamplingParams
+from serval.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -29,9 +29,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # "schema" would shadow a BaseModel attribute
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema's schema and the like: refused with the type, not here
-    type: str
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# The request fields that constrain the output (OpenAI's response_format, vLLM's guided_* extras); one at most.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class _SamplingFields(BaseModel):
@@ -50,7 +64,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
-    response_format: ResponseFormat | None = None  # only {"type": "text"}, the default, for now
+    response_format: ResponseFormat | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64: more overflows the generator
     user: str | None = None
     # vLLM's extras
@@ -62,6 +76,32 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     priority: int = 0
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @property
+    def structured_outputs_field(self) -> str | None:
+        """The one field that constrains this request's output, if any; ValueError when several do."""
+        fields = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.insert(0, "response_format")
+        if len(fields) > 1:
+            raise ValueError(f"{fields[0]} and {fields[1]} both constrain the output; give one")
+        return fields[0] if fields else None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        field_name = self.structured_outputs_field
+        if field_name is None:
+            return None
+        if field_name != "response_format":
+            return StructuredOutputsParams(**{GUIDED_FIELDS[field_name]: getattr(self, field_name)})
+        if self.response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.response_format.json_schema is None:
+            raise ValueError("response_format: type 'json_schema' needs a json_schema object with a schema")
+        return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -72,6 +112,7 @@ class _SamplingFields(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             max_tokens=max_tokens, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs(),
         )
 
 

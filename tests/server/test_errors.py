@@ -63,9 +63,10 @@ BAD_REQUESTS = {  # case: (path, body, the param the error names)
     "logit_bias-not-a-number": ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "up"}}, "logit_bias.5"),
     "chat-logit_bias-too-small": ("/v1/chat/completions", {"messages": HI, "logit_bias": {"5": -101}},
                                   "logit_bias"),
-    "chat-response_format-json_object": ("/v1/chat/completions",
-                                         {"messages": HI, "response_format": {"type": "json_object"}},
-                                         "response_format"),
+    "chat-response_format-bad-schema": ("/v1/chat/completions",
+                                        {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+                                            "name": "x", "schema": {"type": "object", "required": 3}}}},
+                                        "response_format"),
     "chat-response_format-no-type": ("/v1/chat/completions", {"messages": HI, "response_format": {}},
                                      "response_format.type"),
     "tokenize-nothing": ("/tokenize", {}, "prompt"),

@@ -8,7 +8,6 @@ import time
 import uuid
 
 import httpx
-import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
@@ -312,20 +311,6 @@ def test_chat_stop_as_a_string_or_a_list(client):
                                                 stop=stop_arg, stream=True)
         streamed, finish, _, _ = collect_chat_stream(stream)
         assert streamed == expected and finish == "stop"
-
-
-def test_response_format_text_is_accepted_and_json_is_refused(client):
-    plain = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6, temperature=0)
-    text = client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6, temperature=0,
-                                          response_format={"type": "text"})
-    assert text.choices[0].message.content == plain.choices[0].message.content
-    for response_format in ({"type": "json_object"},
-                            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=MODEL, messages=KOREA, max_tokens=6,
-                                           response_format=response_format)
-        assert info.value.param == "response_format" and info.value.code == "unsupported_value"
-        assert "not supported" in info.value.message and response_format["type"] in info.value.message
 
 
 # -- concurrency ----------------------------------------------------------------------------------------------------
