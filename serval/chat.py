@@ -18,12 +18,12 @@ class ChatPrompt:
 
 
 def build_chat_prompt(tokenizer: Tokenizer, messages: list[dict], max_prompt_tokens: int,
-                      policy: str = "error") -> ChatPrompt:
+                      policy: str = "error", tools: list[dict] | None = None) -> ChatPrompt:
     """Renders ``messages`` with the model's chat template.
 
     ``policy="error"`` rejects a chat longer than ``max_prompt_tokens``; ``"sliding_window"`` keeps the system
     prompt and the most recent messages, dropping the oldest turns until it fits."""
-    ids = tokenizer.apply_chat_template(messages)
+    ids = tokenizer.apply_chat_template(messages, tools=tools)
     if len(ids) <= max_prompt_tokens:
         return ChatPrompt(ids)
     if policy != "sliding_window":
@@ -36,7 +36,7 @@ def build_chat_prompt(tokenizer: Tokenizer, messages: list[dict], max_prompt_tok
         # A chat should open with the user's turn: drop an assistant turn left at the front too.
         if kept[0].get("role") == "assistant":
             continue
-        ids = tokenizer.apply_chat_template(system + kept)
+        ids = tokenizer.apply_chat_template(system + kept, tools=tools)
         if len(ids) <= max_prompt_tokens:
             return ChatPrompt(ids, dropped)
     raise ContextLengthError(f"the last message alone does not fit in the {max_prompt_tokens} prompt tokens the "

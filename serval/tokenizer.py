@@ -55,8 +55,15 @@ class Tokenizer:
         """Text of ``token_ids``; incomplete UTF-8 sequences come out as U+FFFD."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat rendered to text by the model's chat template (special tokens as text)."""
+    @property
+    def chat_template_renders_tools(self) -> bool:
+        """Whether the chat template takes a ``tools`` list (else tools are written into the prompt by hand)."""
+        return "tools" in (self.chat_template or "")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat rendered to text by the model's chat template (special tokens as text); ``tools`` go to a
+        template that renders them."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
         _check_messages(messages)
@@ -64,18 +71,19 @@ class Tokenizer:
 
         try:
             return self.hf_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate ...")
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat, ready to be a prompt.
 
         Raises ``ValueError`` if the model has no chat template or a message is malformed.
         """
         # The template writes special tokens (BOS, <|im_start|>) itself, so add none here.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

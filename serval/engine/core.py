@@ -196,8 +196,9 @@ class EngineCore:
             if request.request_id in self._unreported:
                 self._unreported.discard(request.request_id)
                 output_of(request).first_scheduled_time = step_start
+        grammar_bitmasks, grammar_errors = self._grammar_bitmasks(scheduled)
         try:
-            result = self.runner.execute(scheduled, self._grammar_bitmasks(scheduled))
+            result = self.runner.execute(scheduled, grammar_bitmasks)
         except Exception as exc:  # a failed forward fails its batch, never the engine
             logger.exception("step failed; failing its %d requests", len(scheduled.scheduled))
             for request in scheduled.scheduled:
@@ -211,6 +212,13 @@ class EngineCore:
         scheduled_by_id = {r.request_id: r for r in scheduled.scheduled}
         for request_id, chunk in result.prompt_logprobs.items():
             output_of(scheduled_by_id[request_id]).prompt_logprobs = chunk
+        for request_id, error in grammar_errors.items():  # sampled unconstrained this step: fail it, alone
+            result.sampled_token_ids.pop(request_id, None)
+            request = scheduled_by_id[request_id]
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+            self._release(request)
+            out = output_of(request)
+            out.finish_reason, out.error = "error", error
         before = {r.request_id: len(r.output_token_ids) for r in scheduled.scheduled}
         for request in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):
             out = output_of(request)
@@ -265,10 +273,11 @@ class EngineCore:
             return str(exc)
         return None
 
-    def _grammar_bitmasks(self, scheduled) -> dict:
-        """Bitmasks for the constrained requests that sample this step (their prompt is computed by its end)."""
+    def _grammar_bitmasks(self, scheduled) -> tuple[dict, dict[str, str]]:
+        """Bitmasks for the constrained requests that sample this step (their prompt is computed by its end), and
+        the errors of those whose matcher failed."""
         if not self.structured_ids:
-            return {}
+            return {}, {}
         wanted = {}
         for request in scheduled.scheduled:
             if request.request_id not in self.structured_ids or request.max_tokens == 0:
@@ -277,7 +286,7 @@ class EngineCore:
             end = request.num_computed_tokens + scheduled.num_scheduled_tokens[request.request_id] - len(guesses)
             if end == request.num_tokens:
                 wanted[request.request_id] = guesses
-        return self.structured.bitmasks(wanted) if wanted else {}
+        return self.structured.bitmasks(wanted) if wanted else ({}, {})
 
     def _advance_grammar(self, request: Request, new_tokens: list[int]) -> str | None:
         """Feeds the kept tokens to the request's matcher; a finished grammar ends the request (even one that

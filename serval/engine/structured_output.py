@@ -68,6 +68,23 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured output {kind}: {_clean(str(exc))}") from None
 
 
+def json_schema_ebnf(schema: dict) -> str:
+    """The EBNF rules (root: ``root``) of JSON that follows ``schema``, written as the compiler writes it."""
+    try:
+        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                separators=JSON_SEPARATORS, strict_mode=True))
+    except RuntimeError as exc:
+        raise ValueError(f"invalid JSON schema: {_clean(str(exc))}") from None
+
+
+def with_root(rules: str, root_rule: str) -> str:
+    """``rules`` re-written with ``root_rule`` as the root (the old ``root`` is renamed, references and all)."""
+    try:
+        return str(xgr.Grammar.from_ebnf(rules, root_rule_name=root_rule))
+    except RuntimeError as exc:
+        raise ValueError(f"invalid grammar: {_clean(str(exc))}") from None
+
+
 def _clean(message: str) -> str:
     message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message.strip())
     return message.replace("Check failed: (error.empty()) is false: ", "").strip()
@@ -102,20 +119,29 @@ class StructuredOutputManager:
         matcher.rollback(kept)
         return guesses[:kept]
 
-    def bitmasks(self, wanted: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    def bitmasks(self, wanted: dict[str, list[int]]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """For each request id -> its guesses (already valid): the allowed tokens at its next position and after
-        each guess, as an int32 ``[1 + len(guesses), ceil(vocab / 32)]`` bitmask (bit i of word w: token 32w+i)."""
-        masks = {}
+        each guess, as an int32 ``[1 + len(guesses), ceil(vocab / 32)]`` bitmask (bit i of word w: token 32w+i).
+        Rows after a guess that ends the grammar (its stop token) allow everything: the request ends there.
+        Also returns the errors of requests whose matcher failed, which fail alone."""
+        masks, errors = {}, {}
         for request_id, guesses in wanted.items():
             matcher = self._matchers[request_id]
             mask = xgr.allocate_token_bitmask(len(guesses) + 1, self.vocab_size)
-            for row, token in enumerate([*guesses, None]):
-                matcher.fill_next_token_bitmask(mask, row)
-                if token is not None:
-                    matcher.accept_token(token)
-            matcher.rollback(len(guesses))
+            accepted = 0
+            try:
+                for row in range(len(guesses) + 1):
+                    if matcher.is_terminated():
+                        break
+                    matcher.fill_next_token_bitmask(mask, row)
+                    if row < len(guesses):
+                        matcher.accept_token(guesses[row])
+                        accepted += 1
+            except RuntimeError as exc:
+                errors[request_id] = f"grammar matcher failed: {_clean(str(exc))}"
+            matcher.rollback(accepted)
             masks[request_id] = mask
-        return masks
+        return masks, errors
 
     def accept(self, request_id: str, token_ids: list[int]) -> bool:
         """Advances the request's matcher over the tokens it kept; False if the grammar refuses one (a token the

@@ -33,6 +33,15 @@ from serval.server.protocol import (
     new_id,
     now,
 )
+from serval.server.tools import (
+    ToolCallParser,
+    ToolError,
+    check_tools,
+    parse_tool_calls,
+    prepare_messages,
+    resolve_tool_choice,
+    tool_call_grammar,
+)
 from serval.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("serval.server")
@@ -66,6 +75,7 @@ class _Choice:
     echoed: bool = False
     finish_reason: str | None = None
     filter_checked: int = 0  # the output filter passed the text up to here
+    tool_calls: ToolCallParser | None = None  # when the request has tools: splits calls out of the text
 
 
 # What a GET route also answers: HEAD (load balancers and uptime checks probe /health that way).
@@ -238,9 +248,24 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        ids = _chat_ids(body.messages, max_tokens or 1, request)
+        try:
+            check_tools(body.tools)
+            tool_choice = resolve_tool_choice(body.tools, body.tool_choice)
+        except ToolError as exc:
+            raise OpenAIError(str(exc), param=exc.param, code="invalid_value") from exc
+        tools = body.tools if tool_choice != "none" else None  # "none": the model is not shown them
+        ids = _chat_ids(body.messages, max_tokens or 1, request, tools)
         params = _params(body, max_tokens, logprobs)
-        return await _serve(request, body, [(ids, None)], params, chat=True, echo=False)
+        if tool_choice == "required" or isinstance(tool_choice, dict):  # the grammar makes it call
+            if params.structured_outputs is not None:
+                raise OpenAIError(f"tool_choice {body.tool_choice!r} and {_constraint_field(body)} both constrain "
+                                  "the output; give one", param="tool_choice", code="invalid_value")
+            try:
+                grammar = tool_call_grammar(tools, tool_choice, body.parallel_tool_calls)
+            except ValueError as exc:
+                raise OpenAIError(f"tools: {exc}", param="tools", code="invalid_value") from exc
+            params = dataclasses.replace(params, structured_outputs=grammar)
+        return await _serve(request, body, [(ids, None)], params, chat=True, echo=False, tools=tools is not None)
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _check_model(model: str | None) -> None:
@@ -259,19 +284,21 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             raise OpenAIError("prompt must not be empty", param="prompt", code="invalid_value")
         return prompts
 
-    def _chat_ids(messages, max_tokens: int, request: Request | None = None) -> list[int]:
+    def _chat_ids(messages, max_tokens: int, request: Request | None = None, tools: list[dict] | None = None
+                  ) -> list[int]:
         as_dicts = [m.model_dump(exclude_none=True) for m in messages]
         for m in as_dicts:
             if m.get("role") == "developer":
                 m["role"] = "system"
             m.setdefault("content", "")
+        as_dicts, tools = prepare_messages(as_dicts, tools, tokenizer.chat_template_renders_tools)
         room = engine.max_model_len - max_tokens
         if room <= 0:  # the chat is not at fault: say so, not "the chat is N tokens, more than -M"
             raise OpenAIError(f"max_tokens={max_tokens} leaves no room for the prompt in this model's context of "
                               f"{engine.max_model_len} tokens", param="max_tokens",
                               code="context_length_exceeded")
         try:
-            prompt = build_chat_prompt(tokenizer, as_dicts, room, engine.context_policy)
+            prompt = build_chat_prompt(tokenizer, as_dicts, room, engine.context_policy, tools)
             if request is not None and prompt.num_dropped_messages:  # the sliding-window policy says what it did
                 request.state.dropped_messages = prompt.num_dropped_messages
             return prompt.token_ids
@@ -298,7 +325,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             raise OpenAIError(f"logit_bias: token ids {outside} are not in the vocabulary [0, {vocab})",
                               param="logit_bias", code="invalid_value")
 
-    async def _serve(request: Request, body, prompts: list, params, chat: bool, echo: bool):
+    async def _serve(request: Request, body, prompts: list, params, chat: bool, echo: bool, tools: bool = False):
         snapshot = engine.snapshot()
         if snapshot.num_waiting >= config.max_waiting:
             raise OpenAIError("the server is overloaded; try again later", status=503, type="server_error",
@@ -340,13 +367,13 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             log["status"] = 200
             request.state.logged_by_stream = True
             return StreamingResponse(
-                _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log),
+                _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log, tools),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finals: dict[int, RequestOutput] = {}
         choices: dict[int, _Choice] = {}
         async for prompt_index, output in _observe(merged, choices, params.n, started, log):
             finals[prompt_index] = output
-        result = _full_response(finals, choices, prompts, params, chat, echo, response_id, model)
+        result = _full_response(finals, choices, prompts, params, chat, echo, response_id, model, tools)
         _log_usage(log, result["usage"])
         return result
 
@@ -402,7 +429,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                     engine.abort(output.request_id)
             yield prompt_index, output
 
-    def _full_response(finals, choices, prompts, params, chat, echo, response_id, model) -> dict:
+    def _full_response(finals, choices, prompts, params, chat, echo, response_id, model, tools) -> dict:
         out_choices = []
         prompt_tokens = completion_tokens = cached = 0
         for prompt_index in sorted(finals):
@@ -413,10 +440,16 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                 completion_tokens += len(c.token_ids)
                 index = prompt_index * params.n + c.index
                 if chat:
-                    out_choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                    message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+                    content, calls = parse_tool_calls(c.text) if tools else (c.text, [])
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": [call.to_openai() for call in calls]}
+                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    out_choices.append({"index": index, "message": message,
                                         "logprobs": _chat_logprobs(tokenizer, c.logprobs or [])
                                         if params.logprobs is not None else None,
-                                        "finish_reason": c.finish_reason})
+                                        "finish_reason": finish_reason})
                 else:
                     prompt_text = _echo_text(tokenizer, prompts[prompt_index][1], output) if echo else ""
                     logprobs = None
@@ -430,7 +463,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
                 "model": model, "choices": out_choices, "usage": usage}
 
-    async def _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log):
+    async def _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log, tools):
         choices: dict[int, _Choice] = {}
         created = now()
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -475,7 +508,11 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                         if echo_now:
                             lp = _join_logprobs(_prompt_logprobs(tokenizer, output), lp)
                     choice.num_chars += len(delta)
-                    if chat:
+                    if chat and tools:
+                        piece = _tool_delta(choice, delta, c.finish_reason, lp)
+                        if piece is not None:
+                            pieces.append(piece)
+                    elif chat:
                         pieces.append({"index": choice.index, "delta": {"content": delta} if delta else {},
                                        "logprobs": lp, "finish_reason": c.finish_reason})
                     else:
@@ -509,6 +546,24 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         yield "data: [DONE]\n\n"  # outside the try: a client gone by now was logged as served, not again as aborted
 
     return app
+
+
+def _tool_delta(choice: _Choice, text: str, finish_reason: str | None, logprobs) -> dict | None:
+    """A streamed chat delta when the request has tools: content as it becomes final, each call whole once its
+    closing tag arrives (index, id, name and all its arguments in one delta); None when there is nothing yet."""
+    parser = choice.tool_calls = choice.tool_calls or ToolCallParser()
+    first = len(parser.calls)
+    content, calls = parser.feed(text)
+    if finish_reason is not None:
+        content += parser.finish()
+        if parser.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+    delta: dict = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [call.to_openai(first + i) for i, call in enumerate(calls)]
+    if not delta and finish_reason is None and logprobs is None:
+        return None
+    return {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 async def anext_or_none(stream):

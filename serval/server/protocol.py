@@ -125,9 +125,11 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, as this API returned them
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -135,6 +137,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):

@@ -155,12 +155,18 @@ def test_guesses_the_grammar_refuses_are_never_proposed(engines):
     assert core.structured.valid_prefix("probe", a + b + b + c) == a + b + b + c
     assert core.structured.valid_prefix("probe", a + b + x + c) == a + b
     assert core.structured.valid_prefix("probe", x) == []
-    masks = core.structured.bitmasks({"probe": a + b})  # one row per position: before a, after a, after ab
+    masks, errors = core.structured.bitmasks({"probe": a + b})  # a row per position: before a, after a, after ab
+    assert errors == {}
     allowed = [{t for t in range(64, 128) if masks["probe"][row, t // 32] >> (t % 32) & 1} for row in range(3)]
     assert a[0] in allowed[0] and b[0] not in allowed[0]
     assert b[0] in allowed[1] and c[0] not in allowed[1]
     assert c[0] in allowed[2] and b[0] in allowed[2]
     assert core.structured.valid_prefix("probe", a + b + b + c) == a + b + b + c  # the matcher was rolled back
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    guesses = core.structured.valid_prefix("probe", a + b + c + [eos] + a)  # nothing follows the stop token
+    assert guesses == a + b + c + [eos]
+    masks, errors = core.structured.bitmasks({"probe": guesses})  # the row after the stop token is not filled
+    assert errors == {} and masks["probe"].shape[0] == len(guesses) + 1 and bool((masks["probe"][-1] == -1).all())
     core.structured.remove("probe")
 
 
