@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +16,14 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import serval
 from serval.chat import build_chat_prompt
 from serval.engine.client import EngineClient, EngineDeadError
 from serval.outputs import RequestOutput
+from serval.server import responses as responses_api
 from serval.server.filters import NoFilter, OutputFilter
 from serval.server.limits import RateLimiter
 from serval.server.metrics import ServerMetrics
@@ -33,6 +36,7 @@ from serval.server.protocol import (
     new_id,
     now,
 )
+from serval.server.responses import ResponsesRequest, ResponseStore
 from serval.server.tools import (
     ToolCallParser,
     ToolError,
@@ -87,6 +91,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     app = FastAPI(title="Serval", version=serval.__version__)
     metrics = ServerMetrics(engine)
     limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+    response_store = ResponseStore()  # /v1/responses kept with store: true, for previous_response_id
     tokenizer = engine.tokenizer
     state = {"draining": False}
     app.state.engine, app.state.config, app.state.metrics, app.state.flags = engine, config, metrics, state
@@ -266,6 +271,40 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                 raise OpenAIError(f"tools: {exc}", param="tools", code="invalid_value") from exc
             params = dataclasses.replace(params, structured_outputs=grammar)
         return await _serve(request, body, [(ids, None)], params, chat=True, echo=False, tools=tools is not None)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        _check_model(body.model)
+        history = response_store.messages(body.previous_response_id) if body.previous_response_id else []
+        turns = responses_api.input_messages(body)
+        try:
+            chat_body = responses_api.chat_request(body, history, turns)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()))
+            raise responses_api.rename_param(OpenAIError(f"{param}: {first.get('msg')}", param=param,
+                                                         code="invalid_value")) from None
+        response = responses_api.new_response(body, f"resp_{uuid.uuid4().hex}", now())
+        response["model"] = config.served_model_name
+
+        def keep(done: dict, turn: dict) -> None:
+            if body.store:
+                response_store.put(done, history + turns + [turn])
+
+        try:
+            result = await chat_completions(chat_body, request)
+        except OpenAIError as exc:
+            raise responses_api.rename_param(exc) from None
+        if isinstance(result, StreamingResponse):
+            return StreamingResponse(responses_api.stream_events(result.body_iterator, response, keep),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done, turn = responses_api.from_chat_completion(result, response)
+        keep(done, turn)
+        return done
+
+    @app.api_route("/v1/responses/{response_id}", methods=READ_METHODS)
+    async def get_response(response_id: str):
+        return response_store.response(response_id)
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _check_model(model: str | None) -> None:

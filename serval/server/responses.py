@@ -1,0 +1,323 @@
+"""The Responses API (``POST /v1/responses``) as a translation of chat completions.
+
+A Responses request becomes a chat completions request (input items -> messages, ``instructions`` -> the system
+message, ``text.format`` -> ``response_format``, flat function tools -> chat tools); its result, whole or streamed,
+becomes a Response object or the Responses stream's typed events. Responses with ``store`` (OpenAI's default) are
+kept in memory, the most recent ``ResponseStore.capacity``, so that ``previous_response_id`` continues a
+conversation and ``GET /v1/responses/{id}`` finds one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serval.server.protocol import ChatCompletionRequest, OpenAIError, StreamOptions
+
+# Chat completions' names for the request fields, mapped back to this API's in error messages.
+PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "response_format": "text.format"}
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[dict]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    seed: int | None = None  # vLLM's extra, as in chat completions
+
+
+class ResponseStore:
+    """The latest responses kept with ``store``: id -> (the conversation's messages so far, the Response)."""
+
+    capacity = 1024
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+
+    def put(self, response: dict, messages: list[dict]) -> None:
+        self._items[response["id"]] = (messages, response)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def messages(self, response_id: str) -> list[dict]:
+        return list(self._get(response_id, "previous_response_id")[0])
+
+    def response(self, response_id: str) -> dict:
+        return self._get(response_id, None)[1]
+
+    def _get(self, response_id: str, param: str | None) -> tuple[list[dict], dict]:
+        if response_id not in self._items:
+            raise OpenAIError(f"Response with id '{response_id}' not found.", status=404, param=param,
+                              code="not_found")
+        return self._items[response_id]
+
+
+# -- request in ------------------------------------------------------------------------------------------------
+def input_messages(body: ResponsesRequest) -> list[dict]:
+    """The request's own turns as chat messages (without instructions or a previous response's turns)."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    messages: list[dict] = []
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise OpenAIError(f"input[{i}].role must be user, assistant, system or developer, got {role!r}",
+                                  param=f"input[{i}].role", code="invalid_value")
+            messages.append({"role": role, "content": _text_of(item.get("content"), i)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        else:
+            raise OpenAIError(f"input[{i}].type {kind!r} is not supported (message, function_call, "
+                              "function_call_output are)", param=f"input[{i}].type", code="invalid_value")
+    return messages
+
+
+def _text_of(content, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = {p.get("type") for p in content} - {"input_text", "output_text", "text"}
+        if not kinds:
+            return "".join(p.get("text", "") for p in content)
+        raise OpenAIError(f"input[{index}].content: only text parts are supported, got {sorted(map(str, kinds))}",
+                          param=f"input[{index}].content", code="invalid_value")
+    raise OpenAIError(f"input[{index}].content must be a string or a list of text parts",
+                      param=f"input[{index}].content", code="invalid_value")
+
+
+def chat_request(body: ResponsesRequest, history: list[dict], turns: list[dict]) -> ChatCompletionRequest:
+    """The chat completions request that computes this response."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    fields: dict = {
+        "model": body.model, "messages": system + history + turns, "max_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "user": body.user,
+        "seed": body.seed, "parallel_tool_calls": body.parallel_tool_calls,
+        "stream_options": StreamOptions(include_usage=True) if body.stream else None,
+    }
+    text_format = body.text.format if body.text else None
+    if text_format is not None and text_format.type != "text":
+        fields["response_format"] = {"type": text_format.type}
+        if text_format.type == "json_schema":
+            if text_format.json_schema is None or not text_format.name:
+                raise OpenAIError("text.format of type json_schema needs a name and a schema", param="text.format",
+                                  code="invalid_value")
+            fields["response_format"]["json_schema"] = {"name": text_format.name, "schema": text_format.json_schema,
+                                                        "strict": text_format.strict}
+    if body.tools is not None:
+        fields["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        choice = body.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        fields["tool_choice"] = choice
+    return ChatCompletionRequest(**fields)
+
+
+def _chat_tool(tool: dict, index: int) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise OpenAIError(f'tools[{index}] must be {{"type": "function", "name": ..., "parameters": ...}} '
+                          "(function tools are the ones supported)", param="tools", code="invalid_value")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": function}
+
+
+def rename_param(error: OpenAIError) -> OpenAIError:
+    """A chat completions error, in this API's field names."""
+    if error.param in PARAM_NAMES:
+        error.param = PARAM_NAMES[error.param]
+    elif error.param and error.param.startswith("messages"):
+        error.param = "input" + error.param.removeprefix("messages")
+    return error
+
+
+# -- result out ------------------------------------------------------------------------------------------------
+def new_response(body: ResponsesRequest, response_id: str, created_at: int) -> dict:
+    """A Response with no output yet (status in_progress)."""
+    text_format = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text else {"type": "text"}
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": "in_progress",
+        "model": body.model, "output": [], "error": None, "incomplete_details": None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls,
+        "tool_choice": body.tool_choice or ("auto" if body.tools else "none"), "tools": body.tools or [],
+        "text": {"format": text_format}, "previous_response_id": body.previous_response_id, "store": body.store,
+        "metadata": body.metadata or {}, "usage": None,
+    }
+
+
+def message_item(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def function_call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def finish(response: dict, output: list[dict], finish_reason: str | None, usage: dict) -> dict:
+    """Fills in a Response's output, status and usage from the chat completion's."""
+    response["output"] = output
+    if finish_reason == "length":
+        response["status"], response["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+    elif finish_reason == "content_filter":
+        response["status"], response["incomplete_details"] = "incomplete", {"reason": "content_filter"}
+    else:
+        response["status"] = "completed"
+    response["usage"] = {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+        "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage["total_tokens"],
+    }
+    return response
+
+
+def from_chat_completion(completion: dict, response: dict) -> tuple[dict, dict]:
+    """(the Response, the assistant's turn as a chat message) of a whole chat completion."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    output = [message_item(message["content"])] if message.get("content") else []
+    output += [function_call_item(call) for call in message.get("tool_calls") or []]
+    turn = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        turn["tool_calls"] = message["tool_calls"]
+    return finish(response, output, choice["finish_reason"], completion["usage"]), turn
+
+
+async def stream_events(chat_sse: AsyncIterator[str], response: dict, on_done) -> AsyncIterator[str]:
+    """The Responses stream's typed events from a chat completion's SSE chunks: response.created, then per
+    output item its added / delta / done events, then response.completed (or .incomplete, or .failed).
+    ``on_done(response, turn)`` runs once the response is complete (to store it)."""
+    sequence = 0
+
+    def event(kind: str, **data) -> str:
+        nonlocal sequence
+        payload = {"type": kind, "sequence_number": sequence, **data}
+        sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    yield event("response.created", response=response)
+    yield event("response.in_progress", response=response)
+    output: list[dict] = []
+    text_item: dict | None = None
+    text = ""
+    finish_reason, usage, calls = None, None, []
+
+    def close_text():
+        nonlocal text_item
+        if text_item is None:
+            return []
+        index = output.index(text_item)
+        part = {"type": "output_text", "text": text, "annotations": []}
+        text_item.update(status="completed", content=[part])
+        item_id = text_item["id"]
+        text_item = None
+        return [event("response.output_text.done", item_id=item_id, output_index=index, content_index=0, text=text),
+                event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                      part=part),
+                event("response.output_item.done", output_index=index, item=output[index])]
+
+    try:
+        async for raw in chat_sse:
+            if not raw.startswith("data: ") or raw.startswith("data: [DONE]"):
+                continue
+            chunk = json.loads(raw[len("data: "):])
+            if "error" in chunk:
+                response.update(status="failed", error={"code": chunk["error"].get("code") or "server_error",
+                                                        "message": chunk["error"]["message"]})
+                yield event("response.failed", response=response)
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content"):
+                    if text_item is None:
+                        text_item = message_item("", status="in_progress")
+                        output.append(text_item)
+                        yield event("response.output_item.added", output_index=len(output) - 1, item=text_item)
+                        yield event("response.content_part.added", item_id=text_item["id"],
+                                    output_index=len(output) - 1, content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": []})
+                    text += delta["content"]
+                    yield event("response.output_text.delta", item_id=text_item["id"], output_index=len(output) - 1,
+                                content_index=0, delta=delta["content"])
+                for call in delta.get("tool_calls") or []:
+                    for e in close_text():
+                        yield e
+                    calls.append(call)
+                    item = function_call_item(call, status="in_progress")
+                    item["arguments"] = ""
+                    output.append(item)
+                    index = len(output) - 1
+                    yield event("response.output_item.added", output_index=index, item=dict(item))
+                    arguments = call["function"]["arguments"]
+                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=arguments)
+                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                arguments=arguments)
+                    item.update(arguments=arguments, status="completed")
+                    yield event("response.output_item.done", output_index=index, item=item)
+                finish_reason = choice.get("finish_reason") or finish_reason
+    finally:  # a client gone mid-stream: closing the chat stream aborts the request
+        await chat_sse.aclose()
+    for e in close_text():
+        yield e
+    finish(response, output, finish_reason, usage or {"prompt_tokens": 0, "completion_tokens": 0,
+                                                       "total_tokens": 0})
+    turn = {"role": "assistant", "content": text}
+    if calls:
+        turn["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+    on_done(response, turn)
+    yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                response=response)
+
+
+def now() -> int:
+    return int(time.time())
