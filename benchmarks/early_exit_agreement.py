@@ -33,7 +33,7 @@ def main() -> None:
     path = resolve_model_path(None)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              torch_dtype=torch.float32)
+                                                              dtype=torch.float32)
     agree = {n: [] for n in DEPTHS}
     for prompt in PROMPTS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

@@ -16,6 +16,7 @@ from real_model import requires_model
 from serval import SamplingParams
 from serval.config import EngineConfig
 from serval.engine.core import EngineCoreRequest
+from serval.layers import sampler as sampler_module
 from serval.layers.sampler import Sampler, SamplingRow, apply_token_bitmask
 from serval.sampling_params import StructuredOutputsParams
 
@@ -49,7 +50,10 @@ SCORES = {"type": "array", "minItems": 2, "maxItems": 4,
 SCHEMAS = [PERSON, INVENTORY, SCORES]
 
 
-def test_token_bitmask_masks_exactly_the_refused_tokens_of_the_constrained_rows():
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_token_bitmask_masks_exactly_the_refused_tokens_of_the_constrained_rows(path, monkeypatch):
+    if path == "torch":  # the path other devices take: a broadcast shift in torch
+        monkeypatch.setattr(sampler_module.sys, "byteorder", "big")
     torch.manual_seed(0)
     vocab = 100  # not a multiple of 32: the last word's high bits lie past the vocabulary
     logits = torch.randn(3, vocab)
@@ -65,6 +69,8 @@ def test_token_bitmask_masks_exactly_the_refused_tokens_of_the_constrained_rows(
         assert finite == ids
         assert torch.equal(masked[row, ids], logits[row, ids])
     assert torch.isfinite(logits).all()  # the input is not written
+    every_row = apply_token_bitmask(logits[[0, 2]], [0, 1], bitmask)
+    assert torch.equal(every_row, masked[[0, 2]])
 
     params = SamplingParams(temperature=0)
     rows = [SamplingRow(params, [1], [], None, []) for _ in range(3)]
