@@ -38,9 +38,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "for a GGUF file with such blocks, else none")
     parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
                         help="a chat longer than the context: reject it, or drop the oldest turns")
-    parser.add_argument("--speculative-model", default="ngram", choices=["ngram", "none"],
-                        help="speculative decoding: ngram guesses the next tokens by prompt lookup, and one forward "
-                        "checks them (greedy and seeded output unchanged); none: off")
+    parser.add_argument("--speculative-model", default="ngram", metavar="ngram|none|self-layers:N|MODEL",
+                        help="speculative decoding: ngram guesses the next tokens by prompt lookup, self-layers:N "
+                        "with the model's first N layers, MODEL with a draft model sharing the tokenizer; one "
+                        "forward checks the guesses (greedy and seeded output unchanged); none: off")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens guessed per step")
     parser.add_argument("--ngram-prompt-lookup-max", type=int, default=4, help="longest n-gram looked up")
     parser.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram looked up")

@@ -87,7 +87,7 @@ class SchedulerConfig:
 
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
-SPECULATIVE_METHODS = ("ngram",)
+EARLY_EXIT_PREFIX = "self-layers:"
 
 
 @dataclass
@@ -95,7 +95,9 @@ class SpeculativeConfig:
     """Speculative decoding: a proposer guesses the next tokens, one target forward checks them all.
 
     ``method`` None is off; "ngram" (the default) proposes by prompt lookup: the tokens that followed the latest
-    earlier occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``).
+    earlier occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``);
+    "self-layers:N" guesses greedily with the target's first N layers (early exit); anything else names a draft
+    model (an embedded name or a path, as ``EngineConfig.model``) that shares the target's tokenizer.
     On by default: greedy and seeded outputs are unchanged and sampled ones keep their distribution, and measured
     (benchmarks/README.md) it gave 1.9x one stream's tokens/s on prose, 2.3x on quoting chat, 1.5x on free chat,
     and within 5% either way at 16 streams, where max_batch_size turns it off."""
@@ -110,9 +112,14 @@ class SpeculativeConfig:
     max_batch_size: int = 4
 
     def __post_init__(self) -> None:
-        if self.method is not None and self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"SpeculativeConfig.method must be one of {list(SPECULATIVE_METHODS)} or None, "
+        if self.method is not None and (not isinstance(self.method, str) or not self.method or self.method == "none"):
+            raise ValueError("SpeculativeConfig.method must be None, 'ngram', 'self-layers:N' or a draft model, "
                              f"got {self.method!r}")
+        if self.method is not None and self.method.startswith(EARLY_EXIT_PREFIX):
+            layers = self.method.removeprefix(EARLY_EXIT_PREFIX)
+            if not layers.isdecimal() or int(layers) < 1:
+                raise ValueError(f"SpeculativeConfig.method {self.method!r}: N in self-layers:N must be a positive "
+                                 "integer")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -124,6 +131,20 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def early_exit_layers(self) -> int | None:
+        """N of "self-layers:N", else None."""
+        if self.method is None or not self.method.startswith(EARLY_EXIT_PREFIX):
+            return None
+        return int(self.method.removeprefix(EARLY_EXIT_PREFIX))
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model's name or path, when ``method`` names one."""
+        if self.method in (None, "ngram") or self.early_exit_layers is not None:
+            return None
+        return self.method
 
 
 @dataclass

@@ -20,6 +20,7 @@ from serval.engine.scheduler import Scheduler
 from serval.engine.spec_decode import NgramProposer
 from serval.layers.sampler import TokenLogprobs
 from serval.model.loader import load_model
+from serval.model.registry import resolve_model_path
 from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class EngineCore:
         self.stats = EngineCoreStats(num_blocks=num_blocks)
         self.max_model_len = max_model_len
         self.speculative = config.speculative
-        self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
+        self.proposer = self._make_proposer(config)
         self.stats.spec_accepted_per_position = [0] * config.speculative.num_speculative_tokens
         self.structured = None  # StructuredOutputManager, once a front end sets it up (setup_structured_outputs)
         self._requests: dict[str, Request] = {}
@@ -241,19 +242,45 @@ class EngineCore:
         return EngineCoreOutputs(outputs + list(by_id.values()), self.snapshot())
 
     # -- speculative decoding ------------------------------------------------------------------------------------
+    def _make_proposer(self, config: EngineConfig):
+        spec = config.speculative
+        if not spec.enabled:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        from serval.engine.draft_proposer import DraftProposer
+
+        layers = spec.early_exit_layers
+        if layers is not None:
+            if layers >= self.model.config.num_layers:
+                raise ValueError(f"--speculative-model self-layers:{layers}: the model has only "
+                                 f"{self.model.config.num_layers} layers")
+            return DraftProposer(self.runner, self.model, layers)
+        draft_model = load_model(resolve_model_path(spec.draft_model), config.torch_dtype, config.device,
+                                 config.quantization)
+        self.runner.draft = proposer = DraftProposer(self.runner, draft_model)
+        return proposer
+
     def _propose(self) -> None:
         """Guesses the next tokens of every running request past its prompt, while the batch is small enough for
         guesses to pay (SpeculativeConfig.max_batch_size)."""
         running = self.scheduler.running
         if len(running) > self.speculative.max_batch_size:
             return
+        requests, rooms = [], []
         for request in running:
             if request.num_computed_tokens != request.num_tokens - 1 or request.max_tokens == 0:
                 continue  # still computing its prompt (or recomputing after a preemption)
             room = min(self.speculative.num_speculative_tokens,
                        request.max_tokens - len(request.output_token_ids) - 1,  # the step adds one more token
                        self.max_model_len - request.num_tokens)  # every guess takes a KV slot
-            guesses = self.proposer.propose(request.all_token_ids, room) if room > 0 else []
+            # A draft model writes the guessed positions' KV: their slots (the next step's anyway) come first.
+            if room > 0 and (not self.proposer.needs_slots or self.kv_cache.allocate_slots(request, 1 + room)):
+                requests.append(request)
+                rooms.append(room)
+        if not requests:
+            return
+        for request, guesses in zip(requests, self.proposer.propose_requests(requests, rooms)):
             if guesses and request.request_id in self.structured_ids:
                 guesses = self.structured.valid_prefix(request.request_id, guesses)
             request.spec_token_ids = guesses

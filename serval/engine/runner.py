@@ -68,6 +68,7 @@ class ModelRunner:
         # Which attention path the steps take, decided once: the CPU kernel reads per-token tables; the PyTorch
         # path (CUDA, or no compiler) reads decode tables and masks and one entry per prefill chunk.
         self.attention_kernel = self.device.type == "cpu" and cpu_kernels.load() is not None
+        self.draft = None  # a DraftProposer with a cache of its own runs each step's batch after the model
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar_bitmasks: dict[str, torch.Tensor] | None = None
@@ -81,6 +82,8 @@ class ModelRunner:
         if inputs is None:
             return result
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if self.draft is not None:
+            self.draft.mirror(inputs)
         for request, row, count in inputs.scored:
             first = request.num_computed_tokens + 1
             targets = request.prompt_token_ids[first: first + count]
@@ -156,13 +159,7 @@ class ModelRunner:
                               counts: dict[str, int]) -> None:
         bs = self.block_size
         if decodes:
-            seq_lens = [r.num_computed_tokens + 1 for r in decodes]
-            max_blocks = max(len(r.block_ids) for r in decodes)
-            tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes]
-            meta.num_decode_tokens = len(decodes)
-            meta.decode_block_tables = self._tensor(tables)
-            key_pos = torch.arange(max_blocks * bs, device=self.device)
-            meta.decode_mask = (key_pos[None, :] < self._tensor(seq_lens)[:, None])[:, None, None, :]
+            self._add_pytorch_decodes(meta, [r.block_ids for r in decodes], [r.num_computed_tokens for r in decodes])
         query_start = len(decodes)
         for request in prefills:
             n = counts[request.request_id]
@@ -175,6 +172,29 @@ class ModelRunner:
             table = self._tensor(request.block_ids[: -(-seq_len // bs)])
             meta.prefills.append(PrefillChunk(query_start, n, seq_len, table, mask))
             query_start += n
+
+    def _add_pytorch_decodes(self, meta: AttentionMetadata, block_tables: list[list[int]],
+                             positions: list[int]) -> None:
+        widest = max(len(blocks) for blocks in block_tables)
+        meta.num_decode_tokens = len(positions)
+        meta.decode_block_tables = self._tensor([blocks + [0] * (widest - len(blocks)) for blocks in block_tables])
+        key_pos = torch.arange(widest * self.block_size, device=self.device)
+        meta.decode_mask = (key_pos[None, :] <= self._tensor(positions)[:, None])[:, None, None, :]
+
+    def decode_metadata(self, block_tables: list[list[int]], positions: list[int]) -> AttentionMetadata:
+        """Attention metadata of a batch of one-token decodes at ``positions`` (a draft model's guessing steps),
+        for either attention path."""
+        bs = self.block_size
+        slots = [blocks[p // bs] * bs + p % bs for blocks, p in zip(block_tables, positions)]
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        if self.attention_kernel:
+            widest = max(len(blocks) for blocks in block_tables)
+            meta.block_tables = self._tensor([blocks + [0] * (widest - len(blocks)) for blocks in block_tables])
+            meta.token_table = self._tensor(list(range(len(positions))))
+            meta.context_lens = self._tensor(positions) + 1
+        else:
+            self._add_pytorch_decodes(meta, block_tables, positions)
+        return meta
 
     def _score(self, hidden: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
         """Logprobs of ``token_ids[i]`` under the logits of ``hidden[i]``, a bounded slice of rows at a time."""

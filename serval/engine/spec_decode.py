@@ -23,9 +23,14 @@ class NgramProposer:
     """Prompt lookup: finds the latest earlier occurrence of the sequence's last n tokens (n from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``) and proposes the tokens that followed it."""
 
+    needs_slots = False  # guesses without computing anything
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+
+    def propose_requests(self, requests, num_tokens: list[int]) -> list[list[int]]:
+        return [self.propose(r.all_token_ids, n) for r, n in zip(requests, num_tokens)]
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         if k <= 0 or len(token_ids) <= self.min_n:

@@ -200,6 +200,61 @@ def test_speculation_on_the_pytorch_attention_path(make_llm):
     assert spec.engine.stats.spec_num_accepted_tokens > 0
 
 
+# -- draft models: early exit and a separate draft ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@requires_model
+def test_draft_model_and_early_exit_guesses_leave_greedy_and_seeded_outputs_unchanged(make_llm):
+    """In the default dtype, through preemption, dropped guesses and prefix-cache hits (a cache too small for the
+    batch, the prompts twice): a separate draft model (the embedded model itself) and an early-exit draft give the
+    plain engine's tokens."""
+    dtype = str(EngineConfig().torch_dtype).removeprefix("torch.")
+    plain = make_llm(dtype=dtype, speculative_model=None)
+    prompts = GROUNDED + FREE
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    pairs = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=16, ignore_eos=True)
+    expected = {id(p): [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, p, use_tqdm=False)]
+                for p in (greedy, pairs)}
+    for method in ("smollm2-135m-instruct", "self-layers:20"):
+        tight = make_llm(dtype=dtype, num_blocks=16, max_model_len=224, speculative_model=method,
+                         speculative_max_batch_size=64, num_speculative_tokens=3)
+        for params in (greedy, pairs):
+            for _ in range(2):
+                got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+                assert got == expected[id(params)], method
+        engine = tight.engine
+        assert engine.scheduler.num_preemptions > 0 and engine.kv_cache.stats.hit_tokens > 0
+        assert engine.stats.spec_num_drafts > 20
+        assert engine.kv_cache.pool.num_owned_blocks() == 0
+
+
+@pytest.mark.slow
+@requires_model
+def test_a_draft_that_is_the_target_has_every_greedy_guess_accepted(make_llm):
+    """The draft's own cache keeps up with the target's (mirrored steps, prefix-cache hits, preemption): a draft
+    with the target's weights, in float32, guesses exactly the target's greedy tokens, so every guess is accepted.
+    A stale or misplaced draft cache would guess wrong."""
+    spec = make_llm(dtype="float32", num_blocks=16, max_model_len=224, speculative_model="smollm2-135m-instruct",
+                    speculative_max_batch_size=64, num_speculative_tokens=3)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for _ in range(2):
+        spec.generate(GROUNDED + FREE, params, use_tqdm=False)
+    stats = spec.engine.stats
+    assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.kv_cache.stats.hit_tokens > 0
+    assert stats.spec_num_draft_tokens > 100
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def test_speculative_model_names_are_checked():
+    assert SpeculativeConfig(method="self-layers:6").early_exit_layers == 6
+    assert SpeculativeConfig(method="some/draft").draft_model == "some/draft"
+    assert SpeculativeConfig(method="ngram").draft_model is None
+    for bad in ("self-layers:0", "self-layers:x", "", "none"):
+        with pytest.raises(ValueError):
+            SpeculativeConfig(method=bad)
+
+
 # -- the sampled distribution is the target's ----------------------------------------------------------------------
 
 TOP_K = 3
@@ -211,11 +266,13 @@ CHI2_CRITICAL_26_DOF_P001 = 54.05  # chi-square quantile 0.999 at 26 degrees of 
 class FixedGuess:
     """A deterministic proposer that always guesses the same token: accepted as often as the target samples it."""
 
+    needs_slots = False
+
     def __init__(self, token: int) -> None:
         self.token = token
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        return [self.token] * k
+    def propose_requests(self, requests, num_tokens: list[int]) -> list[list[int]]:
+        return [[self.token] * k for k in num_tokens]
 
 
 def _target_probabilities(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
