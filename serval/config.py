@@ -96,8 +96,9 @@ class SpeculativeConfig:
 
     ``method`` None is off; "ngram" (the default) proposes by prompt lookup: the tokens that followed the latest
     earlier occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``);
-    "self-layers:N" guesses greedily with the target's first N layers (early exit); anything else names a draft
-    model (an embedded name or a path, as ``EngineConfig.model``) that shares the target's tokenizer.
+    "self-layers:N" guesses greedily with the target's first N layers (early exit); "self-int4" with the target's
+    own GGUF file read in its 4-bit blocks; anything else names a draft model (an embedded name or a path, as
+    ``EngineConfig.model``) that shares the target's tokenizer.
     On by default: greedy and seeded outputs are unchanged and sampled ones keep their distribution, and measured
     (benchmarks/README.md) it gave 1.9x one stream's tokens/s on prose, 2.3x on quoting chat, 1.5x on free chat,
     and within 5% either way at 16 streams, where max_batch_size turns it off."""
@@ -142,7 +143,7 @@ class SpeculativeConfig:
     @property
     def draft_model(self) -> str | None:
         """The draft model's name or path, when ``method`` names one."""
-        if self.method in (None, "ngram") or self.early_exit_layers is not None:
+        if self.method in (None, "ngram", "self-int4") or self.early_exit_layers is not None:
             return None
         return self.method
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from serval.config import EngineConfig
 from serval.engine.kv_cache import KVCacheManager
@@ -19,7 +20,7 @@ from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler
 from serval.engine.spec_decode import NgramProposer
 from serval.layers.sampler import TokenLogprobs
-from serval.model.loader import load_model
+from serval.model.loader import has_4bit_blocks, load_model
 from serval.model.registry import resolve_model_path
 from serval.sampling_params import SamplingParams
 
@@ -120,14 +121,14 @@ class EngineCore:
         self.stats = EngineCoreStats(num_blocks=num_blocks)
         self.max_model_len = max_model_len
         self.speculative = config.speculative
+        self.info = EngineCoreInfo(str(model_path), max_model_len, model_config.vocab_size, num_blocks, 0.0)
         self.proposer = self._make_proposer(config)
         self.stats.spec_accepted_per_position = [0] * config.speculative.num_speculative_tokens
         self.structured = None  # StructuredOutputManager, once a front end sets it up (setup_structured_outputs)
         self._requests: dict[str, Request] = {}
         self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
         self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
-        self.info = EngineCoreInfo(str(model_path), max_model_len, model_config.vocab_size, num_blocks,
-                                   time.perf_counter() - start)
+        self.info.load_time = time.perf_counter() - start
 
     # -- requests in -------------------------------------------------------------------------------------------
     def setup_structured_outputs(self, compiler) -> None:
@@ -256,8 +257,14 @@ class EngineCore:
                 raise ValueError(f"--speculative-model self-layers:{layers}: the model has only "
                                  f"{self.model.config.num_layers} layers")
             return DraftProposer(self.runner, self.model, layers)
-        draft_model = load_model(resolve_model_path(spec.draft_model), config.torch_dtype, config.device,
-                                 config.quantization)
+        if spec.method == "self-int4":  # the target's own file, read in its 4-bit blocks by the CPU kernel
+            if not has_4bit_blocks(Path(self.info.model_path)):
+                raise ValueError("--speculative-model self-int4 needs a GGUF file with Q4_0 or Q4_1 matrices; "
+                                 f"{Path(self.info.model_path).name} has none")
+            draft_model = load_model(Path(self.info.model_path), config.torch_dtype, config.device, "gguf")
+        else:
+            draft_model = load_model(resolve_model_path(spec.draft_model), config.torch_dtype, config.device,
+                                     config.quantization)
         self.runner.draft = proposer = DraftProposer(self.runner, draft_model)
         return proposer
 

@@ -84,6 +84,14 @@ def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dt
     return "gguf" if types & BLOCK_FORMATS.keys() else "none"
 
 
+def has_4bit_blocks(path: Path) -> bool:
+    """Whether a GGUF file stores matrices in 4-bit blocks (Q4_0, Q4_1) that the CPU kernel reads in place."""
+    if path.suffix != ".gguf":
+        return False
+    types = {GGMLQuantizationType(t.tensor_type).name for t in GGUFModelFile(path).reader.tensors}
+    return bool(types & {"Q4_0", "Q4_1"})
+
+
 def _progress(weights: Iterator[tuple[str, torch.Tensor]], label: str,
               total: int | None) -> Iterator[tuple[str, torch.Tensor]]:
     from tqdm import tqdm

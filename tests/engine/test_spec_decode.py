@@ -216,7 +216,7 @@ def test_draft_model_and_early_exit_guesses_leave_greedy_and_seeded_outputs_unch
     pairs = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=16, ignore_eos=True)
     expected = {id(p): [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, p, use_tqdm=False)]
                 for p in (greedy, pairs)}
-    for method in ("smollm2-135m-instruct", "self-layers:20"):
+    for method in ("smollm2-135m-instruct", "self-layers:20", "self-int4"):
         tight = make_llm(dtype=dtype, num_blocks=16, max_model_len=224, speculative_model=method,
                          speculative_max_batch_size=64, num_speculative_tokens=3)
         for params in (greedy, pairs):
@@ -250,6 +250,7 @@ def test_speculative_model_names_are_checked():
     assert SpeculativeConfig(method="self-layers:6").early_exit_layers == 6
     assert SpeculativeConfig(method="some/draft").draft_model == "some/draft"
     assert SpeculativeConfig(method="ngram").draft_model is None
+    assert SpeculativeConfig(method="self-int4").draft_model is None
     for bad in ("self-layers:0", "self-layers:x", "", "none"):
         with pytest.raises(ValueError):
             SpeculativeConfig(method=bad)
