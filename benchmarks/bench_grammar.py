@@ -87,15 +87,8 @@ def bench_xgrammar(tokenizer, vocab, answers):
         compile_s.append(time.perf_counter() - start)
     matchers = [xgr.GrammarMatcher(compiled[i % len(SCHEMAS)]) for i in range(BATCH)]
     bitmask = xgr.allocate_token_bitmask(BATCH, vocab)
-    mask_s = []
-    for step in range(max(len(a) for a in answers)):
-        for i, matcher in enumerate(matchers):
-            tokens = answers[i % len(answers)]
-            if step < len(tokens):
-                start = time.perf_counter()
-                matcher.fill_next_token_bitmask(bitmask, i)
-                mask_s.append(time.perf_counter() - start)
-                assert matcher.accept_token(tokens[step])
+    mask_s = time_masks(matchers, answers, lambda m, i: m.fill_next_token_bitmask(bitmask, i),
+                        lambda m, token: m.accept_token(token))
     return setup, compile_s, mask_s
 
 
@@ -117,16 +110,23 @@ def bench_llguidance(tokenizer, vocab, answers):
         grammars.append(grammar)
     matchers = [llguidance.LLMatcher(lltokenizer, grammars[i % len(SCHEMAS)]) for i in range(BATCH)]
     bitmask = llguidance.torch.allocate_token_bitmask(BATCH, vocab)
+    mask_s = time_masks(matchers, answers, lambda m, i: llguidance.torch.fill_next_token_bitmask(m, bitmask, i),
+                        lambda m, token: m.consume_token(token))
+    return setup, compile_s, mask_s
+
+
+def time_masks(matchers, answers, fill, accept) -> list[float]:
+    """Seconds of each mask fill, the batch's matchers advancing a token at a time through their answers."""
     mask_s = []
     for step in range(max(len(a) for a in answers)):
         for i, matcher in enumerate(matchers):
             tokens = answers[i % len(answers)]
             if step < len(tokens):
                 start = time.perf_counter()
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+                fill(matcher, i)
                 mask_s.append(time.perf_counter() - start)
-                assert matcher.consume_token(tokens[step]), matcher.get_error()
-    return setup, compile_s, mask_s
+                assert accept(matcher, tokens[step])
+    return mask_s
 
 
 def bench_engine() -> None:

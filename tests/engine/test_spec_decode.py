@@ -164,13 +164,15 @@ def test_speculation_keeps_logprobs_stop_strings_and_max_tokens(make_llm):
 
 @pytest.mark.slow
 @requires_model
-def test_speculation_is_unchanged_by_preemption_prefix_hits_and_n(make_llm):
+@pytest.mark.parametrize("method", ["ngram", "smollm2-135m-instruct", "self-layers:20", "self-int4"])
+def test_speculation_is_unchanged_by_preemption_prefix_hits_and_n(make_llm, method):
     """Guesses scheduled in a cache too small for the batch (requests preempted and recomputed, guesses dropped for
     lack of room), then the same prompts again (prefix-cache hits), with n = 2 seeded samples: the outputs of the
-    plain engine with room to spare."""
+    plain engine with room to spare. For every proposer: prompt lookup, a separate draft model (the embedded model
+    itself), an early exit, the model's own 4-bit blocks."""
     dtype = str(EngineConfig().torch_dtype).removeprefix("torch.")
     plain = make_llm(dtype=dtype, speculative_model=None)
-    tight = make_llm(dtype=dtype, num_blocks=14, max_model_len=224, speculative_model="ngram",
+    tight = make_llm(dtype=dtype, num_blocks=14, max_model_len=224, speculative_model=method,
                      speculative_max_batch_size=64)
     prompts = GROUNDED + FREE
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -182,7 +184,7 @@ def test_speculation_is_unchanged_by_preemption_prefix_hits_and_n(make_llm):
             assert got == expected
     engine = tight.engine
     assert engine.scheduler.num_preemptions > 0 and engine.kv_cache.stats.hit_tokens > 0
-    assert engine.stats.spec_num_accepted_tokens > 0
+    assert engine.stats.spec_num_accepted_tokens > 0  # (an early exit too: 3-5% of its guesses)
     assert engine.kv_cache.pool.num_owned_blocks() == 0
 
 
@@ -201,32 +203,6 @@ def test_speculation_on_the_pytorch_attention_path(make_llm):
 
 
 # -- draft models: early exit and a separate draft ----------------------------------------------------------------
-
-
-@pytest.mark.slow
-@requires_model
-def test_draft_model_and_early_exit_guesses_leave_greedy_and_seeded_outputs_unchanged(make_llm):
-    """In the default dtype, through preemption, dropped guesses and prefix-cache hits (a cache too small for the
-    batch, the prompts twice): a separate draft model (the embedded model itself) and an early-exit draft give the
-    plain engine's tokens."""
-    dtype = str(EngineConfig().torch_dtype).removeprefix("torch.")
-    plain = make_llm(dtype=dtype, speculative_model=None)
-    prompts = GROUNDED + FREE
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    pairs = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=16, ignore_eos=True)
-    expected = {id(p): [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, p, use_tqdm=False)]
-                for p in (greedy, pairs)}
-    for method in ("smollm2-135m-instruct", "self-layers:20", "self-int4"):
-        tight = make_llm(dtype=dtype, num_blocks=16, max_model_len=224, speculative_model=method,
-                         speculative_max_batch_size=64, num_speculative_tokens=3)
-        for params in (greedy, pairs):
-            for _ in range(2):
-                got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
-                assert got == expected[id(params)], method
-        engine = tight.engine
-        assert engine.scheduler.num_preemptions > 0 and engine.kv_cache.stats.hit_tokens > 0
-        assert engine.stats.spec_num_drafts > 20
-        assert engine.kv_cache.pool.num_owned_blocks() == 0
 
 
 @pytest.mark.slow
