@@ -16,7 +16,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
-           ("bindings.cpp", "paged_attention.cpp", "block_quant_linear.cpp", "fused_ops.cpp")]
+           ("bindings.cpp", "paged_attention.cpp", "block_quant_linear.cpp", "panel_linear.cpp", "fused_ops.cpp")]
 # -fopenmp: without it ATen's parallel_for (a header template) compiles to a serial loop.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 _state: dict[str, ModuleType | None] = {}

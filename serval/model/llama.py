@@ -134,7 +134,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if (weight.out_features, weight.in_features) != (module.out_features, module.in_features):
                 continue  # a shard is stored in another type
-            self.set_submodule(module_name, BlockQuantLinear(weight).to(module.weight.device))
+            layer = BlockQuantLinear(weight).to(module.weight.device)
+            layer.float_output = module_name == "lm_head"
+            self.set_submodule(module_name, layer)
             swapped += 1
         return swapped
 

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from serval.layers import cpu_kernels
-from serval.layers.linear import BlockQuantLinear, BlockWeight
+from serval.layers.linear import BlockQuantLinear, BlockWeight, padded_matmul
 from serval.model.gguf_file import _to_block_weight
 
 kernels = cpu_kernels.load()
@@ -38,15 +38,19 @@ def activations(rows: int, in_features: int, dtype: torch.dtype, seed: int = 1) 
     return x.to(dtype)
 
 
+needs_panels = pytest.mark.skipif(kernels is None or not kernels.block_panel_kernel_available(),
+                                  reason="the panel kernel needs AVX-512")
+
+
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 37])
 def test_kernel_equals_the_dequantized_weights(fmt, dtype, rows):
-    """Against float64 x @ W^T on the file's exact weights. float32 activations are rounded to int16 per block
-    of 32 (at most max|x|/65534 each), bfloat16 ones are used as they are with the weights rounded once to
-    bfloat16 where the CPU has bf16 dot products; the output is rounded to x's dtype. The bound is computed
-    from those roundings, per output."""
+    """The GGUF-layout kernel against float64 x @ W^T on the file's exact weights. float32 activations are
+    rounded to int16 per block of 32 (at most max|x|/65534 each), bfloat16 ones are used as they are with the
+    weights rounded once to bfloat16 where the CPU has bf16 dot products; the output is rounded to x's dtype.
+    The bound is computed from those roundings, per output."""
     weight = random_blocks(fmt, 200, 576)
     x = activations(rows, 576, dtype)
     got = kernels.block_quant_linear(x, weight.packed, weight.scales.view(torch.float16), fmt).double()
@@ -58,6 +62,35 @@ def test_kernel_equals_the_dequantized_weights(fmt, dtype, rows):
     else:
         bound = 2**-8 * (x.double().abs() @ w.abs().T) + 2**-8 * want.abs()
     assert got.shape == (rows, 200) and torch.all((got - want).abs() <= bound)
+
+
+@needs_panels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 37])
+@pytest.mark.parametrize("shape", [(200, 576), (37, 80)])  # a short last panel; a K the blocks pad
+def test_panel_kernel_equals_the_dequantized_weights(fmt, dtype, rows, shape):
+    """The panel kernel multiplies by the file's exact weights in float32 FMAs: against float64, the error is
+    float32 summation (K * 2^-24 of sum |x w|, far under 1e-4 here) plus the output's rounding to x's dtype."""
+    out_features, in_features = shape
+    weight = random_blocks(fmt, out_features, in_features)
+    x = activations(rows, in_features, dtype)
+    got = kernels.block_panel_linear(x, *weight.panels(), fmt, out_features, False)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    w = weight.dequantize().double()
+    want = x.double() @ w.T
+    rounding = 2**-8 if dtype == torch.bfloat16 else 2**-24
+    bound = 1e-4 * (x.double().abs() @ w.abs().T) + rounding * want.abs()
+    assert torch.all((got.double() - want).abs() <= bound)
+
+
+@needs_panels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_panel_layout_holds_the_same_weights(fmt):
+    """Panels are a re-layout without loss: decoding through the kernel with one-hot rows gives every weight."""
+    weight = random_blocks(fmt, 70, 96)
+    eye = torch.eye(96)
+    assert torch.equal(kernels.block_panel_linear(eye, *weight.panels(), fmt, 70, False).T, weight.dequantize())
 
 
 @needs_kernels
@@ -102,6 +135,10 @@ def test_without_the_kernel_the_dense_fallback_gives_the_same_weights(monkeypatc
     weight = random_blocks("q4", 64, 96)
     x = activations(4, 96, dtype)
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    got = BlockQuantLinear(weight)(x)
-    want = torch.nn.functional.linear(x, weight.dequantize().to(dtype))
+    layer = BlockQuantLinear(weight)
+    got = layer(x)
+    # Padded as the layer pads for batch invariance (MKL's float32 sums differ by row count: on an Intel CPU here
+    # even 4 rows alone and 4 of 16 differ).
+    want = padded_matmul(lambda rows: torch.nn.functional.linear(rows, weight.dequantize().to(dtype)), x,
+                         layer.min_rows)
     assert torch.equal(got, want)

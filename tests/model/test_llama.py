@@ -358,13 +358,19 @@ def test_real_model_logits_match_transformers(real_ours, real_hf, real_tokenizer
 def test_real_model_gguf_blocks_match_transformers(smollm, real_hf, real_tokenizer, dtype) -> None:
     """The file's Q4_1/Q8_0 blocks read in place (``--quantization gguf``) against transformers in float32 on the
     same file. Measured on this prompt: float32 max |diff| 0.018 (int16 activations; int8 ones, as llama.cpp
-    uses, gave 4.3 and 89% top-1 agreement), bfloat16 1.20 (dense bfloat16: 1.27); top-1 everywhere equal."""
+    uses, gave 4.3 and 89% top-1 agreement); bfloat16 on the AVX-512 panel kernel max 1.50, mean 0.19 (dense
+    bfloat16: 1.20, mean 0.23). Top-1 equal wherever the reference's best two tokens are more than bfloat16's
+    error apart: at one position here they are 0.08 apart (23.09 and 23.01), a tie for bfloat16 activations."""
     ours_model = smollm(dtype, "gguf")[0]
     assert isinstance(ours_model.lm_head, BlockQuantLinear)
     ids = real_tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}])
     ours, ref = full_logits(ours_model, ids).float(), hf_logits(real_hf, ids)
     assert (ours - ref).abs().max().item() < (0.1 if dtype == "float32" else 2.0)
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ours - ref).abs().mean().item() < (0.01 if dtype == "float32" else 0.3)
+    top2 = ref.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > (0.0 if dtype == "float32" else 0.25)
+    assert decided.float().mean() > 0.8  # 31 of 36 positions here
+    assert torch.equal(ours.argmax(-1)[decided], ref.argmax(-1)[decided])
 
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List the first five prime numbers."]

@@ -12,6 +12,9 @@ at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& packed, con
 at::Tensor block_quant_linear_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                         const std::string& format);
 std::string block_quant_kernel();
+at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                              const std::string& format, int64_t out_features, bool float_output);
+bool block_panel_kernel_available();
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
 void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
@@ -25,5 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_linear_reference", &block_quant_linear_reference, "the portable path of block_quant_linear", no_gil());
   m.def("add_rms_norm", &add_rms_norm, "weight * rms_norm(x + residual) and x + residual, in one pass", no_gil());
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place, by position", no_gil());
+  m.def("block_panel_linear", &block_panel_linear, "x W^T with W in 16-column panels of blocks (q4, q8)", no_gil());
+  m.def("block_panel_kernel_available", &block_panel_kernel_available, "whether block_panel_linear was compiled");
   m.def("block_quant_kernel", &block_quant_kernel, "which path block_quant_linear was compiled with");
 }

@@ -1,14 +1,24 @@
-// Paged attention on the CPU, one query token at a time, reading keys and values straight from the block cache.
+// Paged attention on the CPU, reading keys and values straight from the block cache.
 //
 // Each query's result depends only on its own query vector, its keys and values, and its context length: the
-// loops for one query never look at another query, at padding, or at how the batch was cut into chunks. That
-// makes greedy output independent of batching by construction. Scores, softmax and the weighted sum are float32.
+// arithmetic for one query never looks at another query, at padding, or at how the batch was cut into chunks.
+// That makes greedy output independent of batching, chunking and preemption by construction (a token decoded
+// one step and recomputed in a prefill chunk after a preemption gets the same bits). Scores, softmax and the
+// weighted sum are float32.
+//
+// With AVX-512, the queries of one sequence are taken in tiles that share its keys and values, converted to
+// float32 once per tile: keys transposed in groups of 16 so that one vector holds 16 keys' scores (each a
+// float32 FMA chain over the head dimension in order), a vectorized exp, and values summed in key order. A
+// prefill chunk's many queries then cost little more than their FLOPs. Elsewhere, one query at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -90,6 +100,153 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   });
 }
 
+
+#if defined(__AVX512F__)
+#define SERVAL_TILED_ATTENTION 1
+constexpr int64_t kKeys = 16;       // keys per score vector
+constexpr int64_t kQueryTile = 16;  // query tokens of one sequence that share one float32 copy of its keys and values
+
+// e^x for x <= 0 (a score minus its row's max), within about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a
+// degree-6 Taylor polynomial for e^r, scaled by 2^n. -inf gives 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in float32 already
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: n * hi is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 keys_in_context(int64_t first_key, int64_t ctx) {
+  const int64_t valid = std::min<int64_t>(kKeys, ctx - first_key);
+  return valid >= kKeys ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+}
+
+// Scores of J consecutive 16-key tiles for one query head: each lane an FMA chain over the head dimension in
+// order (J chains run side by side; every score's arithmetic is the same whatever J).
+template <int J>
+inline void score_tiles(const float* q, const float* kt, int64_t head_dim, int64_t j0, int64_t ctx, float scale,
+                        float* scores) {
+  __m512 acc[J];
+  for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const __m512 qd = _mm512_set1_ps(q[d]);
+    for (int j = 0; j < J; ++j)
+      acc[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + ((j0 + j) * head_dim + d) * kKeys), acc[j]);
+  }
+  for (int j = 0; j < J; ++j) {
+    const int64_t first = (j0 + j) * kKeys;
+    const __m512 s = _mm512_mask_blend_ps(keys_in_context(first, ctx), _mm512_set1_ps(-INFINITY),
+                                          _mm512_mul_ps(acc[j], _mm512_set1_ps(scale)));
+    _mm512_storeu_ps(scores + first, s);
+  }
+}
+
+// out[0 .. DV * 16) = sum over keys l < ctx, in order, of p[l] * v[l] (v rows head_dim = DV * 16 apart).
+template <int DV>
+inline void weighted_values(const float* p, const float* v, int64_t ctx, float inv_sum, float* out) {
+  __m512 acc[DV];
+  for (int i = 0; i < DV; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < ctx; ++l) {
+    const __m512 pl = _mm512_set1_ps(p[l]);
+    for (int i = 0; i < DV; ++i) acc[i] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(v + (l * DV + i) * 16), acc[i]);
+  }
+  for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv_sum)));
+}
+
+// One query head over its ctx keys: kt holds the keys transposed per 16-key tile ([tile][d][16]), v the values
+// [key][d], both float32; out gets head_dim floats.
+template <int DV>
+void attend_one(const float* q, const float* kt, const float* v, int64_t ctx, float scale, float* scores,
+                float* out) {
+  constexpr int64_t head_dim = DV * 16;
+  const int64_t tiles = (ctx + kKeys - 1) / kKeys;
+  int64_t j = 0;
+  for (; j + 8 <= tiles; j += 8) score_tiles<8>(q, kt, head_dim, j, ctx, scale, scores);
+  for (; j + 4 <= tiles; j += 4) score_tiles<4>(q, kt, head_dim, j, ctx, scale, scores);
+  for (; j < tiles; ++j) score_tiles<1>(q, kt, head_dim, j, ctx, scale, scores);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (j = 0; j < tiles; ++j) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + j * kKeys));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sums = _mm512_setzero_ps();
+  for (j = 0; j < tiles; ++j) {
+    const __m512 e = _mm512_maskz_mov_ps(keys_in_context(j * kKeys, ctx),
+                                         exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + j * kKeys), max)));
+    _mm512_storeu_ps(scores + j * kKeys, e);
+    sums = _mm512_add_ps(sums, e);
+  }
+  weighted_values<DV>(scores, v, ctx, 1.f / _mm512_reduce_add_ps(sums), out);
+}
+
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename scalar_t, int DV>
+void attend_tiled(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& token_table, const at::Tensor& context_lens,
+                  double scale, at::Tensor& out) {
+  constexpr int64_t head_dim = DV * 16;
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* rows = token_table.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+
+  // Work items: up to kQueryTile consecutive tokens of one sequence, for one key/value head.
+  std::vector<int64_t> tile_starts;
+  for (int64_t t = 0; t < num_tokens;) {
+    tile_starts.push_back(t);
+    const int64_t first = t;
+    while (++t < num_tokens && t - first < kQueryTile && rows[t] == rows[first]) {}
+  }
+  tile_starts.push_back(num_tokens);
+  const int64_t num_tiles = static_cast<int64_t>(tile_starts.size()) - 1;
+
+  // Dynamic: a prefill chunk's later tiles have longer contexts than its first ones.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t task = 0; task < num_tiles * num_kv_heads; ++task) {
+    const int64_t t0 = tile_starts[task / num_kv_heads], t1 = tile_starts[task / num_kv_heads + 1];
+    const int64_t kvh = task % num_kv_heads;
+    const int64_t* table = tables + rows[t0] * max_blocks;
+    int64_t ctx_max = 0;
+    for (int64_t t = t0; t < t1; ++t) ctx_max = std::max(ctx_max, lens[t]);
+    const int64_t key_tiles = (ctx_max + kKeys - 1) / kKeys;
+    std::vector<float> kt(key_tiles * kKeys * head_dim, 0.f), v(ctx_max * head_dim), qf(head_dim),
+        scores(key_tiles * kKeys), acc(head_dim);
+    for (int64_t l = 0; l < ctx_max; ++l) {
+      const int64_t slot = table[l / block_size] * block_size + l % block_size;
+      const scalar_t* key = kc + (slot * num_kv_heads + kvh) * head_dim;
+      float* column = kt.data() + (l / kKeys) * head_dim * kKeys + l % kKeys;
+      for (int64_t d = 0; d < head_dim; ++d) column[d * kKeys] = static_cast<float>(key[d]);
+      to_float(vc + (slot * num_kv_heads + kvh) * head_dim, v.data() + l * head_dim, head_dim);
+    }
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = kvh * group + g;
+        to_float(q + (t * num_heads + head) * head_dim, qf.data(), head_dim);
+        attend_one<DV>(qf.data(), kt.data(), v.data(), lens[t], fscale, scores.data(), acc.data());
+        scalar_t* dst = o + (t * num_heads + head) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
+      }
+  }
+}
+#endif
+
 }  // namespace
 
 // query [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks];
@@ -102,7 +259,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
               context_lens.scalar_type() == at::kLong, "int64 tables");
   auto tables = block_tables.contiguous(), rows = token_table.contiguous(), lens = context_lens.contiguous();
   at::Tensor out = at::empty_like(query);
+  const int64_t head_dim = query.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+#if defined(SERVAL_TILED_ATTENTION)
+    if (head_dim == 64) return attend_tiled<scalar_t, 4>(query, k_cache, v_cache, tables, rows, lens, scale, out);
+    if (head_dim == 128) return attend_tiled<scalar_t, 8>(query, k_cache, v_cache, tables, rows, lens, scale, out);
+    if (head_dim == 256) return attend_tiled<scalar_t, 16>(query, k_cache, v_cache, tables, rows, lens, scale, out);
+#endif
     attend<scalar_t>(query, k_cache, v_cache, tables, rows, lens, scale, out);
   });
   return out;
