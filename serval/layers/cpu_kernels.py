@@ -17,6 +17,7 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
            ("bindings.cpp", "paged_attention.cpp", "block_quant_linear.cpp", "panel_linear.cpp", "fused_ops.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "scratch.h")]
 # -fopenmp: without it ATen's parallel_for (a header template) compiles to a serial loop.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 _state: dict[str, ModuleType | None] = {}
@@ -46,7 +47,8 @@ def _build() -> ModuleType:
     except ImportError:
         pass
     # Named by CPU kind and a hash of sources and flags: checkouts of other versions never rebuild over it.
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
+    digest = hashlib.sha256(text).hexdigest()[:10]
     name = f"serval_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
     logger.info("building the CPU kernels (%s; once per machine) ...", name)
     return load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,

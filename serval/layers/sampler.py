@@ -15,6 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from serval.layers import cpu_kernels
 from serval.sampling_params import SamplingParams
 
 
@@ -70,16 +71,25 @@ class Sampler:
 
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not sampled:
-            tokens = x.argmax(dim=-1)
+            tokens = argmax(x)
         elif len(sampled) == len(rows):
             tokens = _sample(x, rows)
         else:
-            tokens = x.argmax(dim=-1)
+            tokens = argmax(x)
             index = _tensor(sampled, torch.long, x.device)
             tokens[index] = _sample(x[index], [rows[i] for i in sampled])
 
         logprobs = _logprobs(raw, tokens, rows)
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest index, as ``x.argmax(-1)``; on the CPU by a C++ kernel for float32 (torch's took
+    0.7-1.7 ms for 16 rows of a 49k vocabulary here, a few percent of a decode step)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 \
+            and (kernels := cpu_kernels.load()) is not None:
+        return kernels.argmax_rows(x.contiguous())
+    return x.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -201,7 +211,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     for i, generator in seeded:
         u[i].uniform_(generator=generator)
     q = u.log_().neg_()
-    return probs.div_(q).argmax(dim=-1)
+    return argmax(probs.div_(q))
 
 
 def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -82,6 +82,9 @@ def test_panel_kernel_equals_the_dequantized_weights(fmt, dtype, rows, shape):
     rounding = 2**-8 if dtype == torch.bfloat16 else 2**-24
     bound = 1e-4 * (x.double().abs() @ w.abs().T) + rounding * want.abs()
     assert torch.all((got.double() - want).abs() <= bound)
+    # The kernel rounds to bfloat16 itself: exactly as torch rounds its float32 results.
+    float_output = kernels.block_panel_linear(x, *weight.panels(), fmt, out_features, True)
+    assert float_output.dtype == torch.float32 and torch.equal(float_output.to(dtype), got)
 
 
 @needs_panels

@@ -1,5 +1,5 @@
-"""The fused CPU ops (csrc/fused_ops.cpp): residual add + RMSNorm, and RoPE in place, against the PyTorch lines they
-replace, and each row the same alone or in a batch."""
+"""The fused CPU ops (csrc/fused_ops.cpp): residual add + RMSNorm, RoPE in place, silu(gate) * up and the rows'
+argmax, against the PyTorch lines they replace, and each row the same alone or in a batch."""
 
 from __future__ import annotations
 
@@ -89,3 +89,35 @@ def test_each_row_is_the_same_alone_or_in_a_batch(dtype):
         one = q[i: i + 1].clone()
         kernels.rotary_embedding_(one, positions[i: i + 1], rope.cos, rope.sin)
         assert torch.equal(one, together[i: i + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 40])  # 40: a row that ends inside a vector
+def test_silu_and_mul_is_the_pytorch_lines(dtype, width):
+    """silu(gate) * up for x = [gate | up], rounded where PyTorch rounds; its exp is the kernels' own (within 2 ulp
+    of float32), so a float32 result may differ from torch's in the last bits, a bfloat16 one almost never."""
+    x = torch.randn(37, 2 * width, generator=torch.Generator().manual_seed(0)).mul_(4).to(dtype)
+    got = kernels.silu_and_mul(x)
+    want = F.silu(x[:, :width]) * x[:, width:]
+    assert got.dtype == dtype and got.shape == want.shape
+    assert ((got.float() - want.float()).abs() <= 4 * ulps(dtype) * want.float().abs() + 1e-30).all()
+    if dtype == torch.bfloat16:
+        assert (got == want).float().mean() > 0.99
+    rows = torch.cat([kernels.silu_and_mul(x[i: i + 1]) for i in range(len(x))])
+    assert torch.equal(rows, got)
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_and_nans():
+    """The first index of each row's largest value, as torch.argmax: ties go to the first, a NaN wins (the first
+    NaN), and every row length's tail (shorter than a vector, or not a multiple of one)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 49152, generator=gen)
+    x[1, [40, 4000, 40000]] = 100.0  # a three-way tie
+    x[2, [70, 9]] = float("nan")
+    x[3, 0] = float("nan")
+    x[4, -1] = 1000.0
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(-1))
+    assert kernels.argmax_rows(x)[1] == 40 and kernels.argmax_rows(x)[2] == 9
+    for n in (1, 5, 16, 17, 33, 47):
+        y = torch.randn(3, n, generator=gen)
+        assert torch.equal(kernels.argmax_rows(y), y.argmax(-1)), n

@@ -17,6 +17,8 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
 bool block_panel_kernel_available();
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor argmax_rows(const at::Tensor& x);
 void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 
 // Every kernel lets go of the GIL while it runs, as PyTorch's own ops do: the server's event loop thread keeps
@@ -30,5 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place, by position", no_gil());
   m.def("block_panel_linear", &block_panel_linear, "x W^T with W in 16-column panels of blocks (q4, q8)", no_gil());
   m.def("block_panel_kernel_available", &block_panel_kernel_available, "whether block_panel_linear was compiled");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (float32)", no_gil());
   m.def("block_quant_kernel", &block_quant_kernel, "which path block_quant_linear was compiled with");
 }

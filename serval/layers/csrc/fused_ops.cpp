@@ -6,8 +6,11 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -67,6 +70,53 @@ void rotate_rows(T* x, int64_t token_stride, const int64_t* positions, const flo
   });
 }
 
+
+// silu(g) = g / (1 + e^-g), with e^-|g| so the exponent is never positive (no overflow for very negative g).
+inline float silu(float g) {
+  const float e = std::exp(-std::fabs(g));
+  return g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
+}
+
+#if defined(__AVX512F__)
+inline __m512 silu(__m512 g) {
+  const __m512 e = serval::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 numerator = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
+  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 mask) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, p);
+  alignas(64) float v[16];
+  for (int i = 0; i < 16; ++i) v[i] = (mask >> i) & 1 ? static_cast<float>(p[i]) : 0.f;
+  return _mm512_load_ps(v);
+}
+#endif
+
+// out[r] = silu(gate[r]) * up[r] for x [rows, 2n] = [gate | up], each product of values rounded to T as the
+// PyTorch lines (F.silu(gate) * up) round them.
+template <typename T>
+void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* gate = x + row * 2 * n;
+      const T* up = gate + n;
+      T* o = out + row * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      alignas(64) float s[16];
+      for (; i < n; i += 16) {
+        const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+        _mm512_store_ps(s, silu(load16(gate + i, mask)));
+        for (int j = 0; j < 16 && i + j < n; ++j)
+          o[i + j] = static_cast<T>(round_to<T>(s[j]) * static_cast<float>(up[i + j]));
+      }
+#endif
+      for (; i < n; ++i) o[i] = static_cast<T>(round_to<T>(silu(static_cast<float>(gate[i]))) * static_cast<float>(up[i]));
+    }
+  });
+}
+
 }  // namespace
 
 // x [rows, n]; residual [rows, n] or undefined; weight [n]. Returns (weight * rms_norm(x + residual), x + residual);
@@ -102,4 +152,70 @@ void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tens
     rotate_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), pos.data_ptr<int64_t>(), cos.data_ptr<float>(),
                           sin.data_ptr<float>(), x.size(0), x.size(1), x.size(2));
   });
+}
+
+// x [rows, 2n] = [gate | up] -> silu(gate) * up [rows, n].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x: contiguous [rows, 2n]");
+  const int64_t n = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), n);
+  });
+  return out;
+}
+
+// The index of each row's largest value (the first of equal ones; the first NaN if any, as torch.argmax), for
+// x float32 [rows, n]: torch.argmax took 0.7-1.7 ms for 16 rows of a 49k vocabulary here.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "x: contiguous float32 [rows, n]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* data = x.data_ptr<float>();
+  int64_t* index = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* v = data + row * n;
+      float best = v[0];
+      int64_t at = 0, i = 0;
+#if defined(__AVX512F__)
+      // Per lane: its largest value and where it first was; then the smallest index among lanes holding the max.
+      if (n >= 16) {
+        __m512 lane_best = _mm512_loadu_ps(v);
+        __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i idx = lane_at;
+        __mmask16 nan = _mm512_cmp_ps_mask(lane_best, lane_best, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= n && !nan; i += 16) {
+          idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+          const __m512 w = _mm512_loadu_ps(v + i);
+          nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
+          const __mmask16 greater = _mm512_cmp_ps_mask(w, lane_best, _CMP_GT_OQ);
+          lane_best = _mm512_mask_mov_ps(lane_best, greater, w);
+          lane_at = _mm512_mask_mov_epi32(lane_at, greater, idx);
+        }
+        if (nan) {  // rare: the scalar loop below scans the row again and stops at its first NaN
+          i = 0;
+        } else {
+          alignas(64) float b[16];
+          alignas(64) int32_t a[16];
+          _mm512_store_ps(b, lane_best);
+          _mm512_store_si512(a, lane_at);
+          best = b[0], at = a[0];
+          for (int l = 1; l < 16; ++l)
+            if (b[l] > best || (b[l] == best && a[l] < at)) best = b[l], at = a[l];
+        }
+      }
+#endif
+      for (; i < n; ++i) {
+        if (std::isnan(v[i])) {
+          at = i;
+          break;
+        }
+        if (v[i] > best) best = v[i], at = i;
+      }
+      index[row] = at;
+    }
+  });
+  return out;
 }

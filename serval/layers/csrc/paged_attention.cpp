@@ -15,10 +15,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "scratch.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -106,23 +107,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
 constexpr int64_t kKeys = 16;       // keys per score vector
 constexpr int64_t kQueryTile = 16;  // query tokens of one sequence that share one float32 copy of its keys and values
 
-// e^x for x <= 0 (a score minus its row's max), within about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a
-// degree-6 Taylor polynomial for e^r, scaled by 2^n. -inf gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in float32 already
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: n * hi is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using serval::exp_nonpositive;
 
 inline __mmask16 keys_in_context(int64_t first_key, int64_t ctx) {
   const int64_t valid = std::min<int64_t>(kKeys, ctx - first_key);
@@ -185,9 +170,60 @@ void attend_one(const float* q, const float* kt, const float* v, int64_t ctx, fl
   weighted_values<DV>(scores, v, ctx, 1.f / _mm512_reduce_add_ps(sums), out);
 }
 
+// 16 values of a cache row as float32 (exact for every cache dtype).
+template <typename scalar_t>
+inline __m512 load_float16(const scalar_t* src) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  }
+}
+
 template <typename scalar_t>
 inline void to_float(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_float16(src + i));
+}
+
+// r[i] (row i, 16 columns) becomes column i: unpacks of 32- then 64-bit pairs within 128-bit lanes, then two
+// rounds of 128-bit lane shuffles.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
+    const __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int half = 0; half < 16; half += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[half + i] = _mm512_shuffle_f32x4(r[half + i], r[half + 4 + i], 0x88);
+      t[half + 4 + i] = _mm512_shuffle_f32x4(r[half + i], r[half + 4 + i], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// Keys first .. first + 16 of one head (rows ``key(l)``; past ``count`` zeros) into kt tile [head_dim][16].
+template <typename scalar_t, typename KeyRow>
+inline void transpose_keys(KeyRow key, int64_t count, int64_t head_dim, float* tile) {
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+    __m512 r[16];
+    for (int64_t i = 0; i < 16; ++i) r[i] = i < count ? load_float16<scalar_t>(key(i) + d0) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile + (d0 + i) * kKeys, r[i]);
+  }
 }
 
 template <typename scalar_t, int DV>
@@ -226,20 +262,25 @@ void attend_tiled(const at::Tensor& query, const at::Tensor& k_cache, const at::
     int64_t ctx_max = 0;
     for (int64_t t = t0; t < t1; ++t) ctx_max = std::max(ctx_max, lens[t]);
     const int64_t key_tiles = (ctx_max + kKeys - 1) / kKeys;
-    std::vector<float> kt(key_tiles * kKeys * head_dim, 0.f), v(ctx_max * head_dim), qf(head_dim),
-        scores(key_tiles * kKeys), acc(head_dim);
-    for (int64_t l = 0; l < ctx_max; ++l) {
+    float* kt = serval::scratch(0, key_tiles * kKeys * head_dim);
+    float* v = serval::scratch(1, ctx_max * head_dim);
+    float* qf = serval::scratch(2, head_dim);
+    float* scores = serval::scratch(3, key_tiles * kKeys + head_dim);
+    float* acc = scores + key_tiles * kKeys;
+    const auto row = [&](const scalar_t* cache, int64_t l) {
       const int64_t slot = table[l / block_size] * block_size + l % block_size;
-      const scalar_t* key = kc + (slot * num_kv_heads + kvh) * head_dim;
-      float* column = kt.data() + (l / kKeys) * head_dim * kKeys + l % kKeys;
-      for (int64_t d = 0; d < head_dim; ++d) column[d * kKeys] = static_cast<float>(key[d]);
-      to_float(vc + (slot * num_kv_heads + kvh) * head_dim, v.data() + l * head_dim, head_dim);
-    }
+      return cache + (slot * num_kv_heads + kvh) * head_dim;
+    };
+    for (int64_t j = 0; j < key_tiles; ++j)
+      transpose_keys<scalar_t>([&](int64_t i) { return row(kc, j * kKeys + i); },
+                               std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim,
+                               kt + j * kKeys * head_dim);
+    for (int64_t l = 0; l < ctx_max; ++l) to_float(row(vc, l), v + l * head_dim, head_dim);
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = kvh * group + g;
-        to_float(q + (t * num_heads + head) * head_dim, qf.data(), head_dim);
-        attend_one<DV>(qf.data(), kt.data(), v.data(), lens[t], fscale, scores.data(), acc.data());
+        to_float(q + (t * num_heads + head) * head_dim, qf, head_dim);
+        attend_one<DV>(qf, kt, v, lens[t], fscale, scores, acc);
         scalar_t* dst = o + (t * num_heads + head) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
       }

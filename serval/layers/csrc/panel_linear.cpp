@@ -21,15 +21,18 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+#include <type_traits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "scratch.h"
 
 namespace {
 
 constexpr int64_t kBlock = 32, kCols = 32, kTileRows = 8;
 
-#if defined(__AVX512F__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define SERVAL_PANEL_KERNEL 1
 
 // One block (32 input positions) of the two 16-column halves of a 32-column tile, decoded to float32:
@@ -72,14 +75,29 @@ inline void accumulate(__m512 (&acc)[R][2], const float* x, int64_t ldx, const f
   }
 }
 
-template <int R>
-inline void store(__m512 (&acc)[R][2], float* y, int64_t N, int64_t n0) {
+// float32 to bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN to its quiet NaN).
+inline __m256i to_bfloat16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// The tile's outputs into y (float32, or bfloat16 bits: rounded here, so no second pass over y).
+template <int R, typename Out>
+inline void store(__m512 (&acc)[R][2], Out* y, int64_t N, int64_t n0) {
   const int64_t cols = std::min<int64_t>(kCols, N - n0);
   const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * N + n0, lo, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * N + n0 + 16, hi, acc[r][1]);
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm512_mask_storeu_ps(y + r * N + n0, lo, acc[r][0]);
+      _mm512_mask_storeu_ps(y + r * N + n0 + 16, hi, acc[r][1]);
+    } else {
+      _mm256_mask_storeu_epi16(y + r * N + n0, lo, to_bfloat16(acc[r][0]));
+      _mm256_mask_storeu_epi16(y + r * N + n0 + 16, hi, to_bfloat16(acc[r][1]));
+    }
   }
 }
 
@@ -98,8 +116,8 @@ struct Panels {
 };
 
 // Few rows: each block is decoded into a small buffer and used at once.
-template <bool kQ4, int R>
-void tile_inline(const Panels& w, int64_t tile, const float* x, int64_t ldx, float* y, int64_t N) {
+template <bool kQ4, int R, typename Out>
+void tile_inline(const Panels& w, int64_t tile, const float* x, int64_t ldx, Out* y, int64_t N) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   alignas(64) float decoded[kBlock * kCols];
@@ -110,55 +128,55 @@ void tile_inline(const Panels& w, int64_t tile, const float* x, int64_t ldx, flo
     decode_block<kQ4>(half, half_scales, decoded);
     accumulate<R>(acc, x + g * kBlock, ldx, decoded, kBlock);
   }
-  store<R>(acc, y, N, tile * kCols);
+  store<R, Out>(acc, y, N, tile * kCols);
 }
 
-template <int R>
-void tile_buffered(const float* panel, int64_t K, const float* x, int64_t ldx, float* y, int64_t N, int64_t n0) {
+template <int R, typename Out>
+void tile_buffered(const float* panel, int64_t K, const float* x, int64_t ldx, Out* y, int64_t N, int64_t n0) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   accumulate<R>(acc, x, ldx, panel, K);
-  store<R>(acc, y, N, n0);
+  store<R, Out>(acc, y, N, n0);
 }
 
-template <bool kQ4, int R>
-void rows_inline(int64_t rows, const Panels& w, int64_t tile, const float* x, int64_t ldx, float* y, int64_t N) {
+template <bool kQ4, int R, typename Out>
+void rows_inline(int64_t rows, const Panels& w, int64_t tile, const float* x, int64_t ldx, Out* y, int64_t N) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_inline<kQ4, R>(w, tile, x, ldx, y, N);
-    rows_inline<kQ4, R - 1>(rows, w, tile, x, ldx, y, N);
+    if (rows == R) return tile_inline<kQ4, R, Out>(w, tile, x, ldx, y, N);
+    rows_inline<kQ4, R - 1, Out>(rows, w, tile, x, ldx, y, N);
   }
 }
 
-template <int R>
-void rows_buffered(int64_t rows, const float* panel, int64_t K, const float* x, int64_t ldx, float* y, int64_t N,
+template <int R, typename Out>
+void rows_buffered(int64_t rows, const float* panel, int64_t K, const float* x, int64_t ldx, Out* y, int64_t N,
                    int64_t n0) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_buffered<R>(panel, K, x, ldx, y, N, n0);
-    rows_buffered<R - 1>(rows, panel, K, x, ldx, y, N, n0);
+    if (rows == R) return tile_buffered<R, Out>(panel, K, x, ldx, y, N, n0);
+    rows_buffered<R - 1, Out>(rows, panel, K, x, ldx, y, N, n0);
   }
 }
 
-template <bool kQ4>
-void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y) {
+template <bool kQ4, typename Out>
+void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, Out* y) {
   const int64_t tiles = (N + kCols - 1) / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     if (M <= kTileRows) {
-      for (int64_t t = begin; t < end; ++t) rows_inline<kQ4, kTileRows>(M, w, t, x, K, y, N);
+      for (int64_t t = begin; t < end; ++t) rows_inline<kQ4, kTileRows, Out>(M, w, t, x, K, y, N);
       return;
     }
     // Many rows: the tile's weights are decoded once for all of them.
-    std::vector<float> panel(K * kCols);
+    float* panel = serval::scratch(0, K * kCols);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t g = 0; g < w.groups; ++g) {
         const uint8_t* half[2];
         const uint16_t* half_scales[2];
         w.block(t, g, half, half_scales);
-        decode_block<kQ4>(half, half_scales, panel.data() + g * kBlock * kCols);
+        decode_block<kQ4>(half, half_scales, panel + g * kBlock * kCols);
       }
       int64_t r0 = 0;
       for (; r0 + kTileRows <= M; r0 += kTileRows)
-        tile_buffered<kTileRows>(panel.data(), K, x + r0 * K, K, y + r0 * N, N, t * kCols);
-      rows_buffered<kTileRows - 1>(M - r0, panel.data(), K, x + r0 * K, K, y + r0 * N, N, t * kCols);
+        tile_buffered<kTileRows, Out>(panel, K, x + r0 * K, K, y + r0 * N, N, t * kCols);
+      rows_buffered<kTileRows - 1, Out>(M - r0, panel, K, x + r0 * K, K, y + r0 * N, N, t * kCols);
     }
   });
 }
@@ -190,18 +208,29 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.numel() == panels.size(0) * groups * (q4 ? 2 : 1) * 16, "scales: float16 [P, G, 2 or 1, 16]");
 #if defined(SERVAL_PANEL_KERNEL)
-  // Input positions past K (the last block's padding) multiply zeros.
+  // The activations in float32, rows padded with zeros to the blocks' width; converted here rather than by
+  // aten ops: at one row a call's fixed costs are a good part of its time.
   const int64_t padded = groups * kBlock;
-  at::Tensor xf = x.to(at::kFloat);
-  if (padded != K) xf = at::constant_pad_nd(xf, {0, padded - K});
-  xf = xf.contiguous();
-  at::Tensor y = at::empty({M, N}, xf.options());
+  float* xf = serval::scratch(1, M * padded);  // slot 0 is the panels' (this thread works on them too)
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "block_panel_linear", [&] {
+    const at::Tensor xc = x.contiguous();
+    const scalar_t* src = xc.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t k = 0; k < K; ++k) xf[r * padded + k] = static_cast<float>(src[r * K + k]);
+      for (int64_t k = K; k < padded; ++k) xf[r * padded + k] = 0.f;
+    }
+  });
   const Panels w{panels.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), groups,
                  q4 ? 16 * 16 : 32 * 16, (q4 ? 2 : 1) * 16};
-  if (q4)
-    gemm_panels<true>(xf.data_ptr<float>(), M, padded, w, N, y.data_ptr<float>());
-  else
-    gemm_panels<false>(xf.data_ptr<float>(), M, padded, w, N, y.data_ptr<float>());
+  if (x.scalar_type() == at::kBFloat16 && !float_output) {
+    at::Tensor y = at::empty({M, N}, x.options());
+    auto* yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    q4 ? gemm_panels<true>(xf, M, padded, w, N, yb) : gemm_panels<false>(xf, M, padded, w, N, yb);
+    return y;
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yf = y.data_ptr<float>();
+  q4 ? gemm_panels<true>(xf, M, padded, w, N, yf) : gemm_panels<false>(xf, M, padded, w, N, yf);
   return float_output ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "block_panel_linear needs AVX-512 (check block_panel_kernel_available())");
