@@ -23,7 +23,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "it natively, else float32 (float16 on a GPU)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens computed per engine step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128,  # SchedulerConfig's default
+                        help="tokens computed per engine step")
     parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--max-model-len", type=int, default=None,

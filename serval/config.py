@@ -73,8 +73,9 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: tokens per step and sequences per step."""
 
-    # 256, measured: the mixed workload's ITL p99 686 ms against 1184 at 512, wall time within 1%
-    max_num_batched_tokens: int = 256
+    # 128, measured through the server (benchmarks/README.md): the mixed workload's ITL p99 235 ms against 304 at 192
+    # and 372 at 256, for 11% more wall time than at 256 (one step's prefill chunk delays every decode in it)
+    max_num_batched_tokens: int = 128
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
 

@@ -240,6 +240,15 @@ def test_generate_help_shows_max_tokens_256_and_temperature_0():
     assert (args.max_tokens, args.temperature) == (256, 0.0)  # what the help says is what a run gets
 
 
+def test_the_engine_flags_default_to_the_configs_defaults():
+    """The CLI writes its token budget as a literal (it imports no torch to parse flags): it must be the config's."""
+    from serval.config import SchedulerConfig
+
+    for verb in (["serve"], ["generate", "hi"], ["chat"]):
+        args = build_parser().parse_args(verb)
+        assert args.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens, verb
+
+
 def test_help_never_prints_the_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("SERVAL_API_KEY", "sk-from-the-environment")
     serve = _verb_parsers()["serve"]

@@ -23,7 +23,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 256, enable_chunked_prefill: bool = True,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 enable_chunked_prefill: bool = True,
                  kv_cache_memory: float = 1.0, num_blocks: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  context_policy: str = "error", quantization: str = "auto", speculative_model: str | None = "ngram",

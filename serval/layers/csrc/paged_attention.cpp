@@ -41,21 +41,29 @@ inline void load_row(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// One call's inputs as sizes and pointers (see paged_attention below for their shapes).
 template <typename scalar_t>
-void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& token_table, const at::Tensor& context_lens,
-            double scale, at::Tensor& out) {
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* rows = token_table.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
+struct Inputs {
+  int64_t num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks;
+  const scalar_t *q, *kc, *vc;
+  const int64_t *tables, *rows, *lens;
+  scalar_t* o;
+  float scale;
+
+  Inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& token_table, const at::Tensor& context_lens,
+         double softmax_scale, at::Tensor& out)
+      : num_tokens(query.size(0)), num_heads(query.size(1)), head_dim(query.size(2)), block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads), max_blocks(block_tables.size(1)),
+        q(query.data_ptr<scalar_t>()), kc(k_cache.data_ptr<scalar_t>()), vc(v_cache.data_ptr<scalar_t>()),
+        tables(block_tables.data_ptr<int64_t>()), rows(token_table.data_ptr<int64_t>()),
+        lens(context_lens.data_ptr<int64_t>()), o(out.data_ptr<scalar_t>()), scale(static_cast<float>(softmax_scale)) {}
+};
+
+template <typename scalar_t>
+void attend(const Inputs<scalar_t>& in) {
+  const auto [num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, q, kc, vc, tables, rows,
+              lens, o, fscale] = in;
 
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), kf(head_dim), acc(group * head_dim), scores;
@@ -227,21 +235,10 @@ inline void transpose_keys(KeyRow key, int64_t count, int64_t head_dim, float* t
 }
 
 template <typename scalar_t, int DV>
-void attend_tiled(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& token_table, const at::Tensor& context_lens,
-                  double scale, at::Tensor& out) {
+void attend_tiled(const Inputs<scalar_t>& in) {
   constexpr int64_t head_dim = DV * 16;
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* rows = token_table.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
+  const auto [num_tokens, num_heads, unused_head_dim, block_size, num_kv_heads, group, max_blocks, q, kc, vc, tables,
+              rows, lens, o, fscale] = in;
 
   // Work items: up to kQueryTile consecutive tokens of one sequence, for one key/value head.
   std::vector<int64_t> tile_starts;
@@ -302,12 +299,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   at::Tensor out = at::empty_like(query);
   const int64_t head_dim = query.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    const Inputs<scalar_t> in(query, k_cache, v_cache, tables, rows, lens, scale, out);
 #if defined(SERVAL_TILED_ATTENTION)
-    if (head_dim == 64) return attend_tiled<scalar_t, 4>(query, k_cache, v_cache, tables, rows, lens, scale, out);
-    if (head_dim == 128) return attend_tiled<scalar_t, 8>(query, k_cache, v_cache, tables, rows, lens, scale, out);
-    if (head_dim == 256) return attend_tiled<scalar_t, 16>(query, k_cache, v_cache, tables, rows, lens, scale, out);
+    if (head_dim == 64) return attend_tiled<scalar_t, 4>(in);
+    if (head_dim == 128) return attend_tiled<scalar_t, 8>(in);
+    if (head_dim == 256) return attend_tiled<scalar_t, 16>(in);
 #endif
-    attend<scalar_t>(query, k_cache, v_cache, tables, rows, lens, scale, out);
+    attend<scalar_t>(in);
   });
   return out;
 }
