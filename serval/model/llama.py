@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from serval.config import ModelConfig
-from serval.layers import cpu_kernels
+from serval.layers.activation import silu_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
 from serval.layers.norm import RMSNorm
@@ -48,11 +47,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if gate_up.device.type == "cpu" and (kernels := cpu_kernels.load()) is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up.reshape(-1, 2 * self.intermediate_size)))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

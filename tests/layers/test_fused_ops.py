@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from serval.layers import cpu_kernels
+from serval.layers.activation import silu_and_mul
 from serval.layers.norm import RMSNorm
 from serval.layers.rotary import RotaryEmbedding
 
@@ -105,6 +106,7 @@ def test_silu_and_mul_is_the_pytorch_lines(dtype, width):
         assert (got == want).float().mean() > 0.99
     rows = torch.cat([kernels.silu_and_mul(x[i: i + 1]) for i in range(len(x))])
     assert torch.equal(rows, got)
+    assert torch.equal(silu_and_mul(x.view(1, 37, -1)), got.view(1, 37, -1))  # the layer the MLP calls
 
 
 def test_argmax_rows_is_torch_argmax_with_ties_and_nans():

@@ -10,7 +10,8 @@
 // Q4_1 minimum multiplies the float sum of the block's activations. Floats are then accumulated per lane in
 // block order and the lanes summed in a fixed order. Batch invariance: every step depends only on the row
 // itself, never on how many rows share the call, the tile a row falls in or the thread that computes it.
-// bfloat16 activations on a CPU with AVX512_BF16 take another path (see gemm_bf16 below).
+// (Used where panel_linear.cpp is not built: CPUs without AVX-512. A vdpbf16ps path for bfloat16 activations
+// lived here; with AVX-512 the panel kernel's float32 FMAs are faster, on the file's exact weights.)
 // (int8 activations, as llama.cpp uses, were measured here: 2x faster per row, but greedy top-1 agreement with
 // the file's float model fell to 89% of positions on a chat prompt.)
 #include <torch/extension.h>
@@ -235,93 +236,6 @@ void gemm_simd(const QuantizedRows& xq, int64_t rows, int64_t groups, int64_t N,
 #endif
 
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define SERVAL_BF16_KERNEL 1
-// bfloat16 activations, on CPUs with AVX512_BF16: a block's weights are decoded to 32 bfloat16 (d * q + m in
-// float32, rounded once: the weights the dense bfloat16 path multiplies by) and each row costs one vdpbf16ps
-// per block, 32 multiply-adds into 16 float32 lanes. The activations are used as they are, unquantized.
-constexpr int kBf16Rows = 8, kBf16Cols = 2;  // 16 accumulators; a tile's weights are decoded once for 8 rows
-
-template <bool kQ4>
-inline __m512bh decode_bf16(const uint8_t* wp, const uint16_t* s) {
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(s[0]));
-  __m512 w0, w1;
-  if (kQ4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)), nib = _mm_set1_epi8(15);
-    const __m512 m = _mm512_set1_ps(_cvtsh_ss(s[1]));
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, nib))), d, m);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib))), d, m);
-  } else {
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)))), d);
-    w1 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)))), d);
-  }
-  return _mm512_cvtne2ps_pbh(w1, w0);  // weights 0-15 in the low half, 16-31 in the high half
-}
-
-// Rows r0 .. r0 + R of a column tile. The tile's weights come decoded from ``decoded`` ([groups][kBf16Cols]) when
-// given, else are decoded here block by block: the same bfloat16 values either way, so the same sums.
-template <bool kQ4, int R>
-inline void tile_bf16(const uint16_t* x, int64_t r0, int64_t groups, int64_t N, int64_t n0, int64_t cols,
-                      const uint8_t* packed, const uint16_t* scales, const __m512bh* decoded, float* y) {
-  const int64_t bytes = kQ4 ? 16 : 32, nscales = kQ4 ? 2 : 1, K = groups * kBlock;
-  __m512 acc[R][kBf16Cols];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kBf16Cols; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512bh w[kBf16Cols];
-    for (int c = 0; c < kBf16Cols; ++c) {
-      if (decoded) {
-        w[c] = decoded[g * kBf16Cols + c];
-      } else {
-        const int64_t block = (n0 + std::min<int64_t>(c, cols - 1)) * groups + g;
-        w[c] = decode_bf16<kQ4>(packed + block * bytes, scales + block * nscales);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r0 + r) * K + g * kBlock);
-      for (int c = 0; c < kBf16Cols; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < cols; ++c) y[(r0 + r) * N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
-}
-
-template <bool kQ4, int R>
-void rows_bf16(const uint16_t* x, int64_t r0, int64_t rest, int64_t groups, int64_t N, int64_t n0, int64_t cols,
-               const uint8_t* packed, const uint16_t* scales, const __m512bh* decoded, float* y) {
-  if constexpr (R > 0) {
-    if (rest == R) return tile_bf16<kQ4, R>(x, r0, groups, N, n0, cols, packed, scales, decoded, y);
-    rows_bf16<kQ4, R - 1>(x, r0, rest, groups, N, n0, cols, packed, scales, decoded, y);
-  }
-}
-
-template <bool kQ4>
-void gemm_bf16(const uint16_t* x, int64_t rows, int64_t groups, int64_t N, const uint8_t* packed,
-               const uint16_t* scales, float* y) {
-  const int64_t tiles = (N + kBf16Cols - 1) / kBf16Cols, bytes = kQ4 ? 16 : 32, nscales = kQ4 ? 2 : 1;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    // More than one row tile (a prefill chunk): decode each column tile once into this buffer for all of them.
-    std::vector<__m512bh> buffer(rows > kBf16Rows ? groups * kBf16Cols : 0);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kBf16Cols, cols = std::min<int64_t>(kBf16Cols, N - n0);
-      const __m512bh* decoded = nullptr;
-      if (!buffer.empty()) {
-        for (int64_t g = 0; g < groups; ++g)
-          for (int c = 0; c < kBf16Cols; ++c) {
-            const int64_t block = (n0 + std::min<int64_t>(c, cols - 1)) * groups + g;
-            buffer[g * kBf16Cols + c] = decode_bf16<kQ4>(packed + block * bytes, scales + block * nscales);
-          }
-        decoded = buffer.data();
-      }
-      int64_t r0 = 0;
-      for (; r0 + kBf16Rows <= rows; r0 += kBf16Rows)
-        tile_bf16<kQ4, kBf16Rows>(x, r0, groups, N, n0, cols, packed, scales, decoded, y);
-      rows_bf16<kQ4, kBf16Rows - 1>(x, r0, rows - r0, groups, N, n0, cols, packed, scales, decoded, y);
-    }
-  });
-}
-#endif
 
 }  // namespace
 
@@ -339,18 +253,6 @@ at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& packed, con
                   scales.numel() == N * groups * (q4 ? 2 : 1), "scales: float16 [N, G, 2 or 1]");
   const auto* w = packed.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-#if defined(SERVAL_BF16_KERNEL)
-  if (x.scalar_type() == at::kBFloat16 && K == groups * kBlock) {
-    const at::Tensor xc = x.contiguous();
-    at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-    const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    if (q4)
-      gemm_bf16<true>(xb, M, groups, N, w, s, y.data_ptr<float>());
-    else
-      gemm_bf16<false>(xb, M, groups, N, w, s, y.data_ptr<float>());
-    return y.to(at::kBFloat16);
-  }
-#endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K, groups);
   at::Tensor y = at::empty({M, N}, xf.options());
@@ -361,15 +263,8 @@ at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& packed, con
   return y.to(x.scalar_type());
 }
 
-// Which paths this build compiled: "avx512", "avx2" or "generic" for int16 activations, "+bf16" where
-// bfloat16 activations take the vdpbf16ps path.
-std::string block_quant_kernel() {
-#if defined(SERVAL_BF16_KERNEL)
-  return std::string(SERVAL_BLOCK_KERNEL) + "+bf16";
-#else
-  return SERVAL_BLOCK_KERNEL;
-#endif
-}
+// Which path this build compiled: "avx512", "avx2" or "generic".
+std::string block_quant_kernel() { return SERVAL_BLOCK_KERNEL; }
 
 // The portable path, whatever this build compiled, for tests to check the SIMD paths against.
 at::Tensor block_quant_linear_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
