@@ -2,6 +2,8 @@
 
 Built with ``-march=native``: the compiler picks AVX2 or AVX-512 for the machine it runs on. If the build fails
 (no compiler), ``load()`` says why once and returns None, and callers use their PyTorch path.
+``SERVAL_CPU_ISA=avx2`` builds the AVX2 paths instead (``-march=x86-64-v3``: AVX2, FMA, F16C) on a machine that
+has AVX-512, so that the paths of AVX2-only CPUs are tested and measured everywhere.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
-           ("bindings.cpp", "paged_attention.cpp", "block_quant_linear.cpp", "panel_linear.cpp", "fused_ops.cpp")]
+           ("bindings.cpp", "paged_attention.cpp", "panel_linear.cpp", "fused_ops.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "scratch.h")]
 # -fopenmp: without it ATen's parallel_for (a header template) compiles to a serial loop.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+ISA_CFLAGS = {"native": CFLAGS, "avx2": ["-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp"]}
 _state: dict[str, ModuleType | None] = {}
 
 
@@ -47,9 +50,14 @@ def _build() -> ModuleType:
     except ImportError:
         pass
     # Named by CPU kind and a hash of sources and flags: checkouts of other versions never rebuild over it.
-    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
+    isa = os.environ.get("SERVAL_CPU_ISA", "native")
+    if isa not in ISA_CFLAGS:
+        raise ValueError(f"SERVAL_CPU_ISA={isa!r}: expected one of {sorted(ISA_CFLAGS)}")
+    cflags = ISA_CFLAGS[isa]
+    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(cflags).encode()
     digest = hashlib.sha256(text).hexdigest()[:10]
-    name = f"serval_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
+    kind = torch.backends.cpu.get_cpu_capability().lower() if isa == "native" else isa
+    name = f"serval_cpu_kernels_{kind}_{digest}"
     logger.info("building the CPU kernels (%s; once per machine) ...", name)
-    return load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+    return load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=cflags,
                           extra_ldflags=["-fopenmp"], verbose=False)

@@ -165,13 +165,11 @@ class BlockQuantLinear(nn.Module):
     """A linear whose weights stay in the file's 4- or 8-bit blocks (GGUF Q4_0 / Q4_1 / Q8_0).
 
     On the CPU a C++ kernel reads the blocks: 0.6 bytes a weight for Q4_1 instead of 2 for bfloat16, which is
-    what a memory-bound decode step pays for. With AVX-512, ``csrc/panel_linear.cpp`` reads them re-laid out in
-    panels of 16 columns (built once here, without loss) and multiplies in float32 FMAs by the file's exact
-    weights: measured on an Intel Xeon 1.3-2x the speed of the other kernel's bfloat16 path, at 1 to 256 rows. Elsewhere
-    ``csrc/block_quant_linear.cpp`` reads the GGUF layout as it is, its activations rounded per block of 32 to
-    int16 for exact integer dot products. Both compute each row alone, so they need no row padding. Without
-    the kernels (CUDA, or no compiler) the weights are dequantized once to the activation dtype and used by a
-    dense matmul."""
+    what a memory-bound decode step pays for. ``csrc/panel_linear.cpp`` (AVX-512, or AVX2 with FMA and F16C)
+    reads them re-laid out in panels of 16 columns (built once here, without loss) and multiplies in float32
+    FMAs by the file's exact weights, each row alone, so rows need no padding. Without the kernel (CUDA, no
+    compiler, a CPU without AVX2) the weights are dequantized once to the activation dtype and used by a dense
+    matmul."""
 
     def __init__(self, weight: BlockWeight) -> None:
         super().__init__()
@@ -194,8 +192,6 @@ class BlockQuantLinear(nn.Module):
             if self._panels is None:
                 self._panels = self.block_weight().panels()
             return kernels.block_panel_linear(x, *self._panels, self.format, self.out_features, self.float_output)
-        if kernels is not None:
-            return kernels.block_quant_linear(x, self.packed, self.scales.view(torch.float16), self.format)
         if self._dense is None or self._dense.dtype != x.dtype:
             self._dense = self.block_weight().dequantize().to(device=x.device, dtype=x.dtype)
         return F.linear(x, self._dense)

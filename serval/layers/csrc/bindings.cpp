@@ -7,11 +7,6 @@
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& token_table,
                            const at::Tensor& context_lens, double scale);
-at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                              const std::string& format);
-at::Tensor block_quant_linear_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                                        const std::string& format);
-std::string block_quant_kernel();
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                               const std::string& format, int64_t out_features, bool float_output);
 bool block_panel_kernel_available();
@@ -26,13 +21,10 @@ void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, "attention of each query token over its prefix in the paged KV cache", no_gil());
-  m.def("block_quant_linear", &block_quant_linear, "x W^T with W in GGUF-style blocks of 32 (q4, q8)", no_gil());
-  m.def("block_quant_linear_reference", &block_quant_linear_reference, "the portable path of block_quant_linear", no_gil());
   m.def("add_rms_norm", &add_rms_norm, "weight * rms_norm(x + residual) and x + residual, in one pass", no_gil());
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place, by position", no_gil());
   m.def("block_panel_linear", &block_panel_linear, "x W^T with W in 16-column panels of blocks (q4, q8)", no_gil());
   m.def("block_panel_kernel_available", &block_panel_kernel_available, "whether block_panel_linear was compiled");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (float32)", no_gil());
-  m.def("block_quant_kernel", &block_quant_kernel, "which path block_quant_linear was compiled with");
 }

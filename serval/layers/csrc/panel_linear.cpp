@@ -8,10 +8,12 @@
 //   q8: panels [P, G, 32, 16]: signed byte j of position k is column j's q; scales [P, G, 1, 16]; w = d * q.
 // (serval/layers/linear.py builds it from the GGUF layout without loss.)
 //
-// Why: the vdpbf16ps path (block_quant_linear.cpp) keeps one output per vector and sums its lanes at the end;
-// on a CPU whose bf16 dot product runs at half the rate of float32 FMAs (measured here: oneDNN bf16 GEMMs
-// 85 GMAC/s on 2 cores, MKL float32 167), float32 FMAs on weights decoded once per panel are the faster way
-// to multiply many rows (prefill chunks, large decode batches), and the weights are the file's exactly.
+// Why: a kernel that keeps one output per vector (a dot product over the GGUF layout) sums its lanes at the end
+// and, in bf16 or int8 dot products, rounds the activations or runs at half the rate of float32 FMAs (measured
+// on an Intel Xeon: oneDNN bf16 GEMMs 85 GMAC/s on 2 cores, MKL float32 167). float32 FMAs on weights decoded
+// once per panel are the faster way to multiply many rows (prefill chunks, large decode batches), and the
+// weights are the file's exactly. Measured against such a kernel (vdpbf16ps on AVX-512, int16 on AVX2), see
+// benchmarks/README.md: 1.3-2x at 1 to 256 rows with AVX-512, 1-2.7x with AVX2 (equal at one row).
 // Batch invariance: row r's output n is acc = fma(x[r][k], w[k][n], acc) for k = 0, 1, ..., K - 1, whatever
 // the number of rows, the tile or the thread: decoding inline (few rows) or into a panel buffer (many) gives
 // the same float32 weights.
@@ -20,9 +22,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -30,131 +32,159 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32, kCols = 32, kTileRows = 8;
+constexpr int64_t kBlock = 32;
 
+// The vector operations the kernel is written in, for AVX-512 (16 lanes) or AVX2 (8 lanes). A tile is two
+// vectors wide (32 columns with AVX-512, 16 with AVX2) and has as many rows as the registers allow; each
+// output's arithmetic is the same in both, so the two builds give the same bits.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define SERVAL_PANEL_KERNEL 1
-
-// One block (32 input positions) of the two 16-column halves of a 32-column tile, decoded to float32:
-// out[k][0..31]. Returns nothing else; the same instructions decode for both paths, so the same floats.
-template <bool kQ4>
-inline void decode_block(const uint8_t* const half[2], const uint16_t* const half_scales[2], float* out) {
-  for (int c = 0; c < 2; ++c) {
-    const uint8_t* p = half[c];
-    const uint16_t* s = half_scales[c];
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    if (kQ4) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
-      const __m128i nib = _mm_set1_epi8(15);
-      for (int pair = 0; pair < 16; ++pair) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + pair * 16));
-        const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, nib)));
-        const __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
-        _mm512_storeu_ps(out + (2 * pair) * kCols + 16 * c, _mm512_fmadd_ps(even, d, m));
-        _mm512_storeu_ps(out + (2 * pair + 1) * kCols + 16 * c, _mm512_fmadd_ps(odd, d, m));
-      }
-    } else {
-      for (int k = 0; k < kBlock; ++k) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * 16));
-        _mm512_storeu_ps(out + k * kCols + 16 * c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d));
-      }
-    }
-  }
-}
-
-// Rows r0 .. r0 + R of x (float32, ldx apart) times ``steps`` decoded input positions w[k][32], added into acc.
-template <int R>
-inline void accumulate(__m512 (&acc)[R][2], const float* x, int64_t ldx, const float* w, int64_t steps) {
-  for (int64_t k = 0; k < steps; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(w + k * kCols), w1 = _mm512_loadu_ps(w + k * kCols + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-    }
-  }
-}
-
+#define SERVAL_PANEL_KERNEL 512
+using Vec = __m512;
+constexpr int kLanes = 16, kTileRows = 8;  // 16 accumulators + 2 weight vectors of 32 registers
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec load_halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline Vec unsigned_bytes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+inline Vec signed_bytes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+inline __mmask16 first(int count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1); }
+inline void store_out(float* y, Vec v, int count) { _mm512_mask_storeu_ps(y, first(count), v); }
 // float32 to bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN to its quiet NaN).
-inline __m256i to_bfloat16(__m512 v) {
+inline void store_out(uint16_t* y, Vec v, int count) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  _mm256_mask_storeu_epi16(y, first(count), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SERVAL_PANEL_KERNEL 256
+using Vec = __m256;
+constexpr int kLanes = 8, kTileRows = 6;  // 12 accumulators + 2 weight vectors + a broadcast of 16 registers
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec load_halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m128i load_bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline Vec unsigned_bytes(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+inline Vec signed_bytes(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+inline void store_out(float* y, Vec v, int count) {
+  if (count >= 8) return _mm256_storeu_ps(y, v);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  std::memcpy(y, lanes, count * sizeof(float));
+}
+inline void store_out(uint16_t* y, Vec v, int count) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  rounded = _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+  const __m256i high = _mm256_srli_epi32(rounded, 16);  // < 2^16: packing without saturation
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  if (count >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(y), packed);
+  alignas(16) uint16_t lanes[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), packed);
+  std::memcpy(y, lanes, count * sizeof(uint16_t));
+}
+#endif
+
+#if defined(SERVAL_PANEL_KERNEL)
+constexpr int64_t kCols = 2 * kLanes;  // output columns of a tile
+
+inline Vec low_nibbles(__m128i b) { return unsigned_bytes(_mm_and_si128(b, _mm_set1_epi8(15))); }
+inline Vec high_nibbles(__m128i b) { return unsigned_bytes(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15))); }
+
+// Where a tile's two vectors of one block start: their bytes (one row of 16 bytes per input position, or per pair
+// of them for q4) and their float16 scales (d at s, m at s + 16).
+struct Panels {
+  const uint8_t* packed;
+  const uint16_t* scales;
+  int64_t groups, block_bytes, block_scales;  // per 16-column panel: bytes and float16 scales of one block
+
+  void block(int64_t tile, int64_t g, const uint8_t* q[2], const uint16_t* s[2]) const {
+    for (int c = 0; c < 2; ++c) {
+      const int64_t column = tile * kCols + c * kLanes;
+      const int64_t index = (column / 16) * groups + g;
+      q[c] = packed + index * block_bytes + column % 16;
+      s[c] = scales + index * block_scales + column % 16;
+    }
+  }
+};
+
+// One block (32 input positions) of a tile's columns, decoded to float32: out[k][0 .. kCols). The same
+// instructions as tile_inline's, so the same floats.
+template <bool kQ4>
+inline void decode_block(const uint8_t* const q[2], const uint16_t* const s[2], float* out) {
+  for (int c = 0; c < 2; ++c) {
+    const Vec d = load_halves(s[c]);
+    if (kQ4) {
+      const Vec m = load_halves(s[c] + 16);
+      for (int pair = 0; pair < 16; ++pair) {
+        const __m128i b = load_bytes(q[c] + pair * 16);
+        vstore(out + (2 * pair) * kCols + c * kLanes, vfma(low_nibbles(b), d, m));
+        vstore(out + (2 * pair + 1) * kCols + c * kLanes, vfma(high_nibbles(b), d, m));
+      }
+    } else {
+      for (int k = 0; k < kBlock; ++k)
+        vstore(out + k * kCols + c * kLanes, vmul(signed_bytes(load_bytes(q[c] + k * 16)), d));
+    }
+  }
 }
 
 // The tile's outputs into y (float32, or bfloat16 bits: rounded here, so no second pass over y).
 template <int R, typename Out>
-inline void store(__m512 (&acc)[R][2], Out* y, int64_t N, int64_t n0) {
+inline void store(Vec (&acc)[R][2], Out* y, int64_t N, int64_t n0) {
   const int64_t cols = std::min<int64_t>(kCols, N - n0);
-  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    if constexpr (std::is_same_v<Out, float>) {
-      _mm512_mask_storeu_ps(y + r * N + n0, lo, acc[r][0]);
-      _mm512_mask_storeu_ps(y + r * N + n0 + 16, hi, acc[r][1]);
-    } else {
-      _mm256_mask_storeu_epi16(y + r * N + n0, lo, to_bfloat16(acc[r][0]));
-      _mm256_mask_storeu_epi16(y + r * N + n0 + 16, hi, to_bfloat16(acc[r][1]));
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c)
+      if (cols > c * kLanes) store_out(y + r * N + n0 + c * kLanes, acc[r][c], static_cast<int>(cols - c * kLanes));
 }
-
-struct Panels {
-  const uint8_t* packed;
-  const uint16_t* scales;
-  int64_t groups, block_bytes, block_scales;  // per 16-column half: bytes and float16 scales of one block
-
-  void block(int64_t tile, int64_t g, const uint8_t* half[2], const uint16_t* half_scales[2]) const {
-    for (int c = 0; c < 2; ++c) {
-      const int64_t index = (2 * tile + c) * groups + g;
-      half[c] = packed + index * block_bytes;
-      half_scales[c] = scales + index * block_scales;
-    }
-  }
-};
 
 // Few rows: each input position's weights are decoded into registers and used at once (the instructions of
 // decode_block, so the same floats; at one row, storing and reloading them cost a quarter of the time).
 template <bool kQ4, int R, typename Out>
 void tile_inline(const Panels& w, int64_t tile, const float* x, int64_t ldx, Out* y, int64_t N) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const __m128i nib = _mm_set1_epi8(15);
+  Vec acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t g = 0; g < w.groups; ++g) {
-    const uint8_t* half[2];
-    const uint16_t* half_scales[2];
-    w.block(tile, g, half, half_scales);
-    __m512 d[2], m[2];
+    const uint8_t* q[2];
+    const uint16_t* s[2];
+    w.block(tile, g, q, s);
+    Vec d[2], m[2];
     for (int c = 0; c < 2; ++c) {
-      d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half_scales[c])));
-      if (kQ4) m[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half_scales[c] + 16)));
+      d[c] = load_halves(s[c]);
+      if (kQ4) m[c] = load_halves(s[c] + 16);
     }
     const float* xg = x + g * kBlock;
     if (kQ4) {
       for (int pair = 0; pair < 16; ++pair) {
-        __m512 even[2], odd[2];
+        Vec even[2], odd[2];
         for (int c = 0; c < 2; ++c) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(half[c] + pair * 16));
-          even[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, nib))), d[c], m[c]);
-          odd[c] = _mm512_fmadd_ps(
-              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib))), d[c], m[c]);
+          const __m128i b = load_bytes(q[c] + pair * 16);
+          even[c] = vfma(low_nibbles(b), d[c], m[c]);
+          odd[c] = vfma(high_nibbles(b), d[c], m[c]);
         }
         for (int r = 0; r < R; ++r) {
-          const __m512 xe = _mm512_set1_ps(xg[r * ldx + 2 * pair]), xo = _mm512_set1_ps(xg[r * ldx + 2 * pair + 1]);
-          for (int c = 0; c < 2; ++c) acc[r][c] = _mm512_fmadd_ps(xo, odd[c], _mm512_fmadd_ps(xe, even[c], acc[r][c]));
+          const Vec xe = vset1(xg[r * ldx + 2 * pair]), xo = vset1(xg[r * ldx + 2 * pair + 1]);
+          for (int c = 0; c < 2; ++c) acc[r][c] = vfma(xo, odd[c], vfma(xe, even[c], acc[r][c]));
         }
       }
     } else {
       for (int k = 0; k < kBlock; ++k) {
-        __m512 wk[2];
-        for (int c = 0; c < 2; ++c)
-          wk[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(half[c] + k * 16)))), d[c]);
+        Vec wk[2];
+        for (int c = 0; c < 2; ++c) wk[c] = vmul(signed_bytes(load_bytes(q[c] + k * 16)), d[c]);
         for (int r = 0; r < R; ++r) {
-          const __m512 xb = _mm512_set1_ps(xg[r * ldx + k]);
-          for (int c = 0; c < 2; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wk[c], acc[r][c]);
+          const Vec xb = vset1(xg[r * ldx + k]);
+          for (int c = 0; c < 2; ++c) acc[r][c] = vfma(xb, wk[c], acc[r][c]);
         }
       }
     }
@@ -162,11 +192,19 @@ void tile_inline(const Panels& w, int64_t tile, const float* x, int64_t ldx, Out
   store<R, Out>(acc, y, N, tile * kCols);
 }
 
+// Many rows: R rows times the tile's decoded weights w[k][kCols], an FMA chain per output over k in order.
 template <int R, typename Out>
-void tile_buffered(const float* panel, int64_t K, const float* x, int64_t ldx, Out* y, int64_t N, int64_t n0) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  accumulate<R>(acc, x, ldx, panel, K);
+void tile_buffered(const float* w, int64_t K, const float* x, int64_t ldx, Out* y, int64_t N, int64_t n0) {
+  Vec acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec w0 = vload(w + k * kCols), w1 = vload(w + k * kCols + kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xb = vset1(x[r * ldx + k]);
+      acc[r][0] = vfma(xb, w0, acc[r][0]);
+      acc[r][1] = vfma(xb, w1, acc[r][1]);
+    }
+  }
   store<R, Out>(acc, y, N, n0);
 }
 
@@ -199,10 +237,10 @@ void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t 
     float* panel = serval::scratch(0, K * kCols);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t g = 0; g < w.groups; ++g) {
-        const uint8_t* half[2];
-        const uint16_t* half_scales[2];
-        w.block(t, g, half, half_scales);
-        decode_block<kQ4>(half, half_scales, panel + g * kBlock * kCols);
+        const uint8_t* q[2];
+        const uint16_t* s[2];
+        w.block(t, g, q, s);
+        decode_block<kQ4>(q, s, panel + g * kBlock * kCols);
       }
       int64_t r0 = 0;
       for (; r0 + kTileRows <= M; r0 += kTileRows)
@@ -264,6 +302,6 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   q4 ? gemm_panels<true>(xf, M, padded, w, N, yf) : gemm_panels<false>(xf, M, padded, w, N, yf);
   return float_output ? y : y.to(x.scalar_type());
 #else
-  TORCH_CHECK(false, "block_panel_linear needs AVX-512 (check block_panel_kernel_available())");
+  TORCH_CHECK(false, "block_panel_linear needs AVX2 with FMA and F16C, or AVX-512 (check block_panel_kernel_available())");
 #endif
 }
