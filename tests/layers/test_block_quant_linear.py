@@ -1,13 +1,8 @@
 """The block kernel (GGUF Q4_0 / Q4_1 / Q8_0 weights read as stored): equal to float64 on the file's weights up to
-float32 summation, the same for a row alone or among any others, the same bits from its AVX2 and AVX-512 builds,
-and lossless repacking."""
+float32 summation, the same for a row alone or among any others, and lossless repacking (the same bits from its
+AVX2 and AVX-512 builds: test_avx2_build.py)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,38 +86,6 @@ def test_each_row_is_the_same_whatever_the_batch(fmt, dtype):
     assert layer.min_rows == 1
     for rows in range(1, 41):
         assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-
-
-AVX2_BUILD = """
-import sys, torch
-from serval.layers import cpu_kernels
-from tests.layers.test_block_quant_linear import activations, random_blocks
-kernels = cpu_kernels.load()
-assert kernels.__name__.startswith("serval_cpu_kernels_avx2_") and kernels.block_panel_kernel_available()
-out = {}
-for fmt in ("q4", "q8"):
-    weight = random_blocks(fmt, 130, 576)
-    for dtype in (torch.float32, torch.bfloat16):
-        for rows in (1, 5, 7, 40):
-            x = activations(rows, 576, dtype)
-            out[fmt, str(dtype), rows] = kernels.block_panel_linear(x, *weight.panels(), fmt, 130, False)
-torch.save(out, sys.argv[1])
-"""
-
-
-@needs_panels
-def test_the_avx2_build_gives_the_same_bits(tmp_path):
-    """AVX-512 and AVX2 CPUs run the same arithmetic (tiles of 32 and 16 columns, 8 and 6 rows): the AVX2 build
-    (``SERVAL_CPU_ISA=avx2``, built here in a subprocess) gives bitwise this build's outputs, tile remainders
-    and both output roundings included. On an AVX-512 machine this is what tests the AVX2 path."""
-    env = {**os.environ, "SERVAL_CPU_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", AVX2_BUILD, str(tmp_path / "avx2.pt")], check=True, env=env,
-                   cwd=Path(__file__).parents[2], timeout=600)
-    avx2 = torch.load(tmp_path / "avx2.pt")
-    assert len(avx2) == 16
-    for (fmt, dtype, rows), got in avx2.items():
-        x = activations(rows, 576, getattr(torch, dtype.removeprefix("torch.")))
-        assert torch.equal(got, kernels.block_panel_linear(x, *random_blocks(fmt, 130, 576).panels(), fmt, 130, False))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])

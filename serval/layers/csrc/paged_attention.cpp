@@ -6,10 +6,11 @@
 // one step and recomputed in a prefill chunk after a preemption gets the same bits). Scores, softmax and the
 // weighted sum are float32.
 //
-// With AVX-512, the queries of one sequence are taken in tiles that share its keys and values, converted to
-// float32 once per tile: keys transposed in groups of 16 so that one vector holds 16 keys' scores (each a
-// float32 FMA chain over the head dimension in order), a vectorized exp, and values summed in key order. A
-// prefill chunk's many queries then cost little more than their FLOPs. Elsewhere, one query at a time.
+// With AVX-512 or AVX2 (the same arithmetic, the same bits: vec_math.h), the queries of one sequence are taken in
+// tiles that share its keys and values, converted to float32 once per tile: keys transposed in groups of 16 so
+// that 16 lanes hold 16 keys' scores (each a float32 FMA chain over the head dimension in order), a vectorized
+// exp, and values summed in key order. A prefill chunk's many queries then cost little more than their FLOPs.
+// Elsewhere, one query at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -110,48 +111,46 @@ void attend(const Inputs<scalar_t>& in) {
 }
 
 
-#if defined(__AVX512F__)
+#if defined(SERVAL_V16)
 #define SERVAL_TILED_ATTENTION 1
+using serval::V16;
 constexpr int64_t kKeys = 16;       // keys per score vector
 constexpr int64_t kQueryTile = 16;  // query tokens of one sequence that share one float32 copy of its keys and values
-
-using serval::exp_nonpositive;
-
-inline __mmask16 keys_in_context(int64_t first_key, int64_t ctx) {
-  const int64_t valid = std::min<int64_t>(kKeys, ctx - first_key);
-  return valid >= kKeys ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-}
+// Vectors of 16 kept in registers by one chain of FMAs: AVX-512 has 32 registers, AVX2 16 (a V16 is two there).
+#if defined(__AVX512F__)
+constexpr int kRegisterTiles = 8;
+#else
+constexpr int kRegisterTiles = 4;
+#endif
 
 // Scores of J consecutive 16-key tiles for one query head: each lane an FMA chain over the head dimension in
 // order (J chains run side by side; every score's arithmetic is the same whatever J).
 template <int J>
 inline void score_tiles(const float* q, const float* kt, int64_t head_dim, int64_t j0, int64_t ctx, float scale,
                         float* scores) {
-  __m512 acc[J];
-  for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+  V16 acc[J];
+  for (int j = 0; j < J; ++j) acc[j] = serval::zero16();
   for (int64_t d = 0; d < head_dim; ++d) {
-    const __m512 qd = _mm512_set1_ps(q[d]);
-    for (int j = 0; j < J; ++j)
-      acc[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + ((j0 + j) * head_dim + d) * kKeys), acc[j]);
+    const V16 qd = serval::set16(q[d]);
+    for (int j = 0; j < J; ++j) acc[j] = serval::fma16(qd, serval::load16(kt + ((j0 + j) * head_dim + d) * kKeys), acc[j]);
   }
   for (int j = 0; j < J; ++j) {
     const int64_t first = (j0 + j) * kKeys;
-    const __m512 s = _mm512_mask_blend_ps(keys_in_context(first, ctx), _mm512_set1_ps(-INFINITY),
-                                          _mm512_mul_ps(acc[j], _mm512_set1_ps(scale)));
-    _mm512_storeu_ps(scores + first, s);
+    serval::store16(scores + first,
+                    serval::first_lanes(serval::mul16(acc[j], serval::set16(scale)), ctx - first, -INFINITY));
   }
 }
 
-// out[0 .. DV * 16) = sum over keys l < ctx, in order, of p[l] * v[l] (v rows head_dim = DV * 16 apart).
-template <int DV>
-inline void weighted_values(const float* p, const float* v, int64_t ctx, float inv_sum, float* out) {
-  __m512 acc[DV];
-  for (int i = 0; i < DV; ++i) acc[i] = _mm512_setzero_ps();
+// out[0 .. C * 16) = inv_sum * sum over keys l < ctx, in order, of p[l] * v[l] (v rows head_dim apart).
+template <int C>
+inline void weighted_values(const float* p, const float* v, int64_t head_dim, int64_t ctx, float inv_sum, float* out) {
+  V16 acc[C];
+  for (int i = 0; i < C; ++i) acc[i] = serval::zero16();
   for (int64_t l = 0; l < ctx; ++l) {
-    const __m512 pl = _mm512_set1_ps(p[l]);
-    for (int i = 0; i < DV; ++i) acc[i] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(v + (l * DV + i) * 16), acc[i]);
+    const V16 pl = serval::set16(p[l]);
+    for (int i = 0; i < C; ++i) acc[i] = serval::fma16(pl, serval::load16(v + l * head_dim + i * 16), acc[i]);
   }
-  for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv_sum)));
+  for (int i = 0; i < C; ++i) serval::store16(out + i * 16, serval::mul16(acc[i], serval::set16(inv_sum)));
 }
 
 // One query head over its ctx keys: kt holds the keys transposed per 16-key tile ([tile][d][16]), v the values
@@ -162,22 +161,26 @@ void attend_one(const float* q, const float* kt, const float* v, int64_t ctx, fl
   constexpr int64_t head_dim = DV * 16;
   const int64_t tiles = (ctx + kKeys - 1) / kKeys;
   int64_t j = 0;
-  for (; j + 8 <= tiles; j += 8) score_tiles<8>(q, kt, head_dim, j, ctx, scale, scores);
+  if constexpr (kRegisterTiles >= 8)
+    for (; j + 8 <= tiles; j += 8) score_tiles<8>(q, kt, head_dim, j, ctx, scale, scores);
   for (; j + 4 <= tiles; j += 4) score_tiles<4>(q, kt, head_dim, j, ctx, scale, scores);
   for (; j < tiles; ++j) score_tiles<1>(q, kt, head_dim, j, ctx, scale, scores);
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (j = 0; j < tiles; ++j) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + j * kKeys));
-  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 sums = _mm512_setzero_ps();
+  V16 top = serval::set16(-INFINITY);
+  for (j = 0; j < tiles; ++j) top = serval::max16(top, serval::load16(scores + j * kKeys));
+  const V16 max = serval::set16(serval::reduce_max16(top));
+  V16 sums = serval::zero16();
   for (j = 0; j < tiles; ++j) {
-    const __m512 e = _mm512_maskz_mov_ps(keys_in_context(j * kKeys, ctx),
-                                         exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + j * kKeys), max)));
-    _mm512_storeu_ps(scores + j * kKeys, e);
-    sums = _mm512_add_ps(sums, e);
+    const V16 e = serval::first_lanes(serval::exp_nonpositive16(serval::sub16(serval::load16(scores + j * kKeys), max)),
+                                      ctx - j * kKeys, 0.f);
+    serval::store16(scores + j * kKeys, e);
+    sums = serval::add16(sums, e);
   }
-  weighted_values<DV>(scores, v, ctx, 1.f / _mm512_reduce_add_ps(sums), out);
+  const float inv_sum = 1.f / serval::reduce_add16(sums);
+  constexpr int C = DV < kRegisterTiles ? DV : kRegisterTiles;  // value vectors per chain over the keys
+  for (int i = 0; i < DV; i += C) weighted_values<C>(scores, v + i * 16, head_dim, ctx, inv_sum, out + i * 16);
 }
 
+#if defined(__AVX512F__)
 // 16 values of a cache row as float32 (exact for every cache dtype).
 template <typename scalar_t>
 inline __m512 load_float16(const scalar_t* src) {
@@ -233,6 +236,57 @@ inline void transpose_keys(KeyRow key, int64_t count, int64_t head_dim, float* t
     for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile + (d0 + i) * kKeys, r[i]);
   }
 }
+#else
+// 8 values of a cache row as float32 (exact for every cache dtype).
+template <typename scalar_t>
+inline __m256 load_float8(const scalar_t* src) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_loadu_ps(src);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  }
+}
+
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load_float8(src + i));
+}
+
+// r[i] (row i, 8 columns) becomes column i.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// As the AVX-512 version: keys first .. first + 16 into kt tile [head_dim][16], in blocks of 8 keys x 8 dims.
+template <typename scalar_t, typename KeyRow>
+inline void transpose_keys(KeyRow key, int64_t count, int64_t head_dim, float* tile) {
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 8)
+    for (int64_t k0 = 0; k0 < 16; k0 += 8) {
+      __m256 r[8];
+      for (int64_t i = 0; i < 8; ++i)
+        r[i] = k0 + i < count ? load_float8<scalar_t>(key(k0 + i) + d0) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(tile + (d0 + i) * kKeys + k0, r[i]);
+    }
+}
+#endif
 
 template <typename scalar_t, int DV>
 void attend_tiled(const Inputs<scalar_t>& in) {

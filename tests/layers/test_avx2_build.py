@@ -1,0 +1,67 @@
+"""The CPU kernels' AVX2 build (``SERVAL_CPU_ISA=avx2``, what AVX2-only CPUs such as AMD EPYC Zen 2/3 run) gives
+bitwise the outputs of this machine's build: the block linear and the tiled attention are written once over
+vectors of 8 or 16 lanes with the same arithmetic per output. On an AVX-512 machine this is what tests the AVX2
+paths; on an AVX2 machine it compares two AVX2 builds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_block_quant_linear import activations, random_blocks
+
+from serval.layers import cpu_kernels
+
+HERE = Path(__file__).parent
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(
+    kernels is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="needs the C++ kernels on a CPU with AVX2")
+
+
+def outputs(k) -> dict[str, torch.Tensor]:
+    """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings) and
+    attention over a chunk of 70 queries with contexts 131-200 (head sizes 64, 128, 256; float32 and bfloat16)."""
+    out = {}
+    for fmt in ("q4", "q8"):
+        weight = random_blocks(fmt, 130, 576)
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows in (1, 5, 7, 40):
+                x = activations(rows, 576, dtype)
+                out[f"linear {fmt} {dtype} {rows}"] = k.block_panel_linear(x, *weight.panels(), fmt, 130, False)
+    for head_dim in (64, 128, 256):
+        gen = torch.Generator().manual_seed(head_dim)
+        k_cache, v_cache = (torch.randn(20, 16, 3, head_dim, generator=gen) for _ in range(2))
+        queries = torch.randn(70, 9, head_dim, generator=gen)
+        table = torch.randperm(20, generator=gen)[:13][None]
+        for dtype in (torch.float32, torch.bfloat16):
+            q, kc, vc = queries.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+            out[f"attention {head_dim} {dtype}"] = k.paged_attention(
+                q, kc, vc, table, torch.zeros(70, dtype=torch.long), torch.arange(131, 201), head_dim**-0.5)
+    return out
+
+
+SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from serval.layers import cpu_kernels
+from test_avx2_build import outputs
+k = cpu_kernels.load()
+assert k.__name__.startswith("serval_cpu_kernels_avx2_") and k.block_panel_kernel_available(), k
+torch.save(outputs(k), sys.argv[1])
+"""
+
+
+def test_the_avx2_build_gives_the_same_bits(tmp_path):
+    env = {**os.environ, "SERVAL_CPU_ISA": "avx2"}
+    subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "avx2.pt"), str(HERE)], check=True, env=env,
+                   cwd=HERE.parents[1], timeout=900)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    native = outputs(kernels)
+    assert avx2.keys() == native.keys() and len(native) == 22
+    for case, want in native.items():
+        assert torch.equal(avx2[case], want), case
