@@ -20,6 +20,11 @@ exited. Servers:
         --serval "serval-no-spec=--speculative-model none" --workloads grounded-1,grounded-16,chat-1,chat-16
 
 Only ratios from one run mean anything: a shared machine's speed drifts between runs.
+
+`--isa avx2` runs the suite as an AVX2-only CPU (AMD EPYC Zen 2/3) would, on a machine with AVX-512: Serval's
+kernels built for AVX2 (SERVAL_CPU_ISA), PyTorch, MKL and oneDNN held to AVX2 (so no native bfloat16: `--dtype
+auto` takes float32), and an AVX2-only llama-server (`AVX2_PEER=1 bash benchmarks/peers/setup.sh`). vLLM is left
+out there: its own kernels cannot be held to AVX2 (and on such CPUs it was the slowest peer, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ from serval.benchmark.workloads import WorkloadConfig  # noqa: E402
 MODEL_NAME = "smollm2"  # every server serves the model under this name
 SLOTS = 16  # llama-server's parallel slots: the most concurrent requests any workload sends
 NO_PREFIX_CACHE = "no-prefix-cache"
+# What --isa sets for every server (and this process): the instruction sets an AVX2-only CPU has.
+ISA_ENV = {"native": {}, "avx2": {"SERVAL_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                                  "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
 
 @dataclass
@@ -133,7 +141,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
                                 ["--no-enable-prefix-caching"], is_serval=True, workloads=["shared-prefix"], env=env,
                                 variant_of=name))
     peers = Path(args.peers)
-    llama_server = Path(args.llama_server or peers / "llamacpp" / "bin" / "llama-server")
+    llama_dir = "llamacpp" if args.isa == "native" else f"llamacpp-{args.isa}"
+    llama_server = Path(args.llama_server or peers / llama_dir / "bin" / "llama-server")
     if llama_server.exists():
         threads = str(os.cpu_count())  # its default counts physical cores only, which can be fewer on a VM
         found.append(Server("llama.cpp", [str(llama_server), "-m", str(resolve_model_path(None)), "--host",
@@ -145,7 +154,9 @@ def servers(args: argparse.Namespace) -> list[Server]:
                                           "--threads-http", str(2 * SLOTS)]))
     vllm_python = Path(args.vllm_python or peers / "vllm" / "bin" / "python")
     hf_dir = Path(args.hf_dir or peers / "hf")
-    if vllm_python.exists() and (hf_dir / "config.json").exists():
+    if args.isa != "native":
+        print(f"vllm: left out with --isa {args.isa} (its kernels follow the CPU, not the flag)", flush=True)
+    elif vllm_python.exists() and (hf_dir / "config.json").exists():
         found.append(Server("vllm", [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                                      str(hf_dir), "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}",
                                      "--served-model-name", MODEL_NAME, "--max-model-len", "4096",
@@ -297,7 +308,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", default=str(ROOT.parent / "peers"), help="where benchmarks/peers/setup.sh "
                         "put the peers")
-    parser.add_argument("--llama-server", default=None, help="llama-server binary (default: PEERS/llamacpp/bin)")
+    parser.add_argument("--llama-server", default=None,
+                        help="llama-server binary (default: PEERS/llamacpp/bin; with --isa avx2, llamacpp-avx2)")
+    parser.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
+                        help="avx2: run every server as on an AVX2-only CPU (see above)")
     parser.add_argument("--vllm-python", default=None, help="python of the vLLM venv (default: PEERS/vllm/bin)")
     parser.add_argument("--hf-dir", default=None, help="the model as a Hugging Face directory (default: PEERS/hf)")
     parser.add_argument("--serval", action="append", default=None, metavar="NAME=FLAGS",
@@ -320,13 +334,14 @@ def main() -> None:
                         help="peers.json, peers.png and the servers' logs go here")
     args = parser.parse_args()
 
+    os.environ.update(ISA_ENV[args.isa])  # before anything asks torch what the CPU can do
     from serval.platform_info import describe_hardware
 
     workloads = suite(args)
     server_list = servers(args)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    machine = describe_hardware()
+    machine = describe_hardware() + ("" if args.isa == "native" else f", held to {args.isa.upper()} (--isa)")
     print(f"machine: {machine}", flush=True)
     print("servers: " + ", ".join(s.name for s in server_list), flush=True)
     results = {s.name: run_server(s, workloads, out_dir, args.startup_timeout) for s in server_list}

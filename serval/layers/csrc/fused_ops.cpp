@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -77,22 +78,6 @@ inline float silu(float g) {
   return g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
 }
 
-#if defined(__AVX512F__)
-inline __m512 silu(__m512 g) {
-  const __m512 e = serval::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 numerator = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
-  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-}
-
-template <typename T>
-inline __m512 load16(const T* p, __mmask16 mask) {
-  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, p);
-  alignas(64) float v[16];
-  for (int i = 0; i < 16; ++i) v[i] = (mask >> i) & 1 ? static_cast<float>(p[i]) : 0.f;
-  return _mm512_load_ps(v);
-}
-#endif
-
 // out[r] = silu(gate[r]) * up[r] for x [rows, 2n] = [gate | up], each product of values rounded to T as the
 // PyTorch lines (F.silu(gate) * up) round them.
 template <typename T>
@@ -103,13 +88,13 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
       const T* up = gate + n;
       T* o = out + row * n;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      alignas(64) float s[16];
-      for (; i < n; i += 16) {
-        const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-        _mm512_store_ps(s, silu(load16(gate + i, mask)));
-        for (int j = 0; j < 16 && i + j < n; ++j)
-          o[i + j] = static_cast<T>(round_to<T>(s[j]) * static_cast<float>(up[i + j]));
+#if defined(SERVAL_V16)
+      float s[16];
+      for (; i < n; i += 16) {  // 16 at a time (the same bits with AVX-512 and AVX2); the last ones padded
+        const int64_t count = std::min<int64_t>(16, n - i);
+        for (int j = 0; j < 16; ++j) s[j] = j < count ? static_cast<float>(gate[i + j]) : 0.f;
+        serval::store16(s, serval::silu16(serval::load16(s)));
+        for (int j = 0; j < count; ++j) o[i + j] = static_cast<T>(round_to<T>(s[j]) * static_cast<float>(up[i + j]));
       }
 #endif
       for (; i < n; ++i) o[i] = static_cast<T>(round_to<T>(silu(static_cast<float>(gate[i]))) * static_cast<float>(up[i]));

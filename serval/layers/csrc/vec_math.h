@@ -117,6 +117,24 @@ inline V16 first_lanes(V16 a, int64_t count, float fill) {
 inline __m256 half16(V16 a, int i) { return i == 0 ? a.lo : a.hi; }
 #endif
 
+// silu(g) = g / (1 + e^-g), with e^-|g| so the exponent is never positive (no overflow for very negative g).
+inline __m256 silu(__m256 g) {
+  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), g);
+  const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_setzero_ps(), abs));
+  const __m256 numerator = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+#if defined(__AVX512F__)
+inline __m512 silu(__m512 g) {
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 numerator = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
+  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+inline V16 silu16(V16 a) { return {silu(a.v)}; }
+#else
+inline V16 silu16(V16 a) { return {silu(a.lo), silu(a.hi)}; }
+#endif
+
 inline float reduce_add16(V16 a) {
   return reduce8(_mm256_add_ps(half16(a, 0), half16(a, 1)), [](__m128 x, __m128 y) { return _mm_add_ps(x, y); });
 }
