@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 def outputs(k) -> dict[str, torch.Tensor]:
     """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings),
     attention over a chunk of 70 queries with contexts 131-200 (head sizes 64, 128, 256; float32 and bfloat16),
-    and silu(gate) * up."""
+    silu(gate) * up, and a row argmax with ties and NaN."""
     out = {}
     for fmt in ("q4", "q8"):
         weight = random_blocks(fmt, 130, 576)
@@ -47,6 +47,11 @@ def outputs(k) -> dict[str, torch.Tensor]:
         for n in (1536, 40):  # a row that ends mid-vector
             gate_up = torch.randn(5, 2 * n, generator=torch.Generator().manual_seed(n)) * 6
             out[f"silu_and_mul {n} {dtype}"] = k.silu_and_mul(gate_up.to(dtype))
+    logits = torch.randn(6, 49155, generator=torch.Generator().manual_seed(3))
+    logits[1, 100] = logits[1, 40000] = logits[1].max() + 1  # a tie: the first wins
+    logits[2, 49153] = logits[2].max() + 1  # in the tail past the last full vector
+    logits[3, 7] = logits[3, 30000] = float("nan")  # the first NaN wins, as torch.argmax
+    out["argmax"] = k.argmax_rows(logits)
     return out
 
 
@@ -67,6 +72,7 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
                    cwd=HERE.parents[1], timeout=900)
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
-    assert avx2.keys() == native.keys() and len(native) == 26
+    assert avx2.keys() == native.keys() and len(native) == 27
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case
+    assert native["argmax"].tolist()[1:4] == [100, 49153, 7]
