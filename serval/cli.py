@@ -31,6 +31,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="context length in tokens (default: the model's own, if the KV cache holds it)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of a prompt prefix computed before")
+    parser.add_argument("--session-ttl", type=float, default=600.0,  # CacheConfig's defaults
+                        help="seconds a conversation's KV is kept after a turn that named a session (chat "
+                        "requests' session_id or user)")
+    parser.add_argument("--session-cache-fraction", type=float, default=0.5,
+                        help="the share of the KV cache that kept conversations may hold")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="cut long prompts into chunks that share a step with running decodes")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"],
@@ -70,7 +75,8 @@ def _engine_config(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         context_policy=args.context_policy, quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching, session_ttl=args.session_ttl,
+                          session_cache_fraction=args.session_cache_fraction),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         speculative=SpeculativeConfig(method=None if args.speculative_model == "none" else args.speculative_model,

@@ -59,8 +59,17 @@ class CacheConfig:
     kv_cache_memory: float = 1.0  # GiB for all layers' keys and values
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use it to force preemption)
     enable_prefix_caching: bool = True
+    # Conversation sessions (requests with a session id; they need prefix caching): how long a finished turn's KV
+    # is kept for the next turn, and the share of the blocks all sessions together may hold.
+    session_ttl: float = 600.0
+    session_cache_fraction: float = 0.5
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.session_ttl, (int, float)) and self.session_ttl >= 0):
+            raise ValueError(f"CacheConfig.session_ttl must be >= 0 seconds, got {self.session_ttl!r}")
+        if not (isinstance(self.session_cache_fraction, (int, float)) and 0 <= self.session_cache_fraction <= 1):
+            raise ValueError("CacheConfig.session_cache_fraction must be in [0, 1], "
+                             f"got {self.session_cache_fraction!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"CacheConfig.block_size must be a positive integer, got {self.block_size!r}")
         if not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):

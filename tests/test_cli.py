@@ -241,12 +241,14 @@ def test_generate_help_shows_max_tokens_256_and_temperature_0():
 
 
 def test_the_engine_flags_default_to_the_configs_defaults():
-    """The CLI writes its token budget as a literal (it imports no torch to parse flags): it must be the config's."""
-    from serval.config import SchedulerConfig
+    """The CLI writes its defaults as literals (it imports no torch to parse flags): they must be the configs'."""
+    from serval.config import CacheConfig, SchedulerConfig
 
     for verb in (["serve"], ["generate", "hi"], ["chat"]):
         args = build_parser().parse_args(verb)
         assert args.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens, verb
+        assert (args.session_ttl, args.session_cache_fraction) == (CacheConfig().session_ttl,
+                                                                   CacheConfig().session_cache_fraction), verb
 
 
 def test_help_never_prints_the_api_key_from_the_environment(monkeypatch):

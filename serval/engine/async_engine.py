@@ -99,7 +99,8 @@ class AsyncEngine(EngineClient):
 
     # -- requests ------------------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, session_id: str | None = None,
+                          end_session: bool = False) -> RequestStream:
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
@@ -107,7 +108,8 @@ class AsyncEngine(EngineClient):
         stream = RequestStream(asyncio.Queue(), loop)
         with self._pending_lock:
             self._num_pending_adds += 1
-        self._commands.put(("add", request_id, prompt, params, priority, stream, accepted))
+        self._commands.put(("add", request_id, prompt, params, (priority, session_id, end_session), stream,
+                            accepted))
         self._wake.set()
         try:
             await accepted  # raises the engine's ValueError for bad input
@@ -118,6 +120,10 @@ class AsyncEngine(EngineClient):
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def end_session(self, session_id: str) -> None:
+        self._commands.put(("end_session", session_id))
         self._wake.set()
 
     def snapshot(self) -> EngineCoreStats:
@@ -149,11 +155,11 @@ class AsyncEngine(EngineClient):
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, params, priority, stream, accepted = command
+                _, request_id, prompt, params, (priority, session_id, end_session), stream, accepted = command
                 try:
                     if request_id in self._streams:
                         raise ValueError(f"request id {request_id!r} is already in use")
-                    self.engine.add_request(request_id, prompt, params, priority)
+                    self.engine.add_request(request_id, prompt, params, priority, session_id, end_session)
                 except Exception as exc:
                     stream.loop.call_soon_threadsafe(_settle, accepted, exc)
                     continue
@@ -165,6 +171,8 @@ class AsyncEngine(EngineClient):
             elif command[0] == "abort":
                 if command[1] in self._streams:
                     self.engine.abort_request(command[1])
+            elif command[0] == "end_session":
+                self.engine.end_session(command[1])
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

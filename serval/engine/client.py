@@ -51,11 +51,18 @@ class EngineClient:
         raise NotImplementedError
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
-        """Queues a request; raises ValueError for bad input and EngineDeadError when no engine runs."""
+                          priority: int = 0, session_id: str | None = None,
+                          end_session: bool = False) -> RequestStream:
+        """Queues a request; raises ValueError for bad input and EngineDeadError when no engine runs.
+        ``session_id``: the conversation it is a turn of (its KV is kept for the next turn unless
+        ``end_session``)."""
         raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def end_session(self, session_id: str) -> None:
+        """Lets a conversation's kept KV go (asynchronously; an unknown session is ignored)."""
         raise NotImplementedError
 
     def snapshot(self) -> EngineCoreStats:
@@ -68,10 +75,11 @@ class EngineClient:
         return len(self._streams)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, session_id: str | None = None,
+                       end_session: bool = False) -> AsyncIterator[RequestOutput]:
         """Queues a request and yields its outputs until the final one. Raises ValueError (bad input) before the
         first output. Leaving the loop early (client gone, task cancelled) aborts the request."""
-        stream = await self.add_request(request_id, prompt, params, priority)
+        stream = await self.add_request(request_id, prompt, params, priority, session_id, end_session)
         try:
             while True:
                 item = await stream.queue.get()

@@ -39,6 +39,8 @@ class EngineCoreRequest:
     priority: int = 0
     group_id: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    session_id: str | None = None  # a conversation: its KV is kept for the next turn (kv_cache.py, sessions)
+    keep_session: bool = True  # False: the conversation's last turn
 
 
 @dataclass
@@ -74,6 +76,12 @@ class EngineCoreStats:
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
     num_received_requests: int = 0  # adds taken; the front end subtracts it from the adds it sent
+    # Conversation sessions: requests that found their session held, the prompt tokens they found cached, and
+    # the sessions and blocks held now.
+    session_requests: int = 0
+    session_hit_tokens: int = 0
+    num_sessions: int = 0
+    session_blocks: int = 0
     # Speculative decoding: steps that checked a request's guesses, guesses checked, guesses accepted, and how
     # often the guess at each position (1st, 2nd, ...) was accepted.
     spec_num_drafts: int = 0
@@ -115,7 +123,8 @@ class EngineCore:
             raise ValueError(f"CacheConfig.kv_cache_memory={cache.kv_cache_memory} GiB holds fewer than 2 blocks")
         # A request alone must always fit, or preemption could never make room for it.
         max_model_len = min(config.max_model_len or model_config.max_position, num_blocks * cache.block_size)
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                       cache.session_ttl, cache.session_cache_fraction)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.torch_dtype, config.device)
         self.stats = EngineCoreStats(num_blocks=num_blocks)
@@ -153,7 +162,8 @@ class EngineCore:
             return
         request = Request(request_id, list(core_request.prompt_token_ids), core_request.params,
                           frozenset(core_request.eos_token_ids), core_request.max_tokens, core_request.priority,
-                          group_id=core_request.group_id, arrival_time=core_request.arrival_time)
+                          group_id=core_request.group_id, arrival_time=core_request.arrival_time,
+                          session_id=core_request.session_id, keep_session=core_request.keep_session)
         self._requests[request_id] = request
         self._unreported.add(request_id)
         self.scheduler.add_request(request)
@@ -167,6 +177,10 @@ class EngineCore:
                 continue
             self.scheduler.finish_request(request, status)
             self._release(request)
+
+    def end_session(self, session_id: str) -> bool:
+        """Lets a conversation's kept KV go (to the prefix cache, as free blocks). False: no such session."""
+        return self.kv_cache.end_session(session_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
@@ -357,5 +371,7 @@ class EngineCore:
         s.num_running, s.num_waiting = len(scheduler.running), len(scheduler.waiting)
         s.num_free_blocks, s.kv_cache_usage = kv.pool.num_free_blocks, kv.usage
         s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens = kv.stats.queried_tokens, kv.stats.hit_tokens
+        s.session_requests, s.session_hit_tokens = kv.stats.session_requests, kv.stats.session_hit_tokens
+        s.num_sessions, s.session_blocks = len(kv.sessions), kv.num_session_blocks
         s.num_preemptions = scheduler.num_preemptions
         return EngineCoreStats(**{**s.__dict__, "spec_accepted_per_position": list(s.spec_accepted_per_position)})

@@ -61,13 +61,13 @@ def _logprobs_from_wire(raw) -> TokenLogprobs | None:
 
 def encode_request(r: EngineCoreRequest) -> list:
     return [r.request_id, r.prompt_token_ids, dataclasses.asdict(r.params), r.eos_token_ids, r.max_tokens, r.priority,
-            r.group_id, r.arrival_time]
+            r.group_id, r.arrival_time, r.session_id, r.keep_session]
 
 
 def decode_request(raw: list) -> EngineCoreRequest:
-    request_id, prompt, params, eos, max_tokens, priority, group_id, arrival = raw
+    request_id, prompt, params, eos, max_tokens, priority, group_id, arrival, session_id, keep_session = raw
     return EngineCoreRequest(request_id, prompt, SamplingParams(**params), eos, max_tokens, priority, group_id,
-                             arrival)
+                             arrival, session_id, keep_session)
 
 
 def encode_outputs(outputs: EngineCoreOutputs) -> list:
@@ -153,6 +153,8 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
                     core.setup_structured_outputs(GrammarCompiler.from_json(message[1]))
                 elif kind == "finish":
                     core.finish_requests(message[1], RequestStatus(message[2]))
+                elif kind == "end_session":
+                    core.end_session(message[1])
                 elif kind == "shutdown":
                     return
         elif not busy:
@@ -255,13 +257,15 @@ class CoreProcessClient(EngineClient):
 
     # -- requests ------------------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, session_id: str | None = None,
+                          end_session: bool = False) -> RequestStream:
         if not self.is_alive:
             raise EngineDeadError(f"the engine core is not running: {self.error}" if self.error else
                                   "the engine core is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority)  # ValueError
+        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
+                                                          end_session)  # ValueError
         if core_requests[0].params.structured_outputs is not None and not self._grammar_sent:
             self._send(["grammar_setup", self._inputs.grammar_compiler().to_json()])  # once, before its first use
             self._grammar_sent = True
@@ -281,6 +285,9 @@ class CoreProcessClient(EngineClient):
         if running:
             self._send(["finish", running, RequestStatus.FINISHED_ABORTED.value])
         self._deliver(request_id, output, True)
+
+    def end_session(self, session_id: str) -> None:
+        self._send(["end_session", session_id])
 
     def snapshot(self) -> EngineCoreStats:
         stats = self._stats

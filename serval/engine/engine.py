@@ -62,16 +62,23 @@ class LLMEngine:
 
     # -- requests in -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
-        """Queues a request. ``prompt`` is text (tokenized here) or token ids. Raises ValueError on bad input."""
+                    priority: int = 0, session_id: str | None = None, end_session: bool = False) -> None:
+        """Queues a request. ``prompt`` is text (tokenized here) or token ids. Raises ValueError on bad input.
+        ``session_id``: a conversation whose KV is kept for its next turn when this request ends (unless
+        ``end_session``: its last turn)."""
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, core_requests = self.inputs.process(request_id, prompt, params, priority)
+        prompt_text, core_requests = self.inputs.process(request_id, prompt, params, priority, session_id,
+                                                         end_session)
         if core_requests[0].params.structured_outputs is not None:
             self.core.setup_structured_outputs(self.inputs.grammar_compiler())
         self.outputs.add(request_id, prompt_text, core_requests)
         for core_request in core_requests:
             self.core.add_request(core_request)
+
+    def end_session(self, session_id: str) -> bool:
+        """Lets a conversation's kept KV go now. False: the engine held no such session."""
+        return self.core.end_session(session_id)
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request now and frees its blocks; its final output (finish_reason "abort") comes from the next

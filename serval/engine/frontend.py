@@ -37,8 +37,10 @@ class InputProcessor:
         return self._grammar_compiler
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
-                priority: int = 0) -> tuple[str | None, list[EngineCoreRequest]]:
-        """(the prompt's text, one core request per sample). Raises ValueError on bad input."""
+                priority: int = 0, session_id: str | None = None,
+                end_session: bool = False) -> tuple[str | None, list[EngineCoreRequest]]:
+        """(the prompt's text, one core request per sample). Raises ValueError on bad input. With n > 1 only the
+        first sample continues the session: one answer is the conversation's next turn."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -59,7 +61,8 @@ class InputProcessor:
                     changes["prompt_logprobs"] = None
                 child_params = SamplingParams(**{**params.__dict__, **changes})
             requests.append(EngineCoreRequest(child_id, prompt_ids, child_params, self.eos_token_ids, max_tokens,
-                                              priority, request_id if params.n > 1 else None, arrival))
+                                              priority, request_id if params.n > 1 else None, arrival,
+                                              session_id if index == 0 else None, not end_session))
         return prompt_text, requests
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -2,11 +2,19 @@
 
 Every block is free (ref_count 0, maybe still holding a cached prefix) or owned (ref_count >= 1).
 Freed blocks keep their contents and their hash, and are evicted least recently used first.
+
+Conversation sessions: when a request that carries a session id finishes, its full blocks (prompt and generated
+tokens, already in the prefix cache) stay owned by the session (one reference each) until its TTL runs out, the
+session is ended, a newer turn of it replaces them, or the room is needed: sessions hold at most a share of the
+blocks and are given up least recently used first before any request waits or is preempted. The next turn finds
+them by the ordinary prefix lookup. A given-up session's blocks become free cached blocks: the next turn may still
+hit them, or recomputes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -86,17 +94,30 @@ class BlockPool:
 class PrefixCacheStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
+    session_requests: int = 0  # admitted requests that named a session the cache held
+    session_hit_tokens: int = 0  # prompt tokens those requests found cached (computed in an earlier turn)
+
+
+@dataclass
+class Session:
+    block_ids: list[int]  # full blocks of the conversation so far, one reference each
+    expires_at: float  # time.monotonic()
 
 
 class KVCacheManager:
     """Gives requests the blocks they need, shares cached prefixes, takes blocks back."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 session_ttl: float = 600.0, session_cache_fraction: float = 0.5) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.stats = PrefixCacheStats()
+        self.session_ttl = session_ttl
+        self.max_session_blocks = int(num_blocks * session_cache_fraction)
+        self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.num_session_blocks = 0
 
     @property
     def usage(self) -> float:
@@ -120,11 +141,14 @@ class KVCacheManager:
             hits.append(block_id)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Counts one admitted request's prefix lookup (not the lookups of attempts that had to wait)."""
         if self.enable_prefix_caching:
-            self.stats.queried_tokens += num_tokens
+            self.stats.queried_tokens += request.num_tokens
             self.stats.hit_tokens += num_hit_tokens
+            if request.session_id is not None and request.session_id in self.sessions:
+                self.stats.session_requests += 1
+                self.stats.session_hit_tokens += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> bool:
@@ -132,10 +156,13 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         num_total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         needed = -(-num_total // self.block_size) - len(request.block_ids) - len(computed_blocks)
-        # Cached blocks that are free now stop being free once the request takes them.
-        reclaimed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0)
-        if needed > self.pool.num_free_blocks - reclaimed:
-            return False
+        while True:
+            # Cached blocks that are free now stop being free once the request takes them.
+            reclaimed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0)
+            if needed <= self.pool.num_free_blocks - reclaimed:
+                break
+            if not self._give_up_session(keep=request.session_id):  # sessions yield before requests do
+                return False
         if computed_blocks:
             self.pool.touch(computed_blocks)
             request.block_ids.extend(computed_blocks)
@@ -166,6 +193,45 @@ class KVCacheManager:
         self.pool.release(request.block_ids)
         request.block_ids = []
         request.num_cached_blocks = 0
+
+    # -- conversation sessions -------------------------------------------------------------------------------------
+    def pin_session(self, session_id: str, request: Request) -> None:
+        """Keeps the finished request's full cached blocks for its session's next turn (replacing the last turn's).
+        Call before ``free(request)``."""
+        self.end_session(session_id)
+        blocks = request.block_ids[: request.num_cached_blocks]
+        if not self.enable_prefix_caching or not blocks or len(blocks) > self.max_session_blocks:
+            return
+        self.pool.touch(blocks)
+        self.sessions[session_id] = Session(list(blocks), time.monotonic() + self.session_ttl)
+        self.num_session_blocks += len(blocks)
+        while self.num_session_blocks > self.max_session_blocks:
+            self._give_up_session(keep=session_id)
+
+    def end_session(self, session_id: str) -> bool:
+        """Releases a session's blocks (they stay in the prefix cache while free). False: no such session."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self.num_session_blocks -= len(session.block_ids)
+        self.pool.release(session.block_ids)
+        return True
+
+    def expire_sessions(self, now: float | None = None) -> None:
+        """Ends the sessions whose TTL ran out (oldest first: a pin renews its session's place and TTL)."""
+        now = time.monotonic() if now is None else now
+        while self.sessions:
+            session_id, session = next(iter(self.sessions.items()))
+            if session.expires_at > now:
+                break
+            self.end_session(session_id)
+
+    def _give_up_session(self, keep: str | None = None) -> bool:
+        """Ends the least recently used session (``keep`` last of all). False when there is none."""
+        victim = next((s for s in self.sessions if s != keep), None)
+        if victim is None and keep in self.sessions:
+            victim = keep
+        return victim is not None and self.end_session(victim)
 
     def _block_key(self, request: Request, i: int) -> tuple[int, tuple[int, ...]]:
         parent = request.block_hashes[i - 1] if i else 0

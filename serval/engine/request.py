@@ -32,6 +32,8 @@ class Request:
     max_tokens: int = 16  # resolved: never past the context window
     priority: int = 0  # lower runs first
     group_id: str | None = None  # the n > 1 siblings of one prompt share it
+    session_id: str | None = None  # a conversation whose KV outlives the request (KVCacheManager.pin_session)
+    keep_session: bool = True  # False: the conversation's last turn, its session ends with it
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -51,6 +51,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.kv_cache.expire_sessions()
 
         for request in list(self.running):
             if budget == 0:
@@ -112,7 +113,7 @@ class Scheduler:
             if num_new == 0:
                 break
             self.waiting.remove(request)
-            self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
+            self.kv_cache.record_prefix_query(request, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
@@ -172,6 +173,11 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if request.session_id is not None:  # a conversation's turn: its KV stays for the next turn, or is let go
+            if request.keep_session and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.kv_cache.pin_session(request.session_id, request)
+            elif not request.keep_session:
+                self.kv_cache.end_session(request.session_id)
         self.kv_cache.free(request)
         request.status = status
         del self.requests[request.request_id]

@@ -272,6 +272,12 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             params = dataclasses.replace(params, structured_outputs=grammar)
         return await _serve(request, body, [(ids, None)], params, chat=True, echo=False, tools=tools is not None)
 
+    @app.delete("/v1/sessions/{session_id}")
+    async def end_session(session_id: str):
+        """Lets a conversation's kept KV go now (it stays in the prefix cache as free blocks)."""
+        engine.end_session(session_id)
+        return {"id": session_id, "object": "session", "deleted": True}
+
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         _check_model(body.model)
@@ -379,11 +385,16 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                                   code="rate_limit_exceeded", headers={"Retry-After": str(int(wait))})
         request_id = request.state.request_id
         started = request.state.started
+        # A conversation's turn: one prompt, a session id (or, for chat, the end user's id).
+        session_id = getattr(body, "session_id", None) or (getattr(body, "user", None) if chat else None)
+        if len(prompts) != 1:
+            session_id = None
         streams = []
         try:
             for i, (prompt, _) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(engine.generate(rid, prompt, params, priority=body.priority))
+                streams.append(engine.generate(rid, prompt, params, priority=body.priority, session_id=session_id,
+                                               end_session=getattr(body, "end_session", False)))
             firsts = [await anext_or_none(s) for s in streams]  # raises ValueError for bad input, before any byte
         except ValueError as exc:
             for s in streams:

@@ -32,6 +32,13 @@ class _EngineCollector:
                                   s.prefix_cache_hit_tokens)
         yield CounterMetricFamily("serval:num_preemptions", "Requests preempted for lack of KV blocks.",
                                   s.num_preemptions)
+        yield CounterMetricFamily("serval:session_cache_requests",
+                                  "Requests that continued a conversation whose KV was kept.", s.session_requests)
+        yield CounterMetricFamily("serval:session_cache_hits",
+                                  "Prompt tokens those requests found cached (not computed again).",
+                                  s.session_hit_tokens)
+        yield GaugeMetricFamily("serval:session_cache_sessions", "Conversations whose KV is kept.", s.num_sessions)
+        yield GaugeMetricFamily("serval:session_cache_blocks", "KV blocks kept for conversations.", s.session_blocks)
         yield CounterMetricFamily("serval:spec_decode_num_drafts", "Steps that checked a request's guessed tokens.",
                                   s.spec_num_drafts)
         yield CounterMetricFamily("serval:spec_decode_num_draft_tokens", "Guessed tokens checked.",

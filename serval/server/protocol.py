@@ -76,6 +76,10 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Serval's: the conversation this request is a turn of (chat requests fall back on ``user``): its KV is kept
+    # after the request for the next turn; ``end_session``: the last turn, let it go.
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    end_session: bool = False
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

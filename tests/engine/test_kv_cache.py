@@ -24,7 +24,8 @@ def make_request(tokens: list[int], request_id: str | None = None) -> Request:
 def assert_pool_consistent(kv: KVCacheManager, live: list[Request] | None = None) -> None:
     """Every block is free (in the free queue, ref_count 0) or owned (ref_count >= 1), never both.
 
-    With ``live`` (every request holding blocks), each block's ref_count is exactly how many of them hold it."""
+    With ``live`` (every request holding blocks), each block's ref_count is exactly how many of them (and of the
+    conversation sessions) hold it."""
     pool = kv.pool
     assert len(pool.free_queue) == pool.num_free_blocks
     assert set(pool.free_queue) <= set(range(kv.num_blocks))
@@ -36,6 +37,8 @@ def assert_pool_consistent(kv: KVCacheManager, live: list[Request] | None = None
         assert pool.blocks[block_id].block_hash == block_hash
     if live is not None:
         holders = Counter(b for r in live for b in r.block_ids)
+        holders.update(b for s in kv.sessions.values() for b in s.block_ids)
+        assert kv.num_session_blocks == sum(len(s.block_ids) for s in kv.sessions.values()) <= kv.max_session_blocks
         for block in pool.blocks:
             assert block.ref_count == holders[block.block_id], f"block {block.block_id}"
         for r in live:
@@ -46,7 +49,7 @@ def compute_and_publish(kv: KVCacheManager, request: Request) -> None:
     """What a request's life up to a full prefill looks like: look up, allocate, compute, publish."""
     hits, num_hit = kv.get_computed_blocks(request)
     assert kv.allocate_slots(request, request.num_tokens - num_hit, hits)
-    kv.record_prefix_query(request.num_tokens, num_hit)
+    kv.record_prefix_query(request, num_hit)
     request.num_computed_tokens = request.num_tokens
     kv.cache_computed_blocks(request)
 
@@ -330,3 +333,104 @@ def test_pool_stays_consistent_under_random_allocate_grow_and_free():
         kv.free(request)
     assert kv.pool.num_owned_blocks() == 0
     assert_pool_consistent(kv, [])
+
+
+# -- conversation sessions ----------------------------------------------------------------------------------------
+
+def finish_turn(kv: KVCacheManager, request: Request, session_id: str) -> None:
+    """A turn that ends normally: its full blocks are pinned for the session, then the request lets go."""
+    request.session_id = session_id
+    kv.pin_session(session_id, request)
+    kv.free(request)
+
+
+def test_a_session_keeps_its_blocks_through_traffic_that_cycles_the_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    turn = make_request(range(100, 113))  # 13 tokens: 3 full blocks cached, 1 partial
+    compute_and_publish(kv, turn)
+    finish_turn(kv, turn, "conv")
+    assert kv.num_session_blocks == 3 and kv.pool.num_free_blocks == 5
+    for i in range(6):  # every free block reused, several times over
+        other = make_request(range(i * 1000, i * 1000 + 20))
+        compute_and_publish(kv, other)
+        kv.free(other)
+        assert_pool_consistent(kv, [])
+    next_turn = make_request([*range(100, 113), 7, 8, 9, 10])
+    next_turn.session_id = "conv"
+    hits, num_hit = kv.get_computed_blocks(next_turn)
+    assert num_hit == 12 and kv.allocate_slots(next_turn, next_turn.num_tokens - num_hit, hits)
+    kv.record_prefix_query(next_turn, num_hit)
+    assert (kv.stats.session_requests, kv.stats.session_hit_tokens) == (1, 12)
+    assert_pool_consistent(kv, [next_turn])
+
+
+def test_without_a_session_the_same_traffic_evicts_the_conversation():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    turn = make_request(range(100, 113))
+    compute_and_publish(kv, turn)
+    kv.free(turn)
+    for i in range(6):
+        other = make_request(range(i * 1000, i * 1000 + 20))
+        compute_and_publish(kv, other)
+        kv.free(other)
+    assert kv.get_computed_blocks(make_request([*range(100, 113), 7, 8, 9, 10]))[1] == 0
+
+
+def test_sessions_yield_their_blocks_before_a_request_would_wait():
+    """Kept conversations never cost a live request its room: the least recently used goes first."""
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, session_cache_fraction=1.0)
+    for session_id, start in (("old", 0), ("new", 50)):
+        turn = make_request(range(start, start + 12))  # 3 full blocks each
+        compute_and_publish(kv, turn)
+        finish_turn(kv, turn, session_id)
+    assert kv.num_session_blocks == 6 and kv.pool.num_free_blocks == 2
+    big = make_request(range(500, 516))  # 4 blocks: only room once "old" is given up
+    assert kv.allocate_slots(big, 16)
+    assert list(kv.sessions) == ["new"] and kv.num_session_blocks == 3
+    assert_pool_consistent(kv, [big])
+    huge = make_request(range(600, 632))  # 8 blocks: more than there is, even with every session given up
+    assert not kv.allocate_slots(huge, 32)
+    assert not kv.sessions and huge.block_ids == []
+    assert_pool_consistent(kv, [big])
+
+
+def test_session_cap_ttl_replacement_and_end():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, session_ttl=60.0, session_cache_fraction=0.25)  # 4
+    first = make_request(range(12))  # 3 blocks
+    compute_and_publish(kv, first)
+    finish_turn(kv, first, "a")
+    second = make_request(range(12, 20))  # 2 blocks: "a" and "b" together exceed the cap, "a" goes
+    compute_and_publish(kv, second)
+    finish_turn(kv, second, "b")
+    assert list(kv.sessions) == ["b"] and kv.num_session_blocks == 2
+    too_big = make_request(range(100, 120))  # 5 blocks alone exceed the cap: never kept
+    compute_and_publish(kv, too_big)
+    finish_turn(kv, too_big, "c")
+    assert "c" not in kv.sessions
+    # A newer turn of "b" replaces its blocks (its first block is shared: held once by the session, not twice).
+    again = make_request([*range(12, 20), 1, 2, 3, 4])
+    compute_and_publish(kv, again)
+    kept = again.block_ids[:3]
+    finish_turn(kv, again, "b")
+    assert kv.sessions["b"].block_ids == kept
+    assert kv.num_session_blocks == 3
+    assert_pool_consistent(kv, [])
+    kv.expire_sessions(now=kv.sessions["b"].expires_at - 1)
+    assert "b" in kv.sessions
+    kv.expire_sessions(now=kv.sessions["b"].expires_at)
+    assert not kv.sessions and kv.num_session_blocks == 0
+    assert kv.pool.num_free_blocks == 16 and kv.get_computed_blocks(make_request([*range(12, 20), 1, 2, 3, 4, 5]))[1]
+    assert not kv.end_session("b")
+    turn = make_request(range(40, 48))
+    compute_and_publish(kv, turn)
+    finish_turn(kv, turn, "d")
+    assert kv.end_session("d") and not kv.sessions
+    assert_pool_consistent(kv, [])
+
+
+def test_sessions_need_the_prefix_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=False)
+    turn = make_request(range(12))
+    compute_and_publish(kv, turn)
+    finish_turn(kv, turn, "conv")
+    assert not kv.sessions and kv.pool.num_free_blocks == 8

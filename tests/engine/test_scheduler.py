@@ -44,6 +44,7 @@ def assert_consistent(sched: Scheduler) -> None:
     """Block pool invariant, and every live request is in exactly one queue with blocks only if running."""
     pool = sched.kv_cache.pool
     holders = Counter(b for r in sched.running for b in r.block_ids)
+    holders.update(b for s in sched.kv_cache.sessions.values() for b in s.block_ids)  # conversation sessions' pins
     for block in pool.blocks:
         assert (block.block_id in pool.free_queue) == (block.ref_count == 0)
         assert block.ref_count == holders[block.block_id], f"block {block.block_id}"
