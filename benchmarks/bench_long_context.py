@@ -1,0 +1,94 @@
+"""Long prompts on the embedded model: time to first token, decode speed at that context, and memory, at 1k, 4k and
+8k tokens (SmolLM2's whole context), through chunked prefill with the default token budget.
+
+    .venv/bin/python benchmarks/bench_long_context.py [--lengths 1024,4096,8192] [--dtype auto]
+
+The prompt is prose (the same paragraphs repeated, numbered so no two are alike); one request at a time, greedy,
+speculation off (so the decode figure is the model's own step). Peak RSS is the process's high-water mark, so it
+only grows from one length to the next: read the step's extra memory from the growth. Wall-clock numbers vary
+between sessions: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+from serval import LLMEngine, SamplingParams
+from serval.config import CacheConfig, EngineConfig, SpeculativeConfig
+from serval.platform_info import describe_hardware
+
+PARAGRAPH = ("Section {i}. The harbour town woke slowly: fishing boats came back with the tide, the market opened "
+             "its stalls of bread, cheese and fruit, and children ran along the sea wall on their way to school. ")
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prompt_of(engine: LLMEngine, num_tokens: int) -> list[int]:
+    ids: list[int] = []
+    i = 0
+    while len(ids) < num_tokens:
+        ids += engine.tokenizer.encode(PARAGRAPH.format(i=i), add_special_tokens=False)
+        i += 1
+    return ids[:num_tokens]
+
+
+def run(engine: LLMEngine, prompt: list[int], max_tokens: int) -> dict:
+    request_id = f"long-{len(prompt)}-{time.monotonic_ns()}"
+    steps_before = engine.stats.num_steps
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    first = last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.outputs and out.outputs[0].token_ids:
+                first = first or now
+                last = now
+    generated = max_tokens
+    return {"prompt_tokens": len(prompt), "ttft_s": round(first - start, 3),
+            "prefill_tok_s": round(len(prompt) / (first - start), 1),
+            "tpot_ms": round(1000 * (last - first) / max(1, generated - 1), 2),
+            "steps": engine.stats.num_steps - steps_before, "peak_rss_mib": round(peak_rss_mib(), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+
+    print(f"machine: {describe_hardware()}", flush=True)
+    rss_before = peak_rss_mib()
+    # Room for the longest prompt and its answer, nothing more: the KV cache's size is part of the memory figure.
+    longest = max(lengths) + args.output_tokens
+    config = EngineConfig(dtype=args.dtype, max_model_len=longest, speculative=SpeculativeConfig(method=None),
+                          cache=CacheConfig(num_blocks=-(-longest // 16) + 1))
+    print(f"[1/{len(lengths) + 1}] loading the engine ({args.dtype}) ...", flush=True)
+    engine = LLMEngine(config)
+    results = {"machine": describe_hardware(), "dtype": engine.config.dtype,
+               "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+               "kv_cache_blocks": engine.kv_cache.num_blocks, "rss_before_load_mib": round(rss_before, 1),
+               "rss_after_load_mib": round(peak_rss_mib(), 1), "runs": []}
+    run(engine, prompt_of(engine, 64), 4)  # warm-up
+    for i, n in enumerate(lengths):
+        print(f"[{i + 2}/{len(lengths) + 1}] a {n}-token prompt ...", flush=True)
+        result = run(engine, prompt_of(engine, n), args.output_tokens)
+        print(f"    TTFT {result['ttft_s']} s ({result['prefill_tok_s']} prompt tok/s), TPOT {result['tpot_ms']} ms "
+              f"at that context, peak RSS {result['peak_rss_mib']} MiB", flush=True)
+        results["runs"].append(result)
+    print(json.dumps(results, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
