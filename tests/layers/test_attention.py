@@ -103,26 +103,27 @@ def test_without_the_kernel_the_runner_metadata_takes_the_float64_path(monkeypat
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 80])  # 80: no tiled kernel for it, the per-query loop
 @torch.inference_mode()
 def test_every_row_of_a_long_chunk_equals_its_decode_and_a_float64_softmax(head_dim):
-    """The C++ kernel takes a sequence's queries in tiles of 16 that share keys and values: each of 70 rows of a
-    chunk (tiles cut at 16, 32, 48, 64; contexts 131-200, not multiples of 16) is bitwise its own decode, and all
-    are within float32 error of a float64 softmax, for every head size a tiled kernel is built for."""
+    """The C++ kernel takes a sequence's queries in tiles of 64 that share keys and values, and goes over the keys
+    256 at a time for all of a tile's heads: each of 70 rows of a chunk (tiles cut at 64; contexts 531-600, not
+    multiples of 16, cut into key blocks at 256 and 512) is bitwise its own decode, and all are within float32
+    error of a float64 softmax, for every head size a tiled kernel is built for."""
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("the C++ kernels could not be built here")
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(20, BLOCK, KV_HEADS, head_dim, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(48, BLOCK, KV_HEADS, head_dim, generator=gen) for _ in range(2))
     queries = torch.randn(70, HEADS, head_dim, generator=gen)
-    table = torch.randperm(20, generator=gen)[:13][None]  # 13 blocks: 208 slots, the last ones past every context
+    table = torch.randperm(48, generator=gen)[:38][None]  # 38 blocks: 608 slots, the last ones past every context
     k_cache[table[0, -1], 8:] = v_cache[table[0, -1], 8:] = float("nan")  # what a slot past the context may hold
-    lens = torch.arange(131, 201)
+    lens = torch.arange(531, 601)
     scale = head_dim**-0.5
     chunk = kernels.paged_attention(queries, k_cache, v_cache, table, torch.zeros(70, dtype=torch.long), lens, scale)
     for i in range(70):
         alone = kernels.paged_attention(queries[i: i + 1].contiguous(), k_cache, v_cache, table,
                                         torch.zeros(1, dtype=torch.long), lens[i: i + 1], scale)
         assert torch.equal(chunk[i], alone[0]), i
-    keys = k_cache[table[0]].flatten(0, 1)[:200].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
-    values = v_cache[table[0]].flatten(0, 1)[:200].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    keys = k_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    values = v_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
     scores = torch.einsum("qhd,khd->hqk", queries.double(), keys) * scale
     scores.masked_fill_(torch.arange(keys.shape[0])[None, None] >= lens[None, :, None], float("-inf"))
     want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)

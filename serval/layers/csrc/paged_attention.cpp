@@ -115,7 +115,8 @@ void attend(const Inputs<scalar_t>& in) {
 #define SERVAL_TILED_ATTENTION 1
 using serval::V16;
 constexpr int64_t kKeys = 16;       // keys per score vector
-constexpr int64_t kQueryTile = 16;  // query tokens of one sequence that share one float32 copy of its keys and values
+constexpr int64_t kQueryTile = 64;  // query tokens of one sequence that share one float32 copy of its keys and values
+constexpr int64_t kBlockKeys = 256;  // keys that every query head of a tile takes in turn while they stay in cache
 // Vectors of 16 kept in registers by one chain of FMAs: AVX-512 has 32 registers, AVX2 16 (a V16 is two there).
 #if defined(__AVX512F__)
 constexpr int kRegisterTiles = 8;
@@ -141,43 +142,43 @@ inline void score_tiles(const float* q, const float* kt, int64_t head_dim, int64
   }
 }
 
-// out[0 .. C * 16) = inv_sum * sum over keys l < ctx, in order, of p[l] * v[l] (v rows head_dim apart).
-template <int C>
-inline void weighted_values(const float* p, const float* v, int64_t head_dim, int64_t ctx, float inv_sum, float* out) {
-  V16 acc[C];
-  for (int i = 0; i < C; ++i) acc[i] = serval::zero16();
-  for (int64_t l = 0; l < ctx; ++l) {
-    const V16 pl = serval::set16(p[l]);
-    for (int i = 0; i < C; ++i) acc[i] = serval::fma16(pl, serval::load16(v + l * head_dim + i * 16), acc[i]);
-  }
-  for (int i = 0; i < C; ++i) serval::store16(out + i * 16, serval::mul16(acc[i], serval::set16(inv_sum)));
+// Scores of 16-key tiles j0 .. j1 for one query head, J tiles at a time.
+inline void score_range(const float* q, const float* kt, int64_t head_dim, int64_t j0, int64_t j1, int64_t ctx,
+                        float scale, float* scores) {
+  int64_t j = j0;
+  if constexpr (kRegisterTiles >= 8)
+    for (; j + 8 <= j1; j += 8) score_tiles<8>(q, kt, head_dim, j, ctx, scale, scores);
+  for (; j + 4 <= j1; j += 4) score_tiles<4>(q, kt, head_dim, j, ctx, scale, scores);
+  for (; j < j1; ++j) score_tiles<1>(q, kt, head_dim, j, ctx, scale, scores);
 }
 
-// One query head over its ctx keys: kt holds the keys transposed per 16-key tile ([tile][d][16]), v the values
-// [key][d], both float32; out gets head_dim floats.
-template <int DV>
-void attend_one(const float* q, const float* kt, const float* v, int64_t ctx, float scale, float* scores,
-                float* out) {
-  constexpr int64_t head_dim = DV * 16;
+// One query head's scores over its ctx keys become softmax numerators, in place; returns 1 / their sum.
+inline float softmax_numerators(float* scores, int64_t ctx) {
   const int64_t tiles = (ctx + kKeys - 1) / kKeys;
-  int64_t j = 0;
-  if constexpr (kRegisterTiles >= 8)
-    for (; j + 8 <= tiles; j += 8) score_tiles<8>(q, kt, head_dim, j, ctx, scale, scores);
-  for (; j + 4 <= tiles; j += 4) score_tiles<4>(q, kt, head_dim, j, ctx, scale, scores);
-  for (; j < tiles; ++j) score_tiles<1>(q, kt, head_dim, j, ctx, scale, scores);
   V16 top = serval::set16(-INFINITY);
-  for (j = 0; j < tiles; ++j) top = serval::max16(top, serval::load16(scores + j * kKeys));
+  for (int64_t j = 0; j < tiles; ++j) top = serval::max16(top, serval::load16(scores + j * kKeys));
   const V16 max = serval::set16(serval::reduce_max16(top));
   V16 sums = serval::zero16();
-  for (j = 0; j < tiles; ++j) {
+  for (int64_t j = 0; j < tiles; ++j) {
     const V16 e = serval::first_lanes(serval::exp_nonpositive16(serval::sub16(serval::load16(scores + j * kKeys), max)),
                                       ctx - j * kKeys, 0.f);
     serval::store16(scores + j * kKeys, e);
     sums = serval::add16(sums, e);
   }
-  const float inv_sum = 1.f / serval::reduce_add16(sums);
-  constexpr int C = DV < kRegisterTiles ? DV : kRegisterTiles;  // value vectors per chain over the keys
-  for (int i = 0; i < DV; i += C) weighted_values<C>(scores, v + i * 16, head_dim, ctx, inv_sum, out + i * 16);
+  return 1.f / serval::reduce_add16(sums);
+}
+
+// acc[0 .. C * 16) += sum over keys l0 <= l < l1, in order, of p[l] * v[l] (v rows head_dim apart). The sums are
+// float32 in memory between calls: cutting the keys into ranges changes no bit.
+template <int C>
+inline void weighted_values(const float* p, const float* v, int64_t head_dim, int64_t l0, int64_t l1, float* acc) {
+  V16 sum[C];
+  for (int i = 0; i < C; ++i) sum[i] = serval::load16(acc + i * 16);
+  for (int64_t l = l0; l < l1; ++l) {
+    const V16 pl = serval::set16(p[l]);
+    for (int i = 0; i < C; ++i) sum[i] = serval::fma16(pl, serval::load16(v + l * head_dim + i * 16), sum[i]);
+  }
+  for (int i = 0; i < C; ++i) serval::store16(acc + i * 16, sum[i]);
 }
 
 #if defined(__AVX512F__)
@@ -315,9 +316,11 @@ void attend_tiled(const Inputs<scalar_t>& in) {
     const int64_t key_tiles = (ctx_max + kKeys - 1) / kKeys;
     float* kt = serval::scratch(0, key_tiles * kKeys * head_dim);
     float* v = serval::scratch(1, ctx_max * head_dim);
-    float* qf = serval::scratch(2, head_dim);
-    float* scores = serval::scratch(3, key_tiles * kKeys + head_dim);
-    float* acc = scores + key_tiles * kKeys;
+    const int64_t nq = (t1 - t0) * group;  // the tile's query heads
+    float* qs = serval::scratch(2, nq * (2 * head_dim + 1));
+    float* acc = qs + nq * head_dim;
+    float* inv_sums = acc + nq * head_dim;
+    float* scores = serval::scratch(3, nq * key_tiles * kKeys);
     const auto row = [&](const scalar_t* cache, int64_t l) {
       const int64_t slot = table[l / block_size] * block_size + l % block_size;
       return cache + (slot * num_kv_heads + kvh) * head_dim;
@@ -327,14 +330,32 @@ void attend_tiled(const Inputs<scalar_t>& in) {
                                std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim,
                                kt + j * kKeys * head_dim);
     for (int64_t l = 0; l < ctx_max; ++l) to_float(row(vc, l), v + l * head_dim, head_dim);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = kvh * group + g;
-        to_float(q + (t * num_heads + head) * head_dim, qf, head_dim);
-        attend_one<DV>(qf, kt, v, lens[t], fscale, scores, acc);
-        scalar_t* dst = o + (t * num_heads + head) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
+    // Every query head of the tile (tokens t0 .. t1, the group's heads) goes over the keys a block at a time, so a
+    // block's keys and values are read from cache by all of them (a whole 8k context is 2 MB a head, past L2).
+    const int64_t stride = key_tiles * kKeys;
+    for (int64_t i = 0; i < nq; ++i)
+      to_float(q + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim, qs + i * head_dim, head_dim);
+    const auto ctx_of = [&](int64_t i) { return lens[t0 + i / group]; };
+    for (int64_t b0 = 0; b0 < key_tiles; b0 += kBlockKeys / kKeys)
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t j1 = std::min(b0 + kBlockKeys / kKeys, (ctx_of(i) + kKeys - 1) / kKeys);
+        if (b0 < j1) score_range(qs + i * head_dim, kt, head_dim, b0, j1, ctx_of(i), fscale, scores + i * stride);
       }
+    for (int64_t i = 0; i < nq; ++i) {
+      inv_sums[i] = softmax_numerators(scores + i * stride, ctx_of(i));
+      std::fill(acc + i * head_dim, acc + (i + 1) * head_dim, 0.f);
+    }
+    constexpr int C = DV < kRegisterTiles ? DV : kRegisterTiles;  // value vectors per chain over the keys
+    for (int64_t l0 = 0; l0 < ctx_max; l0 += kBlockKeys)
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t l1 = std::min(l0 + kBlockKeys, ctx_of(i));
+        for (int c = 0; l0 < l1 && c < DV; c += C)
+          weighted_values<C>(scores + i * stride, v + c * 16, head_dim, l0, l1, acc + i * head_dim + c * 16);
+      }
+    for (int64_t i = 0; i < nq; ++i) {
+      scalar_t* dst = o + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d] * inv_sums[i]);
+    }
   }
 }
 #endif
