@@ -4,9 +4,10 @@
     .venv/bin/python benchmarks/bench_long_context.py [--lengths 1024,4096,8192] [--dtype auto]
 
 The prompt is prose (the same paragraphs repeated, numbered so no two are alike); one request at a time, greedy,
-speculation off (so the decode figure is the model's own step). Peak RSS is the process's high-water mark, so it
-only grows from one length to the next: read the step's extra memory from the growth. Wall-clock numbers vary
-between sessions: compare within one run.
+speculation off (so the decode figure is the model's own step). Memory: the process's resident size before the
+request and its largest value after any step of it (the KV cache is allocated up front, sized for the longest
+prompt, so the growth is the steps' own working memory). Wall-clock numbers vary between sessions: compare within
+one run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_mib() -> float:
+    """The process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def prompt_of(engine: LLMEngine, num_tokens: int) -> list[int]:
     ids: list[int] = []
     i = 0
@@ -43,8 +50,11 @@ def run(engine: LLMEngine, prompt: list[int], max_tokens: int) -> dict:
     start = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     first = last = None
+    rss_start = rss_max = rss_mib()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outputs = engine.step()
+        rss_max = max(rss_max, rss_mib())
+        for out in outputs:
             now = time.perf_counter()
             if out.outputs and out.outputs[0].token_ids:
                 first = first or now
@@ -53,7 +63,8 @@ def run(engine: LLMEngine, prompt: list[int], max_tokens: int) -> dict:
     return {"prompt_tokens": len(prompt), "ttft_s": round(first - start, 3),
             "prefill_tok_s": round(len(prompt) / (first - start), 1),
             "tpot_ms": round(1000 * (last - first) / max(1, generated - 1), 2),
-            "steps": engine.stats.num_steps - steps_before, "peak_rss_mib": round(peak_rss_mib(), 1)}
+            "steps": engine.stats.num_steps - steps_before, "rss_start_mib": round(rss_start, 1),
+            "rss_max_during_mib": round(rss_max, 1)}
 
 
 def main() -> None:
@@ -61,6 +72,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the token budget (default: the engine's)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -71,6 +84,8 @@ def main() -> None:
     longest = max(lengths) + args.output_tokens
     config = EngineConfig(dtype=args.dtype, max_model_len=longest, speculative=SpeculativeConfig(method=None),
                           cache=CacheConfig(num_blocks=-(-longest // 16) + 1))
+    if args.max_num_batched_tokens:
+        config.scheduler.max_num_batched_tokens = args.max_num_batched_tokens
     print(f"[1/{len(lengths) + 1}] loading the engine ({args.dtype}) ...", flush=True)
     engine = LLMEngine(config)
     results = {"machine": describe_hardware(), "dtype": engine.config.dtype,
@@ -82,7 +97,8 @@ def main() -> None:
         print(f"[{i + 2}/{len(lengths) + 1}] a {n}-token prompt ...", flush=True)
         result = run(engine, prompt_of(engine, n), args.output_tokens)
         print(f"    TTFT {result['ttft_s']} s ({result['prefill_tok_s']} prompt tok/s), TPOT {result['tpot_ms']} ms "
-              f"at that context, peak RSS {result['peak_rss_mib']} MiB", flush=True)
+              f"at that context, RSS {result['rss_start_mib']} -> at most {result['rss_max_during_mib']} MiB",
+              flush=True)
         results["runs"].append(result)
     print(json.dumps(results, indent=2))
     if args.json:
