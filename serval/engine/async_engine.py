@@ -15,7 +15,7 @@ import threading
 import time
 
 from serval.config import EngineConfig
-from serval.engine.client import EngineClient, EngineDeadError, RequestStream
+from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
 from serval.engine.core import EngineCoreStats
 from serval.engine.engine import LLMEngine
 from serval.sampling_params import SamplingParams
@@ -126,6 +126,15 @@ class AsyncEngine(EngineClient):
         self._commands.put(("end_session", session_id))
         self._wake.set()
 
+    async def kv_state(self) -> dict:
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+        self._commands.put(("kv_state", loop, answer))
+        self._wake.set()
+        return await asyncio.wait_for(answer, KV_STATE_TIMEOUT_S)
+
     def snapshot(self) -> EngineCoreStats:
         stats = self.engine.core.snapshot()
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._num_pending_adds)
@@ -173,6 +182,9 @@ class AsyncEngine(EngineClient):
                     self.engine.abort_request(command[1])
             elif command[0] == "end_session":
                 self.engine.end_session(command[1])
+            elif command[0] == "kv_state":
+                _, loop, answer = command
+                loop.call_soon_threadsafe(settle, answer, self.engine.kv_state())
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

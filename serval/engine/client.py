@@ -16,6 +16,14 @@ from serval.outputs import RequestOutput
 from serval.sampling_params import SamplingParams
 from serval.tokenizer import Tokenizer
 
+KV_STATE_TIMEOUT_S = 10.0  # how long GET /debug/kv waits for the engine (a step takes well under a second)
+
+
+def settle(future: asyncio.Future, value) -> None:
+    """Sets a future's result unless it is done (its waiter timed out); call it on the future's loop."""
+    if not future.done():
+        future.set_result(value)
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
@@ -63,6 +71,10 @@ class EngineClient:
 
     def end_session(self, session_id: str) -> None:
         """Lets a conversation's kept KV go (asynchronously; an unknown session is ignored)."""
+        raise NotImplementedError
+
+    async def kv_state(self) -> dict:
+        """The KV cache's blocks, prefix cache and sessions, read by the engine between two steps."""
         raise NotImplementedError
 
     def snapshot(self) -> EngineCoreStats:

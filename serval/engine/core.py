@@ -178,6 +178,10 @@ class EngineCore:
             self.scheduler.finish_request(request, status)
             self._release(request)
 
+    def kv_state(self) -> dict:
+        """The KV cache's blocks, prefix cache and sessions now (GET /debug/kv)."""
+        return self.kv_cache.describe(str(self.config.device))
+
     def end_session(self, session_id: str) -> bool:
         """Lets a conversation's kept KV go (to the prefix cache, as free blocks). False: no such session."""
         return self.kv_cache.end_session(session_id)

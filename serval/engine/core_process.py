@@ -29,7 +29,7 @@ import msgpack
 import zmq
 
 from serval.config import EngineConfig
-from serval.engine.client import EngineClient, EngineDeadError, RequestStream
+from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
 from serval.engine.core import (
     EngineCore,
     EngineCoreInfo,
@@ -155,6 +155,8 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
                     core.finish_requests(message[1], RequestStatus(message[2]))
                 elif kind == "end_session":
                     core.end_session(message[1])
+                elif kind == "kv_state":  # answered at once, between two steps
+                    results.send(pack(["kv_state", message[1], core.kv_state()]))
                 elif kind == "shutdown":
                     return
         elif not busy:
@@ -184,6 +186,7 @@ class CoreProcessClient(EngineClient):
         self._results.bind(f"ipc://{self._ipc_dir}/results")
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe: adds, aborts and stops share it
         self._lock = threading.Lock()  # the output processor: the output thread and the callers' aborts
+        self._kv_state_waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         # A fresh interpreter (no inherited threads or OpenMP pools, and unlike multiprocessing's spawn it never
         # re-runs the caller's __main__); the settings go over its stdin.
         # The child imports this very serval (a checkout run without installing it, a worktree beside another).
@@ -289,6 +292,21 @@ class CoreProcessClient(EngineClient):
     def end_session(self, session_id: str) -> None:
         self._send(["end_session", session_id])
 
+    async def kv_state(self) -> dict:
+        if not self.is_alive:
+            raise EngineDeadError("the engine core is not running")
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+        token = os.urandom(8).hex()
+        with self._lock:
+            self._kv_state_waiters[token] = (loop, answer)
+        try:
+            self._send(["kv_state", token])
+            return await asyncio.wait_for(answer, KV_STATE_TIMEOUT_S)
+        finally:
+            with self._lock:
+                self._kv_state_waiters.pop(token, None)
+
     def snapshot(self) -> EngineCoreStats:
         stats = self._stats
         pending = max(0, self._num_sent - stats.num_received_requests)  # sent, not yet taken: waiting too
@@ -311,6 +329,12 @@ class CoreProcessClient(EngineClient):
                 message = unpack(self._results.recv())
                 if message[0] == "dead":
                     raise EngineDeadError(f"engine core loop died: {message[1]}")
+                if message[0] == "kv_state":
+                    with self._lock:
+                        waiter = self._kv_state_waiters.pop(message[1], None)
+                    if waiter is not None:
+                        waiter[0].call_soon_threadsafe(settle, waiter[1], message[2])
+                    continue
                 core_outputs = decode_outputs(message)
                 with self._lock:
                     outputs, ended_here = self._outputs.process(core_outputs.outputs)

@@ -76,6 +76,9 @@ class LLMEngine:
         for core_request in core_requests:
             self.core.add_request(core_request)
 
+    def kv_state(self) -> dict:
+        return self.core.kv_state()
+
     def end_session(self, session_id: str) -> bool:
         """Lets a conversation's kept KV go now. False: the engine held no such session."""
         return self.core.end_session(session_id)

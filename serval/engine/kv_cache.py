@@ -194,6 +194,30 @@ class KVCacheManager:
         request.block_ids = []
         request.num_cached_blocks = 0
 
+    def describe(self, device: str = "cpu") -> dict:
+        """What the cache holds now, for GET /debug/kv: blocks by state, the prefix cache's and the sessions' use."""
+        pool, stats = self.pool, self.stats
+        free = pool.num_free_blocks
+        cached_free = sum(1 for b in pool.free_queue if pool.blocks[b].block_hash is not None)
+        now = time.monotonic()
+        return {
+            "block_size": self.block_size,
+            # One tier so far: the blocks of the KV cache tensor on the model's device.
+            "tiers": [{"tier": device, "blocks": self.num_blocks, "owned": self.num_blocks - free,
+                       "owned_by_sessions": self.num_session_blocks, "cached_free": cached_free,
+                       "empty": free - cached_free}],
+            "prefix_cache": {"enabled": self.enable_prefix_caching, "queried_tokens": stats.queried_tokens,
+                             "hit_tokens": stats.hit_tokens,
+                             "hit_rate": stats.hit_tokens / stats.queried_tokens if stats.queried_tokens else 0.0},
+            "sessions": {"count": len(self.sessions), "blocks": self.num_session_blocks,
+                         "max_blocks": self.max_session_blocks, "ttl_s": self.session_ttl,
+                         "requests": stats.session_requests, "hit_tokens": stats.session_hit_tokens,
+                         "kept": [{"session_id": session_id, "blocks": len(s.block_ids),
+                                   "tokens": len(s.block_ids) * self.block_size,
+                                   "expires_in_s": round(s.expires_at - now, 1)}
+                                  for session_id, s in reversed(self.sessions.items())]},  # most recent first
+        }
+
     # -- conversation sessions -------------------------------------------------------------------------------------
     def pin_session(self, session_id: str, request: Request) -> None:
         """Keeps the finished request's full cached blocks for its session's next turn (replacing the last turn's).

@@ -153,7 +153,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             if length > config.max_body_bytes:
                 raise OpenAIError(f"request body is {length} bytes; the limit is {config.max_body_bytes}",
                                   status=413, code="request_too_large")
-            protected = path.startswith("/v1") or path in ("/tokenize", "/detokenize") or (
+            protected = path.startswith(("/v1", "/debug")) or path in ("/tokenize", "/detokenize") or (
                 path == "/health" and config.protect_health) or (path == "/metrics" and config.protect_metrics)
             if config.api_keys and protected:
                 auth = request.headers.get("authorization", "")
@@ -207,6 +207,18 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         """The live view's data: batch, queue, KV use."""
         s = engine.snapshot()
         return {**s.__dict__, "max_model_len": engine.max_model_len, "alive": engine.is_alive}
+
+    @app.api_route("/debug/kv", methods=READ_METHODS)
+    async def debug_kv():
+        """The KV cache now: blocks by tier and state (owned, owned by sessions, cached-free, empty), the prefix
+        cache's hit rate, the kept conversation sessions. Needs the API key when the server has one."""
+        try:
+            return await engine.kv_state()
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), status=503, type="server_error", code="engine_dead") from exc
+        except TimeoutError as exc:
+            raise OpenAIError("the engine did not answer in time", status=503, type="server_error",
+                              code="engine_busy") from exc
 
     @app.api_route("/", methods=READ_METHODS)
     async def index():

@@ -62,3 +62,30 @@ def test_shutdown_before_start_ends_the_waiting_thread():
     engine = AsyncEngine.from_config(EngineConfig(dtype="float32", max_model_len=256, cache=CacheConfig(num_blocks=32)))
     engine.shutdown(timeout=5)
     assert not engine._thread.is_alive()
+
+
+@pytest.mark.slow
+@requires_model
+def test_sessions_and_the_kv_state_through_the_engine_thread():
+    """A session's turn keeps its blocks, kv_state() (read on the engine thread) shows them, end_session lets go."""
+    engine = AsyncEngine.from_config(EngineConfig(dtype="float32", max_model_len=256, cache=CacheConfig(num_blocks=32)))
+    engine.start()
+    try:
+        async def conversation() -> tuple[dict, dict]:
+            params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+            prompt = "Once upon a time, in a small village by the sea, there lived"
+            async for _ in engine.generate("turn", prompt, params, session_id="conv"):
+                pass
+            kept = await engine.kv_state()
+            engine.end_session("conv")
+            return kept, await engine.kv_state()
+
+        kept, ended = asyncio.run(conversation())
+    finally:
+        engine.shutdown()
+    tier = kept["tiers"][0]
+    assert tier["blocks"] == 32 == tier["owned"] + tier["cached_free"] + tier["empty"]
+    assert [s["session_id"] for s in kept["sessions"]["kept"]] == ["conv"]
+    assert kept["sessions"]["kept"][0]["blocks"] == tier["owned_by_sessions"] == tier["owned"] >= 1
+    assert ended["sessions"]["kept"] == [] and ended["tiers"][0]["owned"] == 0
+    assert ended["tiers"][0]["cached_free"] == tier["owned"] + tier["cached_free"]  # still in the prefix cache
