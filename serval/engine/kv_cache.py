@@ -204,11 +204,14 @@ class KVCacheManager:
             "block_size": self.block_size,
             # One tier so far: the blocks of the KV cache tensor on the model's device.
             "tiers": [{"tier": device, "blocks": self.num_blocks, "owned": self.num_blocks - free,
-                       "owned_by_sessions": self.num_session_blocks, "cached_free": cached_free,
+                       # distinct blocks (conversations that share a system prompt share its blocks)
+                       "owned_by_sessions": len({b for s in self.sessions.values() for b in s.block_ids}),
+                       "cached_free": cached_free,
                        "empty": free - cached_free}],
             "prefix_cache": {"enabled": self.enable_prefix_caching, "queried_tokens": stats.queried_tokens,
                              "hit_tokens": stats.hit_tokens,
                              "hit_rate": stats.hit_tokens / stats.queried_tokens if stats.queried_tokens else 0.0},
+            # blocks: the sessions' references, what the cap counts
             "sessions": {"count": len(self.sessions), "blocks": self.num_session_blocks,
                          "max_blocks": self.max_session_blocks, "ttl_s": self.session_ttl,
                          "requests": stats.session_requests, "hit_tokens": stats.session_hit_tokens,

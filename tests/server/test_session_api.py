@@ -52,7 +52,7 @@ def test_the_second_turn_of_a_session_is_a_session_hit(default_dtype_server, fie
     assert 0 < ours[0]["expires_in_s"] <= state["sessions"]["ttl_s"]
     tier = state["tiers"][0]
     assert tier["blocks"] == tier["owned"] + tier["cached_free"] + tier["empty"]
-    assert tier["owned_by_sessions"] == state["sessions"]["blocks"] >= ours[0]["blocks"]
+    assert state["sessions"]["blocks"] >= tier["owned_by_sessions"] >= ours[0]["blocks"]  # shared blocks once
     assert 0 < state["prefix_cache"]["hit_rate"] <= 1
     r = httpx.delete(f"{server.url}/v1/sessions/{session}", headers=server.headers, timeout=10)
     assert r.status_code == 200 and r.json() == {"id": session, "object": "session", "deleted": True}
