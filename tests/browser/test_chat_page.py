@@ -136,6 +136,8 @@ def test_chat_streams_the_answer_with_its_speed_and_the_engine_view(page, serval
 
     body = _send(page, QUESTION)
     assert body["messages"] == [{"role": "user", "content": QUESTION}]
+    session_id = body["session_id"]
+    assert session_id.startswith("chat-")
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["temperature"] == 0
     answer = page.locator(".assistant .content").first
@@ -165,6 +167,7 @@ def test_chat_streams_the_answer_with_its_speed_and_the_engine_view(page, serval
     assert body["messages"] == [{"role": "user", "content": QUESTION},
                                 {"role": "assistant", "content": first_answer},
                                 {"role": "user", "content": follow_up}]
+    assert body["session_id"] == session_id  # one conversation, one session: the server kept the first turn's KV
     _wait_done(page, 2)
     expect(page.locator(".assistant")).to_have_count(2)
     assert page.locator(".assistant .content").nth(1).inner_text().strip()
@@ -173,6 +176,13 @@ def test_chat_streams_the_answer_with_its_speed_and_the_engine_view(page, serval
     page.wait_for_timeout(1200)  # two more polls, so the chart has its points
     page.locator("aside").evaluate("aside => aside.scrollTo(0, 0)")  # filling the settings scrolled it
     page.screenshot(path=str(SCREENSHOT))
+    expect(page.locator("#kv-sessions")).to_have_text("1")
+    kept = httpx.get(f"{serval_url}/debug/kv", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert [s["session_id"] for s in kept["sessions"]["kept"]] == [session_id]
+    assert kept["sessions"]["requests"] == 1  # the second turn continued the first
+    # "New chat" ends the conversation's session on the server, and starts another.
+    page.click("#clear")
+    expect(page.locator("#kv-sessions")).to_have_text("0")
     assert not page.js_errors
 
 
