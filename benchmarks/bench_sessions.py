@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -43,8 +44,6 @@ BACKGROUND = "Request {i}: describe the weather, the sea, the harbour and the bo
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -179,7 +179,9 @@ class EngineCore:
             self._release(request)
 
     def kv_state(self) -> dict:
-        """The KV cache's blocks, prefix cache and sessions now (GET /debug/kv)."""
+        """The KV cache's blocks, prefix cache and sessions now (GET /debug/kv); sessions past their TTL end first
+        (otherwise they end at the next step, which an idle engine does not take)."""
+        self.kv_cache.expire_sessions()
         return self.kv_cache.describe(str(self.config.device))
 
     def end_session(self, session_id: str) -> bool:

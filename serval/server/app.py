@@ -398,7 +398,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         request_id = request.state.request_id
         started = request.state.started
         # A conversation's turn: one prompt, a session id (or, for chat, the end user's id).
-        session_id = getattr(body, "session_id", None) or (getattr(body, "user", None) if chat else None)
+        session_id = body.session_id or (body.user if chat else None)
         if len(prompts) != 1:
             session_id = None
         streams = []
@@ -406,7 +406,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             for i, (prompt, _) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(engine.generate(rid, prompt, params, priority=body.priority, session_id=session_id,
-                                               end_session=getattr(body, "end_session", False)))
+                                               end_session=body.end_session))
             firsts = [await anext_or_none(s) for s in streams]  # raises ValueError for bad input, before any byte
         except ValueError as exc:
             for s in streams:

@@ -76,3 +76,13 @@ def test_a_last_turn_and_an_ended_session_keep_nothing(make_llm):
     _run(engine, "c", prompt, session_id="conv", end_session=True)  # its last turn: it still reads the kept KV
     assert engine.stats.session_requests == 1 and not engine.kv_cache.sessions
     assert engine.kv_cache.pool.num_owned_blocks() == 0
+
+
+def test_the_kv_view_never_lists_an_expired_session(make_llm):
+    """An idle engine takes no step, so the view ends what is past its TTL itself."""
+    llm = make_llm(dtype="bfloat16", num_blocks=64, speculative_model=None, session_ttl=0.0)
+    engine = llm.engine
+    _run(engine, "a", engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]), session_id="s")
+    assert engine.kv_cache.sessions  # kept when the turn ended, expired since
+    state = engine.kv_state()
+    assert state["sessions"]["kept"] == [] and state["tiers"][0]["owned"] == 0
