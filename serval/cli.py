@@ -36,6 +36,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "requests' session_id or user)")
     parser.add_argument("--session-cache-fraction", type=float, default=0.5,
                         help="the share of the KV cache that kept conversations may hold")
+    parser.add_argument("--kv-offload-size", type=float, default=0.0,
+                        help="GiB for the KV cache's second tier: blocks evicted from the KV cache (found again by "
+                        "their prefix) and swapped-out requests; 0: none")
+    parser.add_argument("--kv-offload-path", default=None, metavar="DIR",
+                        help="keep the second tier in a memory-mapped file in DIR (kept across restarts) instead "
+                        "of host RAM")
+    parser.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
+                        help="a preempted request's KV: recomputed later, swapped to the second tier and back, or "
+                        "whichever costs less as measured (auto; recompute without a second tier)")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="cut long prompts into chunks that share a step with running decodes")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"],
@@ -76,9 +85,11 @@ def _engine_config(args: argparse.Namespace):
         context_policy=args.context_policy, quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching, session_ttl=args.session_ttl,
-                          session_cache_fraction=args.session_cache_fraction),
+                          session_cache_fraction=args.session_cache_fraction,
+                          kv_offload_size=args.kv_offload_size, kv_offload_path=args.kv_offload_path),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  enable_chunked_prefill=args.enable_chunked_prefill),
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  preemption_mode=args.preemption_mode),
         speculative=SpeculativeConfig(method=None if args.speculative_model == "none" else args.speculative_model,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_max=args.ngram_prompt_lookup_max,

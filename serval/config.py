@@ -63,8 +63,16 @@ class CacheConfig:
     # is kept for the next turn, and the share of the blocks all sessions together may hold.
     session_ttl: float = 600.0
     session_cache_fraction: float = 0.5
+    # The second tier (engine/kv_offload.py): GiB for blocks evicted from the KV cache and for swapped-out requests
+    # (0: none), in host RAM, or in a memory-mapped file in the directory ``kv_offload_path`` (kept across restarts).
+    kv_offload_size: float = 0.0
+    kv_offload_path: str | None = None
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.kv_offload_size, (int, float)) and self.kv_offload_size >= 0):
+            raise ValueError(f"CacheConfig.kv_offload_size must be >= 0 GiB, got {self.kv_offload_size!r}")
+        if self.kv_offload_path is not None and not self.kv_offload_size:
+            raise ValueError("CacheConfig.kv_offload_path needs kv_offload_size > 0 (the disk tier's size)")
         if not (isinstance(self.session_ttl, (int, float)) and self.session_ttl >= 0):
             raise ValueError(f"CacheConfig.session_ttl must be >= 0 seconds, got {self.session_ttl!r}")
         if not (isinstance(self.session_cache_fraction, (int, float)) and 0 <= self.session_cache_fraction <= 1):
@@ -78,6 +86,9 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.num_blocks must be an integer >= 2, got {self.num_blocks!r}")
 
 
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+
+
 @dataclass
 class SchedulerConfig:
     """Continuous batching limits: tokens per step and sequences per step."""
@@ -87,8 +98,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 128
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # What a preempted request's KV becomes: dropped and recomputed, swapped to the KV cache's second tier and back
+    # (CacheConfig.kv_offload_size), or whichever costs less as measured (swap without a second tier: recompute).
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"SchedulerConfig.preemption_mode must be one of {list(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError("SchedulerConfig.max_num_batched_tokens must be a positive integer, "
                              f"got {self.max_num_batched_tokens!r}")
@@ -190,6 +207,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"EngineConfig.quantization must be one of {list(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.scheduler.preemption_mode == "swap" and not self.cache.kv_offload_size:
+            raise ValueError("preemption_mode 'swap' needs a second tier for the KV: set kv_offload_size "
+                             "(--kv-offload-size GiB)")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serval.config import EngineConfig, auto_dtype
+from serval.config import CacheConfig, EngineConfig, SchedulerConfig, auto_dtype
 
 
 def test_auto_dtype_follows_native_bf16_support():
@@ -32,3 +32,16 @@ def test_the_hardware_line_names_the_cpu_capability_and_bf16_support():
     line = describe_hardware()
     assert torch.backends.cpu.get_cpu_capability() in line
     assert ("native bf16: yes" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "native bf16: no") in line
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: SchedulerConfig(preemption_mode="evict"), "SchedulerConfig.preemption_mode"),
+    (lambda: EngineConfig(scheduler=SchedulerConfig(preemption_mode="swap")), "kv_offload_size"),
+    (lambda: CacheConfig(kv_offload_path="/tmp/kv"), "kv_offload_path needs kv_offload_size"),
+    (lambda: CacheConfig(kv_offload_size=-1), "CacheConfig.kv_offload_size"),
+])
+def test_a_second_tier_and_the_preemption_mode_are_checked(build, field):
+    with pytest.raises(ValueError, match=field):
+        build()
+    assert EngineConfig(cache=CacheConfig(kv_offload_size=0.5),
+                        scheduler=SchedulerConfig(preemption_mode="swap")).scheduler.preemption_mode == "swap"

@@ -156,6 +156,8 @@ class AsyncEngine(EngineClient):
             logger.exception("engine loop died")
             self.error = exc
             self._fail_all(EngineDeadError(f"engine loop died: {exc}"))
+        else:
+            self.engine.shutdown()
 
     def _drain_commands(self) -> None:
         while True:

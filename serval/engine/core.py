@@ -15,6 +15,7 @@ from pathlib import Path
 
 from serval.config import EngineConfig
 from serval.engine.kv_cache import KVCacheManager
+from serval.engine.kv_offload import BlockStore, OffloadIndex
 from serval.engine.request import Request, RequestStatus
 from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler
@@ -25,6 +26,9 @@ from serval.model.registry import resolve_model_path
 from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Steps of at least this many tokens (a prompt chunk's) time the model per token, for the preemption mode's choice.
+PROMPT_CHUNK_TIMING_TOKENS = 32
 
 
 @dataclass
@@ -82,6 +86,15 @@ class EngineCoreStats:
     session_hit_tokens: int = 0
     num_sessions: int = 0
     session_blocks: int = 0
+    # The KV cache's second tier (zeros without one): preemptions that swapped out, blocks copied each way, prompt
+    # tokens found there, and its blocks now (cached, swapped out, all).
+    num_swaps: int = 0
+    offload_saved_blocks: int = 0
+    offload_loaded_blocks: int = 0
+    offload_hit_tokens: int = 0
+    offload_cached_blocks: int = 0
+    offload_swapped_blocks: int = 0
+    offload_blocks: int = 0
     # Speculative decoding: steps that checked a request's guesses, guesses checked, guesses accepted, and how
     # often the guess at each position (1st, 2nd, ...) was accepted.
     spec_num_drafts: int = 0
@@ -123,10 +136,11 @@ class EngineCore:
             raise ValueError(f"CacheConfig.kv_cache_memory={cache.kv_cache_memory} GiB holds fewer than 2 blocks")
         # A request alone must always fit, or preemption could never make room for it.
         max_model_len = min(config.max_model_len or model_config.max_position, num_blocks * cache.block_size)
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                       cache.session_ttl, cache.session_cache_fraction)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.torch_dtype, config.device)
+        self.offload_store, offload = self._make_offload_tier(model_path)
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                       cache.session_ttl, cache.session_cache_fraction, offload)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.stats = EngineCoreStats(num_blocks=num_blocks)
         self.max_model_len = max_model_len
         self.speculative = config.speculative
@@ -138,6 +152,48 @@ class EngineCore:
         self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
         self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
         self.info.load_time = time.perf_counter() - start
+
+    def _make_offload_tier(self, model_path) -> tuple[BlockStore | None, OffloadIndex | None]:
+        cache = self.config.cache
+        if not cache.kv_offload_size:
+            return None, None
+        block_bytes = kv_cache_block_bytes(self.model.config, cache.block_size, self.config.torch_dtype)
+        num_slots = int(cache.kv_offload_size * 2**30 // block_bytes)
+        if num_slots < 1:
+            raise ValueError(f"CacheConfig.kv_offload_size={cache.kv_offload_size} GiB holds no KV block "
+                             f"({block_bytes} bytes)")
+        path = Path(model_path)
+        # What the blocks of a disk tier are worth to a later run: the same weights, read the same way.
+        fingerprint = {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None,
+                       "dtype": self.config.dtype, "quantization": self.config.quantization}
+        store = BlockStore(num_slots, self.runner.kv_cache, cache.kv_offload_path, fingerprint)
+        entries = store.entries()
+        if entries:
+            logger.info("KV offload tier %s: %d blocks kept from an earlier run", cache.kv_offload_path, len(entries))
+        return store, OffloadIndex(num_slots, entries)
+
+    def _transfer(self) -> None:
+        """Makes the copies between the KV tiers that the last allocations asked for (before any forward uses or
+        overwrites the blocks), and times them for the preemption mode's choice."""
+        transfers = self.kv_cache.take_transfers()
+        if transfers is None:
+            return
+        start = time.perf_counter()
+        self.offload_store.execute(transfers, self.runner.kv_cache)
+        costs = self.scheduler.costs
+        costs.copy_per_block = costs.average(costs.copy_per_block,
+                                             (time.perf_counter() - start) / transfers.num_blocks)
+
+    def shutdown(self) -> None:
+        """Ends the core's hold on its files: a disk tier first takes every cached block the device holds, so that
+        the next run starts with the whole prefix cache."""
+        if self.offload_store is None:
+            return
+        if self.offload_store.kind == "disk":
+            self.kv_cache.offload_cached_blocks()
+            self._transfer()
+        self.offload_store.close()
+        self.offload_store = None
 
     # -- requests in -------------------------------------------------------------------------------------------
     def setup_structured_outputs(self, compiler) -> None:
@@ -182,7 +238,8 @@ class EngineCore:
         """The KV cache's blocks, prefix cache and sessions now (GET /debug/kv); sessions past their TTL end first
         (otherwise they end at the next step, which an idle engine does not take)."""
         self.kv_cache.expire_sessions()
-        return self.kv_cache.describe(str(self.config.device))
+        kind = self.offload_store.kind if self.offload_store is not None else "host"
+        return self.kv_cache.describe(str(self.config.device), kind)
 
     def end_session(self, session_id: str) -> bool:
         """Lets a conversation's kept KV go (to the prefix cache, as free blocks). False: no such session."""
@@ -199,6 +256,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs, self.snapshot())
         scheduled = self.scheduler.schedule()
+        self._transfer()
         stats = self.stats
         stats.num_steps += 1
         stats.num_scheduled_tokens += scheduled.total_num_scheduled_tokens
@@ -220,7 +278,13 @@ class EngineCore:
                 output_of(request).first_scheduled_time = step_start
         grammar_bitmasks, grammar_errors = self._grammar_bitmasks(scheduled)
         try:
+            forward_start = time.perf_counter()
             result = self.runner.execute(scheduled, grammar_bitmasks)
+            if scheduled.total_num_scheduled_tokens >= PROMPT_CHUNK_TIMING_TOKENS:  # what a recompute would cost
+                costs = self.scheduler.costs
+                costs.compute_per_token = costs.average(
+                    costs.compute_per_token,
+                    (time.perf_counter() - forward_start) / scheduled.total_num_scheduled_tokens)
         except Exception as exc:  # a failed forward fails its batch, never the engine
             logger.exception("step failed; failing its %d requests", len(scheduled.scheduled))
             for request in scheduled.scheduled:
@@ -307,6 +371,7 @@ class EngineCore:
                 rooms.append(room)
         if not requests:
             return
+        self._transfer()  # the slots' allocation may have evicted blocks to save before a draft writes them
         for request, guesses in zip(requests, self.proposer.propose_requests(requests, rooms)):
             if guesses and request.request_id in self.structured_ids:
                 guesses = self.structured.valid_prefix(request.request_id, guesses)
@@ -379,5 +444,10 @@ class EngineCore:
         s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens = kv.stats.queried_tokens, kv.stats.hit_tokens
         s.session_requests, s.session_hit_tokens = kv.stats.session_requests, kv.stats.session_hit_tokens
         s.num_sessions, s.session_blocks = len(kv.sessions), kv.num_session_blocks
-        s.num_preemptions = scheduler.num_preemptions
+        s.num_preemptions, s.num_swaps = scheduler.num_preemptions, scheduler.num_swaps
+        if kv.offload is not None:
+            tier = kv.offload
+            s.offload_saved_blocks, s.offload_loaded_blocks = tier.stats.saved_blocks, tier.stats.loaded_blocks
+            s.offload_hit_tokens, s.offload_blocks = tier.stats.hit_tokens, tier.num_slots
+            s.offload_cached_blocks, s.offload_swapped_blocks = len(tier.cached), tier.num_swapped
         return EngineCoreStats(**{**s.__dict__, "spec_accepted_per_position": list(s.spec_accepted_per_position)})

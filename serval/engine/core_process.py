@@ -124,6 +124,7 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
     results.send(pack(["ready", dataclasses.astuple(core.info)]))
     try:
         _core_loop(core, commands, results, parent_pid)
+        core.shutdown()
     except BaseException as exc:  # noqa: BLE001 - the loop died: the front end must hear why
         logger.exception("engine core loop died")
         results.send(pack(["dead", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"]))

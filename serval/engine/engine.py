@@ -83,6 +83,10 @@ class LLMEngine:
         """Lets a conversation's kept KV go now. False: the engine held no such session."""
         return self.core.end_session(session_id)
 
+    def shutdown(self) -> None:
+        """Lets the engine's files go (a disk KV tier keeps the prefix cache for the next run)."""
+        self.core.shutdown()
+
     def abort_request(self, request_id: str) -> None:
         """Stops a request now and frees its blocks; its final output (finish_reason "abort") comes from the next
         step(). Unknown or finished ids are ignored."""

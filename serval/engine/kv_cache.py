@@ -9,6 +9,10 @@ session is ended, a newer turn of it replaces them, or the room is needed: sessi
 blocks and are given up least recently used first before any request waits or is preempted. The next turn finds
 them by the ordinary prefix lookup. A given-up session's blocks become free cached blocks: the next turn may still
 hit them, or recomputes.
+
+A second tier (kv_offload.py), when configured, keeps the cached blocks the first one evicts, finds them by the
+same hash when the prefix lookup runs past the first tier's hits, and parks the blocks of requests preempted in
+swap mode. The copies are listed as BlockTransfers, which the engine hands to the runner before each forward.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import hashlib
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from serval.engine.kv_offload import BlockTransfers, OffloadIndex
 from serval.engine.request import Request
 
 
@@ -32,8 +38,10 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, int, tuple], None] | None = None) -> None:
+        """``on_evict(block_id, block_hash, key)``: called for a cached block about to be reused."""
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.on_evict = on_evict
         # Free blocks in eviction order (oldest first); a dict gives O(1) removal from the middle on a cache hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
@@ -49,6 +57,8 @@ class BlockPool:
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict its cached prefix
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block.block_hash, block.key)
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
                 block.block_hash = block.key = None
@@ -99,6 +109,17 @@ class PrefixCacheStats:
 
 
 @dataclass
+class ComputedBlocks:
+    """A request's longest cached prefix: blocks of the device cache, then slots of the second tier after them."""
+
+    device: list[int] = field(default_factory=list)
+    offloaded: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.device) + len(self.offloaded)
+
+
+@dataclass
 class Session:
     block_ids: list[int]  # full blocks of the conversation so far, one reference each
     expires_at: float  # time.monotonic()
@@ -108,11 +129,14 @@ class KVCacheManager:
     """Gives requests the blocks they need, shares cached prefixes, takes blocks back."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 session_ttl: float = 600.0, session_cache_fraction: float = 0.5) -> None:
+                 session_ttl: float = 600.0, session_cache_fraction: float = 0.5,
+                 offload: OffloadIndex | None = None) -> None:
+        """``offload``: the second tier's index (None: one tier)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.offload = offload
+        self.pool = BlockPool(num_blocks, offload.save if offload is not None and enable_prefix_caching else None)
         self.stats = PrefixCacheStats()
         self.session_ttl = session_ttl
         self.max_session_blocks = int(num_blocks * session_cache_fraction)
@@ -123,22 +147,29 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The cached blocks of the request's longest cached prefix, and how many tokens they hold.
+    def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
+        """The blocks of the request's longest cached prefix (on the device, then in the second tier), and how many
+        tokens they hold.
 
         At least one token is always left to compute, since the last one's logits are needed. A request that asks
         for prompt logprobs gets no hit: it needs the logits of every prompt position, which the cache does not keep
         (as in vLLM v1). Its own blocks are still published for others."""
+        hits = ComputedBlocks()
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return hits, 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_hashes(request, max_blocks)
-        hits = []
         for i in range(max_blocks):
             block_id = self.pool.lookup(request.block_hashes[i], self._block_key(request, i))
             if block_id is None:
                 break
-            hits.append(block_id)
+            hits.device.append(block_id)
+        if self.offload is not None:
+            for i in range(len(hits.device), max_blocks):
+                slot = self.offload.lookup(request.block_hashes[i], self._block_key(request, i))
+                if slot is None:
+                    break
+                hits.offloaded.append(slot)
         return hits, len(hits) * self.block_size
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
@@ -150,26 +181,72 @@ class KVCacheManager:
                 self.stats.session_requests += 1
                 self.stats.session_hit_tokens += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> bool:
-        """Makes room for ``num_new_tokens`` more tokens of KV. False (nothing changed) when blocks run out."""
-        computed_blocks = computed_blocks or []
-        num_total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        needed = -(-num_total // self.block_size) - len(request.block_ids) - len(computed_blocks)
+    def record_offload_hit(self, computed: ComputedBlocks) -> None:
+        if computed.offloaded:
+            self.offload.stats.hit_tokens += len(computed.offloaded) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
+        """Makes room for ``num_new_tokens`` more tokens of KV after the request's computed tokens and the cached
+        prefix ``computed`` it takes (at admission), and queues the loads of what the second tier holds of it (the
+        prefix's offloaded blocks, or a swapped-out request's own). False (nothing changed) when blocks run out."""
+        computed = computed or ComputedBlocks()
+        num_total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        needed = -(-num_total // self.block_size) - len(request.block_ids) - len(computed.device)
         while True:
             # Cached blocks that are free now stop being free once the request takes them.
-            reclaimed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0)
+            reclaimed = sum(1 for b in computed.device if self.pool.blocks[b].ref_count == 0)
             if needed <= self.pool.num_free_blocks - reclaimed:
                 break
             if not self._give_up_session(keep=request.session_id):  # sessions yield before requests do
                 return False
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            request.block_ids.extend(computed_blocks)
-            request.num_cached_blocks = len(request.block_ids)
+        first_new = len(request.block_ids) + len(computed.device)
+        if computed.device:
+            self.pool.touch(computed.device)
+            request.block_ids.extend(computed.device)
         if needed > 0:
-            request.block_ids.extend(self.pool.allocate(needed))
+            new_blocks = self.pool.allocate(needed)
+            request.block_ids.extend(new_blocks)
+            # The first new blocks take what the second tier holds: the prefix found there, published again as
+            # cached device blocks, or a swapped-out request's blocks.
+            for i, (slot, block_id) in enumerate(zip(computed.offloaded, new_blocks)):
+                self.offload.load(slot, block_id)
+                self.pool.cache(block_id, request.block_hashes[first_new + i], self._block_key(request, first_new + i))
+            if request.swapped_slots:
+                self.offload.swap_in(request.swapped_slots, new_blocks)
+                request.swapped_slots = []
+        if computed:
+            request.num_cached_blocks = first_new + len(computed.offloaded)
         return True
+
+    def swap_out(self, request: Request) -> bool:
+        """Parks a preempted request's computed KV in the second tier and frees its device blocks, so that it
+        resumes where it stopped. False (nothing changed) when there is no second tier or no room in it."""
+        if self.offload is None:
+            return False
+        count = -(-request.num_computed_tokens // self.block_size)
+        slots = self.offload.swap_out(request.block_ids[:count])
+        if slots is None:
+            return False
+        self.free(request)
+        request.swapped_slots = slots
+        return True
+
+    def take_transfers(self) -> BlockTransfers | None:
+        """The copies between the tiers to make before the next forward (None when there are none)."""
+        if self.offload is None or not self.offload.transfers:
+            return None
+        return self.offload.take_transfers()
+
+    def offload_cached_blocks(self) -> None:
+        """Saves every cached device block the second tier lacks, least recently used first (at shutdown: a disk
+        tier then holds the whole prefix cache for the next run)."""
+        if self.offload is None or not self.enable_prefix_caching:
+            return
+        order = list(self.pool.free_queue) + [b.block_id for b in self.pool.blocks if b.ref_count > 0]
+        for block_id in order:
+            block = self.pool.blocks[block_id]
+            if block.block_hash is not None:
+                self.offload.save(block_id, block.block_hash, block.key)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Publishes the request's newly completed full blocks to the prefix cache."""
@@ -190,24 +267,30 @@ class KVCacheManager:
             del request.block_ids[needed:]
 
     def free(self, request: Request) -> None:
+        if request.swapped_slots:  # it ended while swapped out
+            self.offload.drop_swapped(request.swapped_slots)
+            request.swapped_slots = []
         self.pool.release(request.block_ids)
         request.block_ids = []
         request.num_cached_blocks = 0
 
-    def describe(self, device: str = "cpu") -> dict:
-        """What the cache holds now, for GET /debug/kv: blocks by state, the prefix cache's and the sessions' use."""
+    def describe(self, device: str = "cpu", offload_kind: str = "host") -> dict:
+        """What the cache holds now, for GET /debug/kv: blocks by state in each tier, the prefix cache's and the
+        sessions' use."""
         pool, stats = self.pool, self.stats
         free = pool.num_free_blocks
         cached_free = sum(1 for b in pool.free_queue if pool.blocks[b].block_hash is not None)
         now = time.monotonic()
-        return {
-            "block_size": self.block_size,
-            # One tier so far: the blocks of the KV cache tensor on the model's device.
-            "tiers": [{"tier": device, "blocks": self.num_blocks, "owned": self.num_blocks - free,
+        tiers = [{"tier": device, "blocks": self.num_blocks, "owned": self.num_blocks - free,
                        # distinct blocks (conversations that share a system prompt share its blocks)
                        "owned_by_sessions": len({b for s in self.sessions.values() for b in s.block_ids}),
                        "cached_free": cached_free,
-                       "empty": free - cached_free}],
+                       "empty": free - cached_free}]
+        if self.offload is not None:
+            tiers.append({"tier": offload_kind, **self.offload.describe()})
+        return {
+            "block_size": self.block_size,
+            "tiers": tiers,
             "prefix_cache": {"enabled": self.enable_prefix_caching, "queried_tokens": stats.queried_tokens,
                              "hit_tokens": stats.hit_tokens,
                              "hit_rate": stats.hit_tokens / stats.queried_tokens if stats.queried_tokens else 0.0},

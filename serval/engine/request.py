@@ -43,6 +43,7 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks already published to the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first scheduling
     num_preemptions: int = 0
+    swapped_slots: list[int] = field(default_factory=list)  # second-tier slots of its KV while swapped out
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     spec_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, checked by the next step
 

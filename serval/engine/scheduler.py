@@ -3,8 +3,9 @@
 Each step packs running requests first (decodes and unfinished prompt chunks), then admits waiting
 ones, under ``max_num_batched_tokens`` and ``max_num_seqs``. A long prompt is cut into chunks so it
 never stalls running decodes. When blocks run out, the least important (highest priority value), newest running
-request is preempted: its blocks are freed and it is recomputed later (its generated tokens are kept). A waiting
-request of higher priority (a lower value) than a running one preempts it when there is no seat or no room.
+request is preempted: its blocks are freed and it is recomputed later (its generated tokens are kept), or, in swap
+mode, its KV is parked in the second tier and copied back when it runs again. A waiting request of higher priority
+(a lower value) than a running one preempts it when there is no seat or no room.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serval.config import SchedulerConfig
-from serval.engine.kv_cache import KVCacheManager
+from serval.engine.kv_cache import ComputedBlocks, KVCacheManager
 from serval.engine.request import Request, RequestStatus
 
 
@@ -32,6 +33,24 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens.values())
 
 
+@dataclass
+class PreemptionCosts:
+    """What a preemption costs each way, measured as the engine runs (seconds; None until measured)."""
+
+    copy_per_block: float | None = None  # one block between the tiers, either way
+    compute_per_token: float | None = None  # one token through the model in a step with a prompt chunk
+
+    def swap_is_cheaper(self, num_tokens: int, block_size: int) -> bool:
+        if self.copy_per_block is None or self.compute_per_token is None:
+            return True  # a copy is bytes; a recompute is the whole model per token
+        blocks = -(-num_tokens // block_size)
+        return 2 * blocks * self.copy_per_block < num_tokens * self.compute_per_token
+
+    @staticmethod
+    def average(old: float | None, new: float) -> float:
+        return new if old is None else 0.9 * old + 0.1 * new
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -40,6 +59,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions that swapped the request's KV out instead of dropping it
+        self.costs = PreemptionCosts()
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -93,7 +114,11 @@ class Scheduler:
             # No seat or no blocks to spare: only a more important request gets in, by preempting a lesser one.
             if (len(self.running) >= self.config.max_num_seqs or out.preempted) and not self._outranks(request):
                 break
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            resumes = bool(request.swapped_slots)  # where it was: its blocks come back from the second tier
+            if resumes:
+                hit_blocks, num_hit_tokens = ComputedBlocks(), request.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             while True:
                 num_new = self._num_new_tokens(request, num_hit_tokens, budget)
                 if num_new == 0:
@@ -113,7 +138,9 @@ class Scheduler:
             if num_new == 0:
                 break
             self.waiting.remove(request)
-            self.kv_cache.record_prefix_query(request, num_hit_tokens)
+            if not resumes:
+                self.kv_cache.record_prefix_query(request, num_hit_tokens)
+                self.kv_cache.record_offload_hit(hit_blocks)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
@@ -123,6 +150,12 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         return out
+
+    def _swaps(self, request: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            return self.costs.swap_is_cheaper(request.num_computed_tokens, self.kv_cache.block_size)
+        return mode == "swap"
 
     def _least_important_running(self) -> Request:
         return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -205,9 +238,12 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         request.spec_token_ids = []
-        self.kv_cache.free(request)
+        if self._swaps(request) and self.kv_cache.swap_out(request):
+            self.num_swaps += 1
+        else:
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(request)

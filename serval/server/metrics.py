@@ -32,6 +32,21 @@ class _EngineCollector:
                                   s.prefix_cache_hit_tokens)
         yield CounterMetricFamily("serval:num_preemptions", "Requests preempted for lack of KV blocks.",
                                   s.num_preemptions)
+        yield CounterMetricFamily("serval:num_swapped_preemptions",
+                                  "Preemptions that swapped the request's KV to the second tier (not recomputed).",
+                                  s.num_swaps)
+        yield CounterMetricFamily("serval:kv_offload_saved_blocks", "KV blocks written to the second tier.",
+                                  s.offload_saved_blocks)
+        yield CounterMetricFamily("serval:kv_offload_loaded_blocks", "KV blocks read back from the second tier.",
+                                  s.offload_loaded_blocks)
+        yield CounterMetricFamily("serval:kv_offload_hits", "Prompt tokens found in the second tier.",
+                                  s.offload_hit_tokens)
+        yield GaugeMetricFamily("serval:kv_offload_blocks_cached", "Prefix blocks the second tier holds.",
+                                s.offload_cached_blocks)
+        yield GaugeMetricFamily("serval:kv_offload_blocks_swapped", "Blocks of swapped-out requests.",
+                                s.offload_swapped_blocks)
+        yield GaugeMetricFamily("serval:kv_offload_blocks_total", "Blocks the second tier holds at most (0: none).",
+                                s.offload_blocks)
         yield CounterMetricFamily("serval:session_cache_requests",
                                   "Requests that continued a conversation whose KV was kept.", s.session_requests)
         yield CounterMetricFamily("serval:session_cache_hits",

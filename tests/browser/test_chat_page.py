@@ -45,7 +45,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def serval_url(tmp_path_factory):
-    """The base URL of a `serval serve --dtype float32 --api-key API_KEY` on a free port; always stopped."""
+    """The base URL of a `serval serve --dtype float32 --api-key API_KEY --kv-offload-size 0.01` (a small host-RAM
+    second tier for the KV cache) on a free port; always stopped."""
     try:
         resolve_model_path(None)
     except FileNotFoundError:
@@ -54,7 +55,8 @@ def serval_url(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("serval-browser") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "SERVAL_API_KEY"}
-    cmd = [str(SERVAL), "serve", "--port", str(port), "--dtype", "float32", "--api-key", API_KEY]
+    cmd = [str(SERVAL), "serve", "--port", str(port), "--dtype", "float32", "--api-key", API_KEY,
+           "--kv-offload-size", "0.01"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -180,6 +182,9 @@ def test_chat_streams_the_answer_with_its_speed_and_the_engine_view(page, serval
     kept = httpx.get(f"{serval_url}/debug/kv", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert [s["session_id"] for s in kept["sessions"]["kept"]] == [session_id]
     assert kept["sessions"]["requests"] == 1  # the second turn continued the first
+    tier = kept["tiers"][1]  # the second tier's line shows its row of the KV view
+    expect(page.locator("#kv-tier")).to_be_visible()
+    expect(page.locator("#kv-tier-total")).to_have_text(str(tier["blocks"]))
     # "New chat" ends the conversation's session on the server, and starts another.
     page.click("#clear")
     expect(page.locator("#kv-sessions")).to_have_text("0")

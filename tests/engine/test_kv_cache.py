@@ -45,6 +45,12 @@ def assert_pool_consistent(kv: KVCacheManager, live: list[Request] | None = None
             assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id} holds a block twice"
 
 
+def device_hits(kv: KVCacheManager, request: Request) -> tuple[list[int], int]:
+    hits, num_hit = kv.get_computed_blocks(request)
+    assert not hits.offloaded  # one tier here
+    return hits.device, num_hit
+
+
 def compute_and_publish(kv: KVCacheManager, request: Request) -> None:
     """What a request's life up to a full prefill looks like: look up, allocate, compute, publish."""
     hits, num_hit = kv.get_computed_blocks(request)
@@ -118,7 +124,7 @@ def test_shared_prefix_hits_the_published_blocks_and_shares_them():
     compute_and_publish(kv, a)
     b = make_request(list(range(8)) + [90, 91, 92, 93])  # same first 2 blocks, different 3rd
     hits, num_hit = kv.get_computed_blocks(b)
-    assert hits == a.block_ids[:2] and num_hit == 8
+    assert hits.device == a.block_ids[:2] and num_hit == 8
     assert kv.allocate_slots(b, b.num_tokens - num_hit, hits)
     assert b.block_ids[:2] == a.block_ids[:2]
     assert b.block_ids[2] != a.block_ids[2]
@@ -129,14 +135,14 @@ def test_shared_prefix_hits_the_published_blocks_and_shares_them():
     kv.cache_computed_blocks(b)
     c = make_request(b.prompt_token_ids + [7])
     hits, num_hit = kv.get_computed_blocks(c)
-    assert hits == b.block_ids and num_hit == 12
+    assert hits.device == b.block_ids and num_hit == 12
 
 
 def test_a_different_first_block_gets_no_hit_even_if_later_blocks_match():
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK)
     compute_and_publish(kv, make_request(list(range(12))))
     other = make_request([99, 1, 2, 3] + list(range(4, 12)) + [0])
-    assert kv.get_computed_blocks(other) == ([], 0)
+    assert kv.get_computed_blocks(other)[1] == 0 and not kv.get_computed_blocks(other)[0]
 
 
 @pytest.mark.parametrize("prompt_len, expected_hit_blocks", [(8, 1), (9, 2), (12, 2), (13, 3)])
@@ -155,7 +161,7 @@ def test_a_hash_hit_with_different_tokens_is_rejected():
     compute_and_publish(kv, a)
     b.block_hashes = list(a.block_hashes[:2])  # as if the hash chains collided
     hits, num_hit = kv.get_computed_blocks(b)
-    assert hits == [] and num_hit == 0
+    assert hits.device == [] and num_hit == 0
 
 
 def test_python_hash_aliases_do_not_collide():
@@ -177,7 +183,7 @@ def test_a_hit_is_never_served_from_a_block_computed_after_a_different_prefix():
     z = make_request([0, 1, 2, 3, 4, 5, 6, 7, 8])
     hits, _ = kv.get_computed_blocks(z)
     # x's block 0 is right for z; y's block 1 holds KV of (4..7) computed after (alias, 1, 2, 3), wrong for z.
-    assert hits == x.block_ids[:1]
+    assert hits.device == x.block_ids[:1]
 
 
 def test_freed_blocks_stay_cached_and_are_reused():
@@ -189,7 +195,7 @@ def test_freed_blocks_stay_cached_and_are_reused():
     assert kv.pool.num_free_blocks == 8
     b = make_request(list(range(12)) + [5])
     hits, num_hit = kv.get_computed_blocks(b)
-    assert hits == a_blocks and num_hit == 12
+    assert hits.device == a_blocks and num_hit == 12
     assert kv.allocate_slots(b, 1, hits)
     assert b.block_ids[:3] == a_blocks
     assert [kv.pool.blocks[i].ref_count for i in a_blocks] == [1, 1, 1]
@@ -209,7 +215,7 @@ def test_free_cached_hit_blocks_count_against_capacity():
     assert len(hits) == 2
     assert not kv.allocate_slots(too_big, too_big.num_tokens - num_hit, hits)
     assert too_big.block_ids == [] and kv.pool.num_free_blocks == 3
-    assert all(kv.pool.blocks[i].ref_count == 0 for i in hits)
+    assert all(kv.pool.blocks[i].ref_count == 0 for i in hits.device)
     assert_pool_consistent(kv, [])
     fits = make_request(list(range(8)) + [50, 51, 52, 53])
     hits, num_hit = kv.get_computed_blocks(fits)
@@ -231,8 +237,8 @@ def test_eviction_is_least_recently_freed_first():
     filler = make_request(list(range(100, 108)))  # needs 2 blocks: evicts a's
     assert kv.allocate_slots(filler, 8)
     assert sorted(filler.block_ids) == sorted(a_blocks)
-    assert kv.get_computed_blocks(make_request([1, 1, 1, 1, 5])) == ([], 0)
-    assert kv.get_computed_blocks(make_request([2, 2, 2, 2, 5])) == (b_blocks[:1], 4)
+    assert device_hits(kv, make_request([1, 1, 1, 1, 5])) == ([], 0)
+    assert device_hits(kv, make_request([2, 2, 2, 2, 5])) == (b_blocks[:1], 4)
     assert_pool_consistent(kv, [filler])
 
 
@@ -282,9 +288,9 @@ def test_with_prefix_caching_disabled_nothing_is_ever_hit():
     compute_and_publish(kv, a)
     assert kv.pool.cached == {}
     b = make_request(list(range(12)) + [1])
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert device_hits(kv, b) == ([], 0)
     kv.free(a)
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert device_hits(kv, b) == ([], 0)
     assert kv.stats.hit_tokens == 0
 
 
