@@ -1,7 +1,7 @@
 """Long prompts on the embedded model: time to first token, decode speed at that context, and memory, at 1k, 4k and
 8k tokens (SmolLM2's whole context), through chunked prefill with the default token budget.
 
-    .venv/bin/python benchmarks/bench_long_context.py [--lengths 1024,4096,8192] [--dtype auto]
+    .venv/bin/python benchmarks/bench_long_context.py [--lengths 1024,4096,8192] [--dtype auto] [--kv-cache-dtype int8]
 
 The prompt is prose (the same paragraphs repeated, numbered so no two are alike); one request at a time, greedy,
 speculation off (so the decode figure is the model's own step). Memory: the process's resident size before the
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's elements (auto, int8, fp8_e4m3, ...)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the token budget (default: the engine's)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -83,12 +84,12 @@ def main() -> None:
     # Room for the longest prompt and its answer, nothing more: the KV cache's size is part of the memory figure.
     longest = max(lengths) + args.output_tokens
     config = EngineConfig(dtype=args.dtype, max_model_len=longest, speculative=SpeculativeConfig(method=None),
-                          cache=CacheConfig(num_blocks=-(-longest // 16) + 1))
+                          cache=CacheConfig(num_blocks=-(-longest // 16) + 1, kv_cache_dtype=args.kv_cache_dtype))
     if args.max_num_batched_tokens:
         config.scheduler.max_num_batched_tokens = args.max_num_batched_tokens
     print(f"[1/{len(lengths) + 1}] loading the engine ({args.dtype}) ...", flush=True)
     engine = LLMEngine(config)
-    results = {"machine": describe_hardware(), "dtype": engine.config.dtype,
+    results = {"machine": describe_hardware(), "dtype": engine.config.dtype, "kv_cache_dtype": args.kv_cache_dtype,
                "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
                "kv_cache_blocks": engine.kv_cache.num_blocks, "rss_before_load_mib": round(rss_before, 1),
                "rss_after_load_mib": round(peak_rss_mib(), 1), "runs": []}

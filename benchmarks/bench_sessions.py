@@ -1,10 +1,13 @@
 """Multi-turn chat with and without conversation sessions, under traffic that cycles the KV cache.
 
     .venv/bin/python benchmarks/bench_sessions.py [--kv-cache-memory 0.05] [--conversations 6] [--turns 4]
+        [--compare sessions|memory]
 
-Starts `serval serve` from this checkout twice with the same flags (a small KV cache, so that other traffic evicts
-what a conversation left in the prefix cache): once replaying the conversations with a `session_id` per
-conversation, once without. Each conversation is replayed turn by turn (its earlier answers are the next prompt's
+Starts `serval serve` from this checkout once per compared setup, with the same flags (a small KV cache, so that
+other traffic evicts what a conversation left in the prefix cache): `--compare sessions` (the default) replays the
+conversations with a `session_id` per conversation and without; `--compare memory` adds the memory hierarchy's
+other parts, alone and together: a host-RAM second tier (`--kv-offload-size`), an int8 KV cache, and both with
+sessions. Each conversation is replayed turn by turn (its earlier answers are the next prompt's
 prefix, and the user "thinks" a few seconds between turns), two conversations at a time, while two background
 clients send other long prompts. Reports, for the turns
 after the first, the time to first token and the share of the prompt served from cache, side by side.
@@ -151,6 +154,17 @@ async def replay(url: str, args: argparse.Namespace, use_session: bool) -> dict:
     }
 
 
+OFFLOAD_SIZE = object()  # stands for --offload-size in a setup's flags
+# Each compared setup: (name, whether the client names a session per conversation, its own serve flags).
+SETUPS = {
+    "sessions": [("sessions", True, []), ("no sessions", False, [])],
+    "memory": [("no sessions", False, []), ("sessions", True, []),
+               ("second tier", False, ["--kv-offload-size", OFFLOAD_SIZE]),
+               ("int8 KV", False, ["--kv-cache-dtype", "int8"]),
+               ("all three", True, ["--kv-offload-size", OFFLOAD_SIZE, "--kv-cache-dtype", "int8"])],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-cache-memory", type=float, default=0.05, help="GiB (small: the traffic cycles it)")
@@ -160,15 +174,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--think-s", type=float, default=3.0, help="seconds between an answer and the next turn")
     parser.add_argument("--flags", default="", help="more `serval serve` flags for both runs")
+    parser.add_argument("--compare", default="sessions", choices=sorted(SETUPS),
+                        help="sessions: with and without; memory: also a second tier and an int8 KV cache")
+    parser.add_argument("--offload-size", type=float, default=0.25, help="GiB of the second tier (--compare memory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     flags = ["--kv-cache-memory", str(args.kv_cache_memory), *args.flags.split()]
     print(f"machine: {describe_hardware()}", flush=True)
     results = {"machine": describe_hardware(), "flags": flags, "runs": {}}
-    for i, use_session in enumerate((True, False)):
-        name = "sessions" if use_session else "no sessions"
-        print(f"[{i + 1}/2] {name}: starting serval serve {' '.join(flags)} ...", flush=True)
-        proc, url = start_server(flags, Path(f"/tmp/bench_sessions_{i}.log"))
+    setups = SETUPS[args.compare]
+    for i, (name, use_session, extra) in enumerate(setups):
+        extra = [args.offload_size if flag == OFFLOAD_SIZE else flag for flag in extra]
+        run_flags = flags + [str(flag) for flag in extra]
+        print(f"[{i + 1}/{len(setups)}] {name}: starting serval serve {' '.join(run_flags)} ...", flush=True)
+        proc, url = start_server(run_flags, Path(f"/tmp/bench_sessions_{i}.log"))
         try:
             print(f"      replaying {args.conversations} conversations of {args.turns} turns ...", flush=True)
             run = asyncio.run(replay(url, args, use_session))
@@ -177,11 +196,11 @@ def main() -> None:
         results["runs"][name] = run
         print(f"      turns 2+: TTFT p50 {run['later_ttft_ms_p50']} ms, {100 * run['later_cached_share']:.1f}% of "
               f"their prompt tokens from cache; {run['background_requests']} background requests", flush=True)
-    a, b = results["runs"]["sessions"], results["runs"]["no sessions"]
-    print(f"\n{'turns after the first':<36}{'sessions':>14}{'no sessions':>14}")
+    runs = results["runs"]
+    print(f"\n{'turns after the first':<28}" + "".join(f"{name:>22}" for name in runs))
     for label, key in (("TTFT p50 (ms)", "later_ttft_ms_p50"), ("TTFT mean (ms)", "later_ttft_ms_mean"),
                        ("prompt tokens from cache", "later_cached_share"), ("wall (s)", "wall_s")):
-        print(f"{label:<36}{a[key]:>14}{b[key]:>14}")
+        print(f"{label:<28}" + "".join(f"{run[key]:>22}" for run in runs.values()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

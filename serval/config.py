@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serval.layers.attention import KV_CODE_DTYPES
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
 
@@ -51,6 +53,9 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
 
 
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass
 class CacheConfig:
     """The paged KV cache: block size and how much memory it may take."""
@@ -67,8 +72,14 @@ class CacheConfig:
     # (0: none), in host RAM, or in a memory-mapped file in the directory ``kv_offload_path`` (kept across restarts).
     kv_offload_size: float = 0.0
     kv_offload_path: str | None = None
+    # "auto": the model's dtype; "int8", "fp8_e4m3", "fp8_e5m2": 8-bit codes with a float32 scale per token and head
+    # (layers/attention.py), about 1.9x the tokens in the same memory.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"CacheConfig.kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not (isinstance(self.kv_offload_size, (int, float)) and self.kv_offload_size >= 0):
             raise ValueError(f"CacheConfig.kv_offload_size must be >= 0 GiB, got {self.kv_offload_size!r}")
         if self.kv_offload_path is not None and not self.kv_offload_size:
@@ -216,3 +227,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element dtype: the model's, or the 8-bit code dtype of a quantized cache."""
+        return KV_CODE_DTYPES.get(self.cache.kv_cache_dtype, self.torch_dtype)

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "docs" / "architecture.md", REPO / "README.md"]
 # Lower layers first: a module may import its own layer and the ones below, never one above.
 # benchmark/ sits beside the CLI: `serval bench throughput` drives the engine (`bench serve` is an HTTP client).
-LAYER_RANK = {"layers": 0, "model": 1, "engine": 2, "server": 3, "cli": 4, "benchmark": 4}
+# cluster/ (the router over replicas) talks to servers over HTTP and sits beside the CLI too.
+LAYER_RANK = {"layers": 0, "model": 1, "engine": 2, "server": 3, "cli": 4, "benchmark": 4, "cluster": 4}
 # The package root re-exports the engine (LLM, LLMEngine), so it ranks as the engine.
 ROOT_RANK = LAYER_RANK["engine"]
 SKIPPED_DIRS = {"__pycache__", "build", "dist", "results", "node_modules"}

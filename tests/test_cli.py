@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from real_model import requires_model
 
-from serval.cli import _api_keys, build_parser, run_chat
+from serval.cli import _api_keys, _engine_config, build_parser, run_chat
 from serval.sampling_params import SamplingParams
 
 SERVAL = str(Path(sys.executable).parent / "serval")
@@ -249,6 +249,15 @@ def test_the_engine_flags_default_to_the_configs_defaults():
         assert args.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens, verb
         assert (args.session_ttl, args.session_cache_fraction) == (CacheConfig().session_ttl,
                                                                    CacheConfig().session_cache_fraction), verb
+        cache = CacheConfig()
+        assert (args.kv_offload_size, args.kv_offload_path, args.kv_cache_dtype) == (
+            cache.kv_offload_size, cache.kv_offload_path, cache.kv_cache_dtype), verb
+        assert args.preemption_mode == SchedulerConfig().preemption_mode, verb
+    engine = _engine_config(build_parser().parse_args(
+        ["serve", "--kv-cache-dtype", "int8", "--kv-offload-size", "2", "--kv-offload-path", "/tmp/kv",
+         "--preemption-mode", "swap"]))
+    assert (engine.cache.kv_cache_dtype, engine.cache.kv_offload_size, engine.cache.kv_offload_path,
+            engine.scheduler.preemption_mode) == ("int8", 2.0, "/tmp/kv", "swap")
 
 
 def test_help_never_prints_the_api_key_from_the_environment(monkeypatch):

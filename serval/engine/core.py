@@ -131,12 +131,14 @@ class EngineCore:
         model_config = self.model.config
         cache = config.cache
         num_blocks = cache.num_blocks or int(
-            cache.kv_cache_memory * 2**30 // kv_cache_block_bytes(model_config, cache.block_size, config.torch_dtype))
+            cache.kv_cache_memory * 2**30 // kv_cache_block_bytes(model_config, cache.block_size,
+                                                                  config.kv_cache_torch_dtype))
         if num_blocks < 2:
             raise ValueError(f"CacheConfig.kv_cache_memory={cache.kv_cache_memory} GiB holds fewer than 2 blocks")
         # A request alone must always fit, or preemption could never make room for it.
         max_model_len = min(config.max_model_len or model_config.max_position, num_blocks * cache.block_size)
-        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.torch_dtype, config.device)
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.kv_cache_torch_dtype,
+                                  config.device)
         self.offload_store, offload = self._make_offload_tier(model_path)
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                        cache.session_ttl, cache.session_cache_fraction, offload)
@@ -157,7 +159,7 @@ class EngineCore:
         cache = self.config.cache
         if not cache.kv_offload_size:
             return None, None
-        block_bytes = kv_cache_block_bytes(self.model.config, cache.block_size, self.config.torch_dtype)
+        block_bytes = kv_cache_block_bytes(self.model.config, cache.block_size, self.config.kv_cache_torch_dtype)
         num_slots = int(cache.kv_offload_size * 2**30 // block_bytes)
         if num_slots < 1:
             raise ValueError(f"CacheConfig.kv_offload_size={cache.kv_offload_size} GiB holds no KV block "
@@ -165,7 +167,8 @@ class EngineCore:
         path = Path(model_path)
         # What the blocks of a disk tier are worth to a later run: the same weights, read the same way.
         fingerprint = {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None,
-                       "dtype": self.config.dtype, "quantization": self.config.quantization}
+                       "dtype": self.config.dtype, "quantization": self.config.quantization,
+                       "kv_cache_dtype": cache.kv_cache_dtype}
         store = BlockStore(num_slots, self.runner.kv_cache, cache.kv_offload_path, fingerprint)
         entries = store.entries()
         if entries:

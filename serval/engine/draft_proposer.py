@@ -18,6 +18,7 @@ import torch
 
 from serval.engine.request import Request
 from serval.engine.runner import ModelRunner, StepInputs
+from serval.layers.attention import new_kv_cache
 
 
 class DraftProposer:
@@ -37,8 +38,8 @@ class DraftProposer:
                 raise ValueError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) is not the target's "
                                  f"({runner.vocab_size}): a draft must share the target's tokenizer")
             target = runner.kv_cache
-            self.kv_cache = torch.zeros(cfg.num_layers, 2, target.shape[2], target.shape[3], cfg.num_kv_heads,
-                                        cfg.head_dim, dtype=target.dtype, device=target.device)
+            self.kv_cache = new_kv_cache(cfg.num_layers, target.shape[2], target.shape[3], cfg.num_kv_heads,
+                                         cfg.head_dim, target.dtype, target.device)
 
     @torch.inference_mode()
     def mirror(self, inputs: StepInputs) -> None:

@@ -152,15 +152,16 @@ class BlockStore:
         """``kv_cache``: the first tier [layer, k/v, block, slot, kv head, head dim]. ``path``: a directory for
         a disk tier (files kept across restarts while ``fingerprint``, what the model and cache are, matches);
         None: host RAM."""
-        layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
-        self.block_shape = (layers, 2, block_size, kv_heads, head_dim)
+        # Bytes, whatever the cache's dtype (not every dtype has CPU copy kernels: float8 has no index_copy_).
+        layers, _, _, block_size, kv_heads, row_bytes = kv_cache.view(torch.uint8).shape
+        self.block_shape = (layers, 2, block_size, kv_heads, row_bytes)
         self.block_size = block_size
         self.num_slots = num_slots
         self.path = Path(path) if path is not None else None
         self.header: torch.Tensor | None = None  # [slot, HEADER_COLUMNS + block_size] int64, disk tier only
         if self.path is None:
             self.kind = "host"
-            self.data = torch.empty((num_slots, *self.block_shape), dtype=kv_cache.dtype,
+            self.data = torch.empty((num_slots, *self.block_shape), dtype=torch.uint8,
                                     pin_memory=kv_cache.device.type == "cuda")
         else:
             self.kind = "disk"
@@ -186,12 +187,12 @@ class BlockStore:
                 file.unlink(missing_ok=True)
         block_elements = math.prod(self.block_shape)
         header_columns = HEADER_COLUMNS + self.block_size
-        for file, size in ((data_file, self.num_slots * block_elements * dtype.itemsize),
+        for file, size in ((data_file, self.num_slots * block_elements),
                            (header_file, self.num_slots * header_columns * 8)):
             with open(file, "ab") as handle:  # sparse: the pages a slot never used take no disk
                 handle.truncate(size)
         self.data = torch.from_file(str(data_file), shared=True, size=self.num_slots * block_elements,
-                                    dtype=dtype).view(self.num_slots, *self.block_shape)
+                                    dtype=torch.uint8).view(self.num_slots, *self.block_shape)
         self.header = torch.from_file(str(header_file), shared=True, size=self.num_slots * header_columns,
                                       dtype=torch.int64).view(self.num_slots, header_columns)
         meta_file.write_text(json.dumps(meta))
@@ -206,6 +207,7 @@ class BlockStore:
 
     def execute(self, transfers: BlockTransfers, kv_cache: torch.Tensor) -> None:
         """Makes the copies: saves (device -> tier), then loads (tier -> device)."""
+        kv_cache = kv_cache.view(torch.uint8)
         if transfers.saves:
             slots = torch.tensor([slot for _, slot, _ in transfers.saves])
             block_ids = torch.tensor([block for block, _, _ in transfers.saves], device=kv_cache.device)

@@ -14,7 +14,7 @@ from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
 from serval.layers import cpu_kernels
-from serval.layers.attention import AttentionMetadata, PrefillChunk
+from serval.layers.attention import AttentionMetadata, PrefillChunk, new_kv_cache
 from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
 
 # Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long
@@ -49,8 +49,9 @@ class StepInputs:
 
 
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element
+    """Bytes of one block of every layer's keys and values, in the cache's ``dtype`` (8-bit: codes and scales)."""
+    row = new_kv_cache(1, 1, 1, 1, config.head_dim, dtype, "meta")[0, 0, 0, 0, 0]
+    return config.num_layers * 2 * block_size * config.num_kv_heads * row.numel() * row.element_size()
 
 
 class ModelRunner:
@@ -61,9 +62,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
-        # The one KV cache allocation: [layer, k/v, block, slot, kv head, head dim]. Steps never allocate more.
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=dtype, device=self.device)
+        # The one KV cache allocation: [layer, k/v, block, slot, kv head, row]. Steps never allocate more. ``dtype``
+        # is the cache's: the model's, or an 8-bit code dtype (rows of codes and a scale: layers/attention.py).
+        self.kv_cache = new_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                                     self.device)
         self.sampler = Sampler()
         # Which attention path the steps take, decided once: the CPU kernel reads per-token tables; the PyTorch
         # path (CUDA, or no compiler) reads decode tables and masks and one entry per prefill chunk.

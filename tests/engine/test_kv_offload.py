@@ -138,15 +138,19 @@ def _cache(num_blocks: int = 4, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.randn(3, 2, num_blocks, BLOCK, 2, 8).to(dtype)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])  # float8: no CPU index_copy_ of its own
 @pytest.mark.parametrize("on_disk", [False, True], ids=["host", "disk"])
-def test_the_store_copies_blocks_out_and_back_bit_for_bit(tmp_path, on_disk):
-    kv_cache = _cache()
+def test_the_store_copies_blocks_out_and_back_bit_for_bit(tmp_path, on_disk, dtype):
+    kv_cache = _cache(dtype=dtype).view(torch.uint8)
     original = kv_cache.clone()
     store = BlockStore(4, kv_cache, tmp_path / "tier" if on_disk else None, {"model": "m"})
     store.execute(BlockTransfers(saves=[(1, 0, None), (3, 2, (77, (5, (1, 2, 3, 4))))]), kv_cache)
     kv_cache.zero_()
+    kv_cache = kv_cache.view(dtype)
     # Saves run before loads: block 1 saved and overwritten in the same batch of copies.
     store.execute(BlockTransfers(saves=[(0, 3, None)], loads=[(2, 0), (0, 2)]), kv_cache)
+    kv_cache = kv_cache.view(torch.uint8)
     assert torch.equal(kv_cache[:, :, 0], original[:, :, 3]) and torch.equal(kv_cache[:, :, 2], original[:, :, 1])
     assert store.entries() == ([(2, 77, (5, (1, 2, 3, 4)))] if on_disk else [])
     store.close()

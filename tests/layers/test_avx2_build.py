@@ -15,6 +15,7 @@ import torch
 from test_block_quant_linear import activations, random_blocks
 
 from serval.layers import cpu_kernels
+from serval.layers.attention import KV_CODE_DTYPES, new_kv_cache
 
 HERE = Path(__file__).parent
 kernels = cpu_kernels.load()
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.skipif(
 
 def outputs(k) -> dict[str, torch.Tensor]:
     """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings),
-    attention over a chunk of 70 queries with contexts 531-600 (head sizes 64, 128, 256; float32 and bfloat16),
+    attention over a chunk of 70 queries with contexts 531-600 (head sizes 64, 128, 256; float32 and bfloat16 caches,
+    and 8-bit caches of each code dtype with the bytes quantize_kv_ wrote),
     silu(gate) * up, and a row argmax with ties and NaN."""
     out = {}
     for fmt in ("q4", "q8"):
@@ -43,6 +45,14 @@ def outputs(k) -> dict[str, torch.Tensor]:
             q, kc, vc = queries.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
             out[f"attention {head_dim} {dtype}"] = k.paged_attention(
                 q, kc, vc, table, torch.zeros(70, dtype=torch.long), torch.arange(531, 601), head_dim**-0.5)
+        for code_dtype in KV_CODE_DTYPES.values():  # 8-bit cache rows, written by the build's own quantize_kv_
+            caches = [new_kv_cache(1, 48, 16, 3, head_dim, code_dtype, "cpu")[0, 0] for _ in range(2)]
+            for cache, values in zip(caches, (k_cache, v_cache)):
+                k.quantize_kv_(values.flatten(0, 1).to(torch.bfloat16), cache, torch.arange(48 * 16))
+                out[f"quantize_kv_ {head_dim} {code_dtype}"] = cache.view(torch.uint8).clone()
+            out[f"attention {head_dim} {code_dtype}"] = k.paged_attention(
+                queries.to(torch.bfloat16), *caches, table, torch.zeros(70, dtype=torch.long), torch.arange(531, 601),
+                head_dim**-0.5)
     for dtype in (torch.float32, torch.bfloat16):
         for n in (1536, 40):  # a row that ends mid-vector
             gate_up = torch.randn(5, 2 * n, generator=torch.Generator().manual_seed(n)) * 6
@@ -59,6 +69,7 @@ SCRIPT = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])
 from serval.layers import cpu_kernels
+from serval.layers.attention import KV_CODE_DTYPES, new_kv_cache
 from test_avx2_build import outputs
 k = cpu_kernels.load()
 assert k.__name__.startswith("serval_cpu_kernels_avx2_") and k.block_panel_kernel_available(), k
@@ -72,7 +83,7 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
                    cwd=HERE.parents[1], timeout=900)
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
-    assert avx2.keys() == native.keys() and len(native) == 27
+    assert avx2.keys() == native.keys() and len(native) == 27 + 3 * 3 * 2
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case
     assert native["argmax"].tolist()[1:4] == [100, 49153, 7]

@@ -7,6 +7,7 @@
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& token_table,
                            const at::Tensor& context_lens, double scale);
+void quantize_kv_(const at::Tensor& x, at::Tensor cache, const at::Tensor& slot_mapping);
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                               const std::string& format, int64_t out_features, bool float_output);
 bool block_panel_kernel_available();
@@ -21,6 +22,7 @@ void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, "attention of each query token over its prefix in the paged KV cache", no_gil());
+  m.def("quantize_kv_", &quantize_kv_, "writes keys or values into 8-bit cache rows with a scale each", no_gil());
   m.def("add_rms_norm", &add_rms_norm, "weight * rms_norm(x + residual) and x + residual, in one pass", no_gil());
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place, by position", no_gil());
   m.def("block_panel_linear", &block_panel_linear, "x W^T with W in 16-column panels of blocks (q4, q8)", no_gil());

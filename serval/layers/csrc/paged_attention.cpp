@@ -11,11 +11,19 @@
 // that 16 lanes hold 16 keys' scores (each a float32 FMA chain over the head dimension in order), a vectorized
 // exp, and values summed in key order. A prefill chunk's many queries then cost little more than their FLOPs.
 // Elsewhere, one query at a time.
+//
+// The cache rows are 16- or 32-bit floats, or (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2) 8-bit codes followed by
+// the row's float32 scale (one row = one token's one key or value head): a row is value = code * scale, dequantized
+// as it is read, and quantize_kv_ writes the rows from each token alone, so batch invariance holds there too.
 #include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -42,11 +50,72 @@ inline void load_row(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// How the cache stores a row of head_dim values: as floats (the model's dtype), or as 8-bit codes and a scale.
+template <typename T>
+struct PlainRows {
+  using storage = T;
+  static constexpr int64_t extra = 0;  // storage elements after the head_dim values
+};
+
+template <typename Code>
+struct ScaledRows {  // head_dim 8-bit codes, then the row's float32 scale (4 bytes)
+  using storage = uint8_t;
+  static constexpr int64_t extra = 4;
+  // float32 of every code: exact, and read by table (a gather when vectorized) so every build agrees.
+  static const float* table() {
+    static const std::array<float, 256> values = [] {
+      std::array<float, 256> t{};
+      for (int b = 0; b < 256; ++b) t[b] = decode(static_cast<uint8_t>(b));
+      return t;
+    }();
+    return values.data();
+  }
+  static float decode(uint8_t b) {
+    if constexpr (std::is_same_v<Code, int8_t>) return static_cast<float>(static_cast<int8_t>(b));
+    else return static_cast<float>(Code(b, Code::from_bits()));
+  }
+  static uint8_t encode(float x) {  // x within the code's range (the scale sees to it)
+    if constexpr (std::is_same_v<Code, int8_t>)
+      return static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::nearbyint(x), -127.f, 127.f)));
+    else return Code(x).x;
+  }
+  static constexpr float max_code() {
+    if constexpr (std::is_same_v<Code, int8_t>) return 127.f;
+    else if constexpr (std::is_same_v<Code, c10::Float8_e4m3fn>) return 448.f;
+    else return 57344.f;
+  }
+};
+
+template <typename Rows>
+inline float row_scale(const typename Rows::storage* row, int64_t head_dim) {
+  if constexpr (Rows::extra == 0) {
+    return 1.f;
+  } else {
+    float scale;
+    std::memcpy(&scale, row + head_dim, sizeof(float));
+    return scale;
+  }
+}
+
+// A cache row as float32 (scalar: the per-query path).
+template <typename Rows>
+inline void dequantize_row(const typename Rows::storage* row, float* dst, int64_t head_dim) {
+  if constexpr (Rows::extra == 0) {
+    load_row(row, dst, head_dim);
+  } else {
+    const float scale = row_scale<Rows>(row, head_dim);
+    const float* table = Rows::table();
+    for (int64_t i = 0; i < head_dim; ++i) dst[i] = table[row[i]] * scale;
+  }
+}
+
 // One call's inputs as sizes and pointers (see paged_attention below for their shapes).
-template <typename scalar_t>
+template <typename scalar_t, typename Rows>
 struct Inputs {
+  using storage = typename Rows::storage;
   int64_t num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks;
-  const scalar_t *q, *kc, *vc;
+  const scalar_t* q;
+  const storage *kc, *vc;
   const int64_t *tables, *rows, *lens;
   scalar_t* o;
   float scale;
@@ -56,16 +125,18 @@ struct Inputs {
          double softmax_scale, at::Tensor& out)
       : num_tokens(query.size(0)), num_heads(query.size(1)), head_dim(query.size(2)), block_size(k_cache.size(1)),
         num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads), max_blocks(block_tables.size(1)),
-        q(query.data_ptr<scalar_t>()), kc(k_cache.data_ptr<scalar_t>()), vc(v_cache.data_ptr<scalar_t>()),
+        q(query.data_ptr<scalar_t>()), kc(static_cast<const storage*>(k_cache.data_ptr())),
+        vc(static_cast<const storage*>(v_cache.data_ptr())),
         tables(block_tables.data_ptr<int64_t>()), rows(token_table.data_ptr<int64_t>()),
         lens(context_lens.data_ptr<int64_t>()), o(out.data_ptr<scalar_t>()), scale(static_cast<float>(softmax_scale)) {}
 };
 
-template <typename scalar_t>
-void attend(const Inputs<scalar_t>& in) {
+template <typename scalar_t, typename Rows>
+void attend(const Inputs<scalar_t, Rows>& in) {
   const auto [num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, q, kc, vc, tables, rows,
               lens, o, fscale] = in;
 
+  const int64_t row_stride = head_dim + Rows::extra;
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), kf(head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -76,7 +147,7 @@ void attend(const Inputs<scalar_t>& in) {
       load_row(q + (t * num_heads + kvh * group) * head_dim, qf.data(), group * head_dim);
       for (int64_t l = 0; l < ctx; ++l) {  // scores, one key at a time, shared by the query heads of this group
         const int64_t slot = table[l / block_size] * block_size + l % block_size;
-        load_row(kc + (slot * num_kv_heads + kvh) * head_dim, kf.data(), head_dim);
+        dequantize_row<Rows>(kc + (slot * num_kv_heads + kvh) * row_stride, kf.data(), head_dim);
         for (int64_t g = 0; g < group; ++g)
           scores[g * ctx + l] = dot(qf.data() + g * head_dim, kf.data(), head_dim) * fscale;
       }
@@ -94,7 +165,7 @@ void attend(const Inputs<scalar_t>& in) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < ctx; ++l) {  // the weighted sum of values, in key order
         const int64_t slot = table[l / block_size] * block_size + l % block_size;
-        load_row(vc + (slot * num_kv_heads + kvh) * head_dim, kf.data(), head_dim);
+        dequantize_row<Rows>(vc + (slot * num_kv_heads + kvh) * row_stride, kf.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * ctx + l];
           float* a = acc.data() + g * head_dim;
@@ -200,6 +271,22 @@ inline void to_float(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_float16(src + i));
 }
 
+// Values d0 .. d0 + 16 of a cache row as float32 (code * scale for 8-bit rows).
+template <typename Rows>
+inline __m512 load_row16(const typename Rows::storage* row, int64_t d0, int64_t head_dim) {
+  if constexpr (Rows::extra == 0) {
+    return load_float16(row + d0);
+  } else {
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d0)));
+    return _mm512_mul_ps(_mm512_i32gather_ps(codes, Rows::table(), 4), _mm512_set1_ps(row_scale<Rows>(row, head_dim)));
+  }
+}
+
+template <typename Rows>
+inline void row_to_float(const typename Rows::storage* row, float* dst, int64_t head_dim) {
+  for (int64_t i = 0; i < head_dim; i += 16) _mm512_storeu_ps(dst + i, load_row16<Rows>(row, i, head_dim));
+}
+
 // r[i] (row i, 16 columns) becomes column i: unpacks of 32- then 64-bit pairs within 128-bit lanes, then two
 // rounds of 128-bit lane shuffles.
 inline void transpose16(__m512 (&r)[16]) {
@@ -228,11 +315,11 @@ inline void transpose16(__m512 (&r)[16]) {
 }
 
 // Keys first .. first + 16 of one head (rows ``key(l)``; past ``count`` zeros) into kt tile [head_dim][16].
-template <typename scalar_t, typename KeyRow>
+template <typename Rows, typename KeyRow>
 inline void transpose_keys(KeyRow key, int64_t count, int64_t head_dim, float* tile) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
     __m512 r[16];
-    for (int64_t i = 0; i < 16; ++i) r[i] = i < count ? load_float16<scalar_t>(key(i) + d0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < 16; ++i) r[i] = i < count ? load_row16<Rows>(key(i), d0, head_dim) : _mm512_setzero_ps();
     transpose16(r);
     for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile + (d0 + i) * kKeys, r[i]);
   }
@@ -256,6 +343,22 @@ inline void to_float(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load_float8(src + i));
 }
 
+// Values d0 .. d0 + 8 of a cache row as float32 (code * scale for 8-bit rows).
+template <typename Rows>
+inline __m256 load_row8(const typename Rows::storage* row, int64_t d0, int64_t head_dim) {
+  if constexpr (Rows::extra == 0) {
+    return load_float8(row + d0);
+  } else {
+    const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d0)));
+    return _mm256_mul_ps(_mm256_i32gather_ps(Rows::table(), codes, 4), _mm256_set1_ps(row_scale<Rows>(row, head_dim)));
+  }
+}
+
+template <typename Rows>
+inline void row_to_float(const typename Rows::storage* row, float* dst, int64_t head_dim) {
+  for (int64_t i = 0; i < head_dim; i += 8) _mm256_storeu_ps(dst + i, load_row8<Rows>(row, i, head_dim));
+}
+
 // r[i] (row i, 8 columns) becomes column i.
 inline void transpose8(__m256 (&r)[8]) {
   __m256 t[8], u[8];
@@ -276,21 +379,21 @@ inline void transpose8(__m256 (&r)[8]) {
 }
 
 // As the AVX-512 version: keys first .. first + 16 into kt tile [head_dim][16], in blocks of 8 keys x 8 dims.
-template <typename scalar_t, typename KeyRow>
+template <typename Rows, typename KeyRow>
 inline void transpose_keys(KeyRow key, int64_t count, int64_t head_dim, float* tile) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 8)
     for (int64_t k0 = 0; k0 < 16; k0 += 8) {
       __m256 r[8];
       for (int64_t i = 0; i < 8; ++i)
-        r[i] = k0 + i < count ? load_float8<scalar_t>(key(k0 + i) + d0) : _mm256_setzero_ps();
+        r[i] = k0 + i < count ? load_row8<Rows>(key(k0 + i), d0, head_dim) : _mm256_setzero_ps();
       transpose8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(tile + (d0 + i) * kKeys + k0, r[i]);
     }
 }
 #endif
 
-template <typename scalar_t, int DV>
-void attend_tiled(const Inputs<scalar_t>& in) {
+template <typename scalar_t, typename Rows, int DV>
+void attend_tiled(const Inputs<scalar_t, Rows>& in) {
   constexpr int64_t head_dim = DV * 16;
   const auto [num_tokens, num_heads, unused_head_dim, block_size, num_kv_heads, group, max_blocks, q, kc, vc, tables,
               rows, lens, o, fscale] = in;
@@ -321,15 +424,14 @@ void attend_tiled(const Inputs<scalar_t>& in) {
     float* acc = qs + nq * head_dim;
     float* inv_sums = acc + nq * head_dim;
     float* scores = serval::scratch(3, nq * key_tiles * kKeys);
-    const auto row = [&](const scalar_t* cache, int64_t l) {
+    const auto row = [&](const typename Rows::storage* cache, int64_t l) {
       const int64_t slot = table[l / block_size] * block_size + l % block_size;
-      return cache + (slot * num_kv_heads + kvh) * head_dim;
+      return cache + (slot * num_kv_heads + kvh) * (head_dim + Rows::extra);
     };
     for (int64_t j = 0; j < key_tiles; ++j)
-      transpose_keys<scalar_t>([&](int64_t i) { return row(kc, j * kKeys + i); },
-                               std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim,
-                               kt + j * kKeys * head_dim);
-    for (int64_t l = 0; l < ctx_max; ++l) to_float(row(vc, l), v + l * head_dim, head_dim);
+      transpose_keys<Rows>([&](int64_t i) { return row(kc, j * kKeys + i); },
+                           std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim, kt + j * kKeys * head_dim);
+    for (int64_t l = 0; l < ctx_max; ++l) row_to_float<Rows>(row(vc, l), v + l * head_dim, head_dim);
     // Every query head of the tile (tokens t0 .. t1, the group's heads) goes over the keys a block at a time, so a
     // block's keys and values are read from cache by all of them (a whole 8k context is 2 MB a head, past L2).
     const int64_t stride = key_tiles * kKeys;
@@ -360,9 +462,37 @@ void attend_tiled(const Inputs<scalar_t>& in) {
 }
 #endif
 
+
+template <typename scalar_t, typename Rows>
+void attend_any(const Inputs<scalar_t, Rows>& in) {
+#if defined(SERVAL_TILED_ATTENTION)
+  if (in.head_dim == 64) return attend_tiled<scalar_t, Rows, 4>(in);
+  if (in.head_dim == 128) return attend_tiled<scalar_t, Rows, 8>(in);
+  if (in.head_dim == 256) return attend_tiled<scalar_t, Rows, 16>(in);
+#endif
+  attend<scalar_t, Rows>(in);
+}
+
+template <typename Rows, typename scalar_t>
+void quantize_rows(const scalar_t* x, uint8_t* cache, const int64_t* slots, int64_t num_rows, int64_t num_kv_heads,
+                   int64_t head_dim) {
+  at::parallel_for(0, num_rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {  // row r: token r / num_kv_heads, head r % num_kv_heads
+      const scalar_t* src = x + r * head_dim;
+      uint8_t* dst = cache + (slots[r / num_kv_heads] * num_kv_heads + r % num_kv_heads) * (head_dim + 4);
+      float amax = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::abs(static_cast<float>(src[d])));
+      const float scale = amax > 0.f ? amax / Rows::max_code() : 1.f;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = Rows::encode(static_cast<float>(src[d]) / scale);
+      std::memcpy(dst + head_dim, &scale, sizeof(float));
+    }
+  });
+}
+
 }  // namespace
 
-// query [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks];
+// query [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] in the query's dtype, or [.., KVH, D + 4] 8-bit
+// rows (int8, float8_e4m3fn, float8_e5m2: D codes and a float32 scale); block_tables [S, max_blocks];
 // token_table [T]: each query's row in block_tables; context_lens [T]: keys each query attends to (a prefix).
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& token_table,
@@ -370,17 +500,46 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && token_table.scalar_type() == at::kLong &&
               context_lens.scalar_type() == at::kLong, "int64 tables");
+  const auto codes = k_cache.scalar_type();
+  const bool scaled = codes == at::kChar || codes == at::kFloat8_e4m3fn || codes == at::kFloat8_e5m2;
+  TORCH_CHECK(scaled ? k_cache.size(3) == query.size(2) + 4 : codes == query.scalar_type(),
+              "the cache holds rows of the query's dtype, or 8-bit rows of head_dim codes and a float32 scale");
   auto tables = block_tables.contiguous(), rows = token_table.contiguous(), lens = context_lens.contiguous();
   at::Tensor out = at::empty_like(query);
-  const int64_t head_dim = query.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    const Inputs<scalar_t> in(query, k_cache, v_cache, tables, rows, lens, scale, out);
-#if defined(SERVAL_TILED_ATTENTION)
-    if (head_dim == 64) return attend_tiled<scalar_t, 4>(in);
-    if (head_dim == 128) return attend_tiled<scalar_t, 8>(in);
-    if (head_dim == 256) return attend_tiled<scalar_t, 16>(in);
-#endif
-    attend<scalar_t>(in);
+    if (codes == at::kChar)
+      return attend_any(Inputs<scalar_t, ScaledRows<int8_t>>(query, k_cache, v_cache, tables, rows, lens, scale, out));
+    if (codes == at::kFloat8_e4m3fn)
+      return attend_any(Inputs<scalar_t, ScaledRows<c10::Float8_e4m3fn>>(query, k_cache, v_cache, tables, rows, lens,
+                                                                         scale, out));
+    if (codes == at::kFloat8_e5m2)
+      return attend_any(Inputs<scalar_t, ScaledRows<c10::Float8_e5m2>>(query, k_cache, v_cache, tables, rows, lens,
+                                                                       scale, out));
+    attend_any(Inputs<scalar_t, PlainRows<scalar_t>>(query, k_cache, v_cache, tables, rows, lens, scale, out));
   });
   return out;
+}
+
+// Writes x [T, KVH, D] (each token's keys or values) into the 8-bit rows [num_blocks, block_size, KVH, D + 4] of
+// cache at the slots slot_mapping [T]: per row, scale = max |x| / the code's largest value, codes = x / scale
+// (rounded to nearest even), then the scale.
+void quantize_kv_(const at::Tensor& x, at::Tensor cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(x.is_contiguous() && cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong, "inputs");
+  const int64_t num_kv_heads = x.size(1), head_dim = x.size(2);
+  TORCH_CHECK(cache.size(3) == head_dim + 4 && cache.size(2) == num_kv_heads, "8-bit rows of D codes and a scale");
+  const auto slots = slot_mapping.contiguous();
+  auto* dst = static_cast<uint8_t*>(cache.data_ptr());
+  const auto codes = cache.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_kv_", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const int64_t n = x.size(0) * num_kv_heads;
+    if (codes == at::kChar)
+      quantize_rows<ScaledRows<int8_t>>(src, dst, slots.data_ptr<int64_t>(), n, num_kv_heads, head_dim);
+    else if (codes == at::kFloat8_e4m3fn)
+      quantize_rows<ScaledRows<c10::Float8_e4m3fn>>(src, dst, slots.data_ptr<int64_t>(), n, num_kv_heads, head_dim);
+    else if (codes == at::kFloat8_e5m2)
+      quantize_rows<ScaledRows<c10::Float8_e5m2>>(src, dst, slots.data_ptr<int64_t>(), n, num_kv_heads, head_dim);
+    else
+      TORCH_CHECK(false, "quantize_kv_: the cache must be int8, float8_e4m3fn or float8_e5m2");
+  });
 }

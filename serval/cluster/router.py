@@ -1,0 +1,270 @@
+"""`serval router`: one OpenAI-compatible front over several `serval serve` replicas.
+
+Each generation request goes to the replica its policy picks (cluster/policy.py); its response, streamed or not,
+is passed through byte for byte. A request that never started on a replica (the connection failed, or the replica
+answered 503: draining or shedding load) is sent to another one; once a replica has started answering, its answer
+is the answer. Replicas are health-checked (GET /health) in the background: one that fails
+``health_failures`` checks in a row (or refuses a connection) is taken out until a check passes again. When every
+healthy replica has ``max_outstanding`` requests in flight the router answers 503 with Retry-After, without asking
+any. The router has its own API keys, request log (which replica, and why) and Prometheus metrics, per replica and
+in total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+import serval
+from serval.cluster.policy import Replica, make_policy, prompt_text
+
+logger = logging.getLogger("serval.router")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# Response headers worth passing on (hop-by-hop ones and the length of a body we re-stream are not).
+PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-serval-dropped-messages", "cache-control")
+
+
+@dataclass
+class RouterConfig:
+    replicas: list[str]
+    policy: str = "cache_aware"
+    api_keys: list[str] = field(default_factory=list)  # the router's own keys (empty: no auth)
+    replica_api_key: str | None = None  # sent to the replicas
+    max_outstanding: int = 64  # per replica: past it the replica takes no more until one finishes
+    health_interval: float = 2.0  # seconds between health checks
+    health_failures: int = 2  # checks failed in a row that take a replica out
+    max_body_bytes: int = 1 << 20
+    request_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("the router needs at least one replica URL (--replica)")
+        make_policy(self.policy)  # a bad name fails here, with the choices
+        if self.max_outstanding < 1:
+            raise ValueError(f"max_outstanding must be >= 1, got {self.max_outstanding}")
+
+
+class RouterMetrics:
+    def __init__(self, replicas: list[Replica]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("serval_router:requests", "Requests routed, by replica and final status.",
+                                ["replica", "status"], registry=r)
+        self.retries = Counter("serval_router:retries", "Requests sent to another replica after one that never "
+                               "started them (connection failed, or 503).", ["replica"], registry=r)
+        self.rejected = Counter("serval_router:rejected", "Requests refused: no healthy replica, or all full.",
+                                ["reason"], registry=r)
+        self.latency = Histogram("serval_router:request_latency_seconds", "Arrival to last byte, per replica.",
+                                 ["replica"], registry=r)
+        self.outstanding = Gauge("serval_router:replica_outstanding", "Requests in flight.", ["replica"], registry=r)
+        self.healthy = Gauge("serval_router:replica_healthy", "1 while the replica passes its health checks.",
+                             ["replica"], registry=r)
+        for replica in replicas:
+            self.outstanding.labels(replica.url).set_function(lambda rep=replica: rep.outstanding)
+            self.healthy.labels(replica.url).set_function(lambda rep=replica: int(rep.healthy))
+
+
+def _error(message: str, status: int, code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 and status != 429 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def create_router_app(config: RouterConfig) -> FastAPI:
+    replicas = [Replica(url.rstrip("/")) for url in config.replicas]
+    policy = make_policy(config.policy)
+    metrics = RouterMetrics(replicas)
+    upstream_headers = {"Authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=5.0),
+                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        checker = asyncio.create_task(health_checks())
+        yield
+        checker.cancel()
+        await state["client"].aclose()
+
+    app = FastAPI(title="Serval router", version=serval.__version__, lifespan=lifespan)
+    app.state.replicas, app.state.policy = replicas, policy
+
+    async def check(replica: Replica) -> None:
+        try:
+            ok = (await state["client"].get(f"{replica.url}/health", headers=upstream_headers,
+                                            timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            if not replica.healthy:
+                logger.info("replica %s is healthy again: back in the rotation", replica.url)
+            replica.healthy, replica.consecutive_failures = True, 0
+        else:
+            replica.consecutive_failures += 1
+            if replica.healthy and replica.consecutive_failures >= config.health_failures:
+                replica.healthy = False
+                logger.warning("replica %s failed %d health checks: taken out", replica.url,
+                               replica.consecutive_failures)
+
+    async def health_checks() -> None:
+        while True:
+            await asyncio.gather(*(check(r) for r in replicas))
+            await asyncio.sleep(config.health_interval)
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if config.api_keys and request.url.path not in ("/health",):
+            header = request.headers.get("authorization", "")
+            if header.removeprefix("Bearer ").strip() not in config.api_keys:
+                return _error("invalid or missing API key (send Authorization: Bearer KEY)", 401, "invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        healthy = sum(r.healthy for r in replicas)
+        status = 200 if healthy else 503
+        return JSONResponse({"status": "ok" if healthy else "no healthy replica", "healthy_replicas": healthy,
+                             "replicas": len(replicas)}, status_code=status)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/router/state")
+    async def router_state():
+        return {"policy": policy.name, "replicas": [
+            {"url": r.url, "healthy": r.healthy, "outstanding": r.outstanding,
+             "consecutive_failures": r.consecutive_failures, "known_prefixes": len(r.prefixes)} for r in replicas]}
+
+    @app.get("/v1/models")
+    async def models():
+        seen: dict[str, dict] = {}
+        for replica in [r for r in replicas if r.healthy]:
+            try:
+                response = await state["client"].get(f"{replica.url}/v1/models", headers=upstream_headers,
+                                                     timeout=5.0)
+                for model in response.json().get("data", []):
+                    seen.setdefault(model["id"], model)
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+        return {"object": "list", "data": list(seen.values())}
+
+    async def route(request: Request):
+        started = time.monotonic()
+        body = await request.body()
+        if len(body) > config.max_body_bytes:
+            return _error(f"request body over {config.max_body_bytes} bytes", 413, "request_too_large")
+        try:
+            payload = json.loads(body)
+            if not isinstance(payload, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            return _error("the request body is not a JSON object", 400, "invalid_json")
+        prompt = prompt_text(payload)
+        request_id = request.headers.get("x-request-id") or f"route-{uuid.uuid4().hex[:12]}"
+        tried: set[str] = set()
+        while True:
+            candidates = [r for r in replicas if r.healthy and r.url not in tried]
+            if not candidates:
+                reason = "no healthy replica" if not tried and not any(r.healthy for r in replicas) else \
+                    "every replica refused or failed it"
+                metrics.rejected.labels("unavailable").inc()
+                return _error(f"{reason}; retry later", 503, "no_replica", {"Retry-After": "1"})
+            open_ = [r for r in candidates if r.outstanding < config.max_outstanding]
+            if not open_:
+                metrics.rejected.labels("full").inc()
+                return _error(f"every replica has {config.max_outstanding} requests in flight; retry later", 503,
+                              "overloaded", {"Retry-After": "1"})
+            decision = policy.choose(prompt, open_)
+            replica = decision.replica
+            tried.add(replica.url)
+            replica.outstanding += 1
+            upstream = state["client"].build_request(
+                "POST", f"{replica.url}{request.url.path}", content=body,
+                headers={**upstream_headers, "content-type": "application/json", "x-request-id": request_id})
+            try:
+                response = await state["client"].send(upstream, stream=True)
+            except httpx.TransportError as exc:  # never reached the replica: another one may serve it
+                replica.outstanding -= 1
+                replica.consecutive_failures += 1
+                replica.healthy = False
+                logger.warning("request %s: replica %s unreachable (%s); taken out, retrying elsewhere", request_id,
+                               replica.url, type(exc).__name__)
+                metrics.retries.labels(replica.url).inc()
+                continue
+            if response.status_code == 503:  # draining or shedding load: it did not start the request
+                await response.aclose()
+                replica.outstanding -= 1
+                logger.info("request %s: replica %s answered 503; retrying elsewhere", request_id, replica.url)
+                metrics.retries.labels(replica.url).inc()
+                continue
+            policy.routed(prompt, replica)
+            logger.info("request %s %s -> %s (%s: %s) %d", request_id, request.url.path, replica.url, policy.name,
+                        decision.reason, response.status_code)
+            return _passthrough(response, replica, request_id, started)
+
+    def _passthrough(response: httpx.Response, replica: Replica, request_id: str, started: float):
+        headers = {k: v for k, v in response.headers.items() if k.lower() in PASSED_HEADERS}
+        headers["x-serval-replica"] = replica.url
+
+        async def body():
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:  # finished, failed, or the client went away (the replica then sees its disconnect)
+                await response.aclose()
+                replica.outstanding -= 1
+                metrics.requests.labels(replica.url, str(response.status_code)).inc()
+                metrics.latency.labels(replica.url).observe(time.monotonic() - started)
+
+        return StreamingResponse(body(), status_code=response.status_code, headers=headers)
+
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, route, methods=["POST"])
+    return app
+
+
+def spawn_replicas(count: int, serve_args: list[str],
+                   timeout: float = 300.0) -> tuple[list[subprocess.Popen], list[str]]:
+    """Starts ``count`` `serval serve` processes on free loopback ports and waits until each is healthy."""
+    procs, urls = [], []
+    for _ in range(count):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs.append(subprocess.Popen([sys.executable, "-m", "serval.cli", "serve", "--port", str(port),
+                                       *serve_args]))
+        urls.append(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout
+    for proc, url in zip(procs, urls):
+        while True:
+            if proc.poll() is not None:
+                for other in procs:
+                    other.terminate()
+                raise RuntimeError(f"replica {url} exited with {proc.returncode} while starting")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                for other in procs:
+                    other.terminate()
+                raise RuntimeError(f"replica {url} not healthy after {timeout} s")
+            time.sleep(0.5)
+    return procs, urls
