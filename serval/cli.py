@@ -269,7 +269,8 @@ def cmd_router(args: argparse.Namespace) -> int:
             args.replica = args.replica + urls
         config = RouterConfig(replicas=args.replica, policy=args.policy, api_keys=_api_keys(args.api_key),
                               replica_api_key=args.replica_api_key, max_outstanding=args.max_outstanding,
-                              health_interval=args.health_interval, health_failures=args.health_failures)
+                              health_interval=args.health_interval, health_failures=args.health_failures,
+                              rules=_routing_rules(args.rules))
         app = create_router_app(config)
         logging.getLogger("serval.router").setLevel(min(logging.INFO, logging.getLogger().level))
         print(f"serval router: {config.policy} over {', '.join(config.replicas)}; serving on "
@@ -281,6 +282,23 @@ def cmd_router(args: argparse.Namespace) -> int:
         for proc in spawned:
             proc.wait(60)
     return 0
+
+
+def _routing_rules(path: str | None):
+    """The --rules file (JSON, or YAML: a superset) as VariantRules; None without one."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    import yaml
+
+    from serval.cluster.policy import VariantRules
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--rules {path}: {exc}") from None
+    return VariantRules.from_dict(raw)
 
 
 def _api_keys(flags: list[str] | None) -> list[str]:
@@ -408,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--replica-api-key", default=None, help="the key the replicas require, if any")
     router.add_argument("--max-outstanding", type=int, default=64,
                         help="requests in flight per replica; past it on every replica: 503 with Retry-After")
+    router.add_argument("--rules", default=None, metavar="FILE",
+                        help="model variants: a JSON or YAML file of aliases (mini, full) and rules that pick a "
+                        "model by the model asked, a header or the prompt's length (README: routing rules)")
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     router.add_argument("--health-failures", type=int, default=2,
                         help="failed health checks in a row that take a replica out (until one passes)")

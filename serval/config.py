@@ -41,6 +41,13 @@ class ModelConfig:
     eos_token_id: int | None = None
     architecture: str = "llama"
     name: str = ""
+    # Gemma 3: most layers attend to a sliding window of keys with their own RoPE base; "sliding_attention" or
+    # "full_attention" per layer; attention scaled by query_pre_attn_scalar^-0.5; logits soft-capped.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

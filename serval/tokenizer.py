@@ -10,6 +10,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# Gemma 3's chat format, for GGUF files that carry no template: turns of <start_of_turn>{user|model}\n ...
+# <end_of_turn>\n after <bos>, a system message prefixed to the first user turn, and roles that alternate.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (prefix if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 
 class Tokenizer:
     """A model's tokenizer, loaded from a GGUF file or a Hugging Face directory, always offline.
@@ -41,6 +56,10 @@ class Tokenizer:
             # llama.cpp's end-of-generation set: eos plus end-of-turn / end-of-message tokens.
             keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
             eos_ids = {int(meta[k]) for k in keys if isinstance(meta.get(k), int)}
+            if meta.get("general.architecture") == "gemma3":
+                # Gemma's turns end with <end_of_turn>; a file without a chat template gets Gemma 3's own.
+                eos_ids.add(hf.convert_tokens_to_ids("<end_of_turn>"))
+                hf.chat_template = hf.chat_template or GEMMA3_CHAT_TEMPLATE
             return cls(hf, eos_ids)
         if path.is_dir():
             hf = _load_hf_tokenizer(path)

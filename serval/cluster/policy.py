@@ -26,6 +26,7 @@ class Replica:
     """What the router knows of one replica."""
 
     url: str
+    models: set[str] = field(default_factory=set)  # what its /v1/models lists (learned by the health checks)
     healthy: bool = True
     outstanding: int = 0  # requests sent and not finished
     consecutive_failures: int = 0  # health checks (or connections) failed in a row
@@ -134,3 +135,64 @@ def prompt_text(body: dict) -> str:
     if isinstance(prompt, list):
         prompt = prompt[0] if prompt and isinstance(prompt[0], str) else " ".join(map(str, prompt))
     return prompt if isinstance(prompt, str) else str(prompt)
+
+
+@dataclass
+class VariantRule:
+    """When a request matches every condition given, it goes to ``model``. Conditions: the model it names (an
+    alias such as "auto"), a header's value, a prompt longer than some characters."""
+
+    model: str
+    if_model: str | None = None
+    if_header: dict[str, str] = field(default_factory=dict)
+    if_prompt_chars_over: int | None = None
+
+    def matches(self, model: str | None, headers: dict[str, str], prompt: str) -> bool:
+        return ((self.if_model is None or model == self.if_model)
+                and all(headers.get(k.lower()) == v for k, v in self.if_header.items())
+                and (self.if_prompt_chars_over is None or len(prompt) > self.if_prompt_chars_over))
+
+    def describe(self) -> str:
+        parts = ([f"model {self.if_model}"] if self.if_model else []) + \
+            [f"{k}: {v}" for k, v in self.if_header.items()] + \
+            ([f"prompt over {self.if_prompt_chars_over} chars"] if self.if_prompt_chars_over is not None else [])
+        return " and ".join(parts) or "always"
+
+
+@dataclass
+class VariantRules:
+    """Which model variant serves a request: the first rule that matches picks it, then ``aliases`` name it (a
+    request may say "mini" or "full"); a request no rule matches keeps its own model. Configuration, as JSON or
+    YAML: {"aliases": {"mini": "smollm2-135m-instruct", "full": "gemma3-270m"}, "rules": [{"if": {"header":
+    {"x-serval-tier": "premium"}}, "model": "full"}, {"if": {"prompt_chars_over": 4000}, "model": "full"},
+    {"if": {"model": "auto"}, "model": "mini"}]}."""
+
+    aliases: dict[str, str] = field(default_factory=dict)
+    rules: list[VariantRule] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> VariantRules:
+        if not isinstance(raw, dict):
+            raise ValueError("routing rules must be a mapping with 'aliases' and 'rules'")
+        unknown = set(raw) - {"aliases", "rules"}
+        if unknown:
+            raise ValueError(f"routing rules: unknown keys {sorted(unknown)} (expected 'aliases', 'rules')")
+        rules = []
+        for i, rule in enumerate(raw.get("rules") or []):
+            condition = rule.get("if") or {}
+            extra = set(condition) - {"model", "header", "prompt_chars_over"}
+            if "model" not in rule or extra:
+                raise ValueError(f"routing rule {i}: needs 'model', and 'if' may hold only model, header, "
+                                 f"prompt_chars_over (got {sorted(extra)})")
+            rules.append(VariantRule(rule["model"], condition.get("model"), dict(condition.get("header") or {}),
+                                     condition.get("prompt_chars_over")))
+        return cls(dict(raw.get("aliases") or {}), rules)
+
+    def resolve(self, model: str | None, headers: dict[str, str], prompt: str) -> tuple[str | None, str]:
+        """(the model to serve the request, why)."""
+        for i, rule in enumerate(self.rules):
+            if rule.matches(model, headers, prompt):
+                target = self.aliases.get(rule.model, rule.model)
+                return target, f"rule {i} ({rule.describe()}) -> {target}"
+        target = self.aliases.get(model, model) if model is not None else None
+        return target, f"alias {model} -> {target}" if target != model else "as asked"

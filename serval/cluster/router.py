@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import serval
-from serval.cluster.policy import Replica, make_policy, prompt_text
+from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
 
 logger = logging.getLogger("serval.router")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
@@ -49,6 +49,7 @@ class RouterConfig:
     health_failures: int = 2  # checks failed in a row that take a replica out
     max_body_bytes: int = 1 << 20
     request_timeout: float = 600.0
+    rules: VariantRules | None = None  # which model variant serves a request (None: the model it names)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -111,6 +112,12 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         except httpx.HTTPError:
             ok = False
         if ok:
+            try:  # what it serves: requests for a model go only to replicas that list it
+                listed = (await state["client"].get(f"{replica.url}/v1/models", headers=upstream_headers,
+                                                    timeout=2.0)).json()
+                replica.models = {m["id"] for m in listed.get("data", [])}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass
             if not replica.healthy:
                 logger.info("replica %s is healthy again: back in the rotation", replica.url)
             replica.healthy, replica.consecutive_failures = True, 0
@@ -148,7 +155,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/router/state")
     async def router_state():
         return {"policy": policy.name, "replicas": [
-            {"url": r.url, "healthy": r.healthy, "outstanding": r.outstanding,
+            {"url": r.url, "models": sorted(r.models), "healthy": r.healthy, "outstanding": r.outstanding,
              "consecutive_failures": r.consecutive_failures, "known_prefixes": len(r.prefixes)} for r in replicas]}
 
     @app.get("/v1/models")
@@ -177,9 +184,21 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             return _error("the request body is not a JSON object", 400, "invalid_json")
         prompt = prompt_text(payload)
         request_id = request.headers.get("x-request-id") or f"route-{uuid.uuid4().hex[:12]}"
+        model, variant = payload.get("model"), "as asked"
+        if config.rules is not None:
+            model, variant = config.rules.resolve(model, {k.lower(): v for k, v in request.headers.items()}, prompt)
+            if model != payload.get("model"):
+                payload["model"] = model
+                body = json.dumps(payload).encode()
+        # Replicas whose models are known and do not include it cannot serve it.
+        serving = [r for r in replicas if not isinstance(model, str) or not r.models or model in r.models]
+        if not serving:
+            known = sorted({m for r in replicas for m in r.models})
+            return _error(f"the model {model!r} is not served here (served: {', '.join(known)})", 404,
+                          "model_not_found")
         tried: set[str] = set()
         while True:
-            candidates = [r for r in replicas if r.healthy and r.url not in tried]
+            candidates = [r for r in serving if r.healthy and r.url not in tried]
             if not candidates:
                 reason = "no healthy replica" if not tried and not any(r.healthy for r in replicas) else \
                     "every replica refused or failed it"
@@ -214,8 +233,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                 metrics.retries.labels(replica.url).inc()
                 continue
             policy.routed(prompt, replica)
-            logger.info("request %s %s -> %s (%s: %s) %d", request_id, request.url.path, replica.url, policy.name,
-                        decision.reason, response.status_code)
+            logger.info("request %s %s model %s (%s) -> %s (%s: %s) %d", request_id, request.url.path, model, variant,
+                        replica.url, policy.name, decision.reason, response.status_code)
             return _passthrough(response, replica, request_id, started)
 
     def _passthrough(response: httpx.Response, replica: Replica, request_id: str, started: float):

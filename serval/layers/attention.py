@@ -121,13 +121,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # attend to each query's last ``window`` keys only (a sliding-window layer)
 ) -> torch.Tensor:
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[2]
     write_kv(k_cache, k, meta.slot_mapping)
     write_kv(v_cache, v, meta.slot_mapping)
     if meta.token_table is not None and q.device.type == "cpu" and (kernels := cpu_kernels.load()) is not None:
         return kernels.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.token_table,
-                                       meta.context_lens, scale)
+                                       meta.context_lens, scale, window or 0)
 
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
@@ -139,7 +140,11 @@ def paged_attention(
         values = _gather_blocks(v_cache, tables.flatten()).view(shape).transpose(1, 2)
         # One query per sequence, its heads grouped under their key/value head: [D, KVH, heads per KV head, dim].
         query = q[:num_decodes].view(num_decodes, num_kv_heads, -1, head_dim)
-        attn = _attend(query, keys, values, meta.decode_mask, scale)
+        mask = meta.decode_mask
+        if window:  # each decode's position is its number of keys in context, minus one
+            positions = mask.sum(-1, keepdim=True) - 1
+            mask = mask & (torch.arange(mask.shape[-1], device=q.device) > positions - window)
+        attn = _attend(query, keys, values, mask, scale)
         out[:num_decodes] = attn.view(num_decodes, -1, head_dim)
     for chunk in meta.prefills:
         start, end = chunk.query_start, chunk.query_start + chunk.query_len
@@ -151,6 +156,9 @@ def paged_attention(
         mask = chunk.mask
         if mask is None:
             mask = torch.ones(chunk.query_len, chunk.query_len, dtype=torch.bool, device=q.device).tril_()
+        if window:
+            q_pos = torch.arange(chunk.seq_len - chunk.query_len, chunk.seq_len, device=q.device)
+            mask = mask & (torch.arange(mask.shape[-1], device=q.device)[None, :] > q_pos[:, None] - window)
         # A chunk's queries as rows [KVH, Q * heads per KV head, dim] against keys [KVH, L, dim].
         q_len, group = chunk.query_len, q.shape[1] // num_kv_heads
         query = q[start:end].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, -1,

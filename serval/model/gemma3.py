@@ -1,0 +1,122 @@
+"""Gemma 3 (text): Llama's skeleton with Gemma's parts.
+
+- embeddings scaled by sqrt(hidden) (rounded to the model's dtype first, as the reference does);
+- RMSNorm as ``x * (1 + w)`` in float32, and four norms a layer: before and after attention, before and after the
+  MLP, each sublayer's output normed before it joins the residual stream;
+- per-head RMSNorm of queries and keys (QK-norm) before RoPE; attention scaled by query_pre_attn_scalar^-0.5;
+- interleaved attention: most layers see a sliding window of the last ``sliding_window`` keys and rotate with the
+  local RoPE base, every ``sliding_window_pattern``-th layer sees everything with the global base;
+- GeGLU MLP (gelu with the tanh approximation), and logit soft-capping where the config has it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serval.config import ModelConfig
+from serval.layers.attention import AttentionMetadata, paged_attention
+from serval.layers.linear import Linear
+from serval.layers.rotary import RotaryEmbedding, RotaryStep
+from serval.model.llama import LlamaForCausalLM
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), in float32, cast back once (``weight`` holds w, as the reference's checkpoints do)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, sliding: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = config.sliding_window if sliding else None
+
+    def forward(self, rope: RotaryStep, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        qk = rope.rotate_(torch.cat([q, k], dim=1))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
+        return self.o_proj(out.flatten(1))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, sliding: bool) -> None:
+        super().__init__()
+        self.sliding = sliding
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.self_attn = Gemma3Attention(config, sliding)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.mlp = Gemma3MLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, rope: RotaryStep, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Loads, fuses and ties weights as the Llama model does (same Hugging Face names); its own layers and step."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta, config.rope_scaling)
+        self.rotary_local = RotaryEmbedding(config.head_dim, config.max_position,
+                                            config.rope_local_theta or config.rope_theta)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, sliding=kind == "sliding_attention")
+                                    for kind in config.layer_types)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tie_weights()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        global_rope = self.rotary.for_step(positions, x.dtype)
+        local_rope = self.rotary_local.for_step(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(local_rope if layer.sliding else global_rope, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

