@@ -81,6 +81,9 @@ def test_every_dashboard_query_names_metrics_the_server_exports(server):
         assert not cells & cells_of_panel, f"panel {panel['title']!r} overlaps another"
         cells |= cells_of_panel
         assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]) > 0
+    # Labelled series appear with their first sample: one finished request and one error.
+    server.client().completions.create(model="smollm2-135m-instruct", prompt="Hello", max_tokens=1)
+    httpx.get(f"{server.url}/no-such-path", timeout=10)
     exported = _exported(server)
     named = {name for p in panels for t in p["targets"] for name in re.findall(r"serval:[a-z_]+", t["expr"])}
     assert named and named <= exported, sorted(named - exported)
