@@ -233,6 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         protect_metrics=args.protect_metrics, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         output_filter=BlocklistFilter(args.blocklist.split(",")) if args.blocklist else NoFilter(),
+        tracing=_tracing("serval", args),
     )
     # One line per request at INFO whatever --log-level says (unless disabled): an operator sees traffic by default.
     root_level = logging.getLogger().level
@@ -270,7 +271,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         config = RouterConfig(replicas=args.replica, policy=args.policy, api_keys=_api_keys(args.api_key),
                               replica_api_key=args.replica_api_key, max_outstanding=args.max_outstanding,
                               health_interval=args.health_interval, health_failures=args.health_failures,
-                              rules=_routing_rules(args.rules))
+                              rules=_routing_rules(args.rules), tracing=_tracing("serval-router", args))
         app = create_router_app(config)
         logging.getLogger("serval.router").setLevel(min(logging.INFO, logging.getLogger().level))
         print(f"serval router: {config.policy} over {', '.join(config.replicas)}; serving on "
@@ -282,6 +283,14 @@ def cmd_router(args: argparse.Namespace) -> int:
         for proc in spawned:
             proc.wait(60)
     return 0
+
+
+def _tracing(service_name: str, args: argparse.Namespace):
+    if not args.otlp_traces_endpoint:
+        return None
+    from serval.tracing import Tracing
+
+    return Tracing.create(service_name, endpoint=args.otlp_traces_endpoint)
 
 
 def _routing_rules(path: str | None):
@@ -399,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no per-request log line (by default one INFO line per API request, as JSON)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM")
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send OpenTelemetry spans of each generation request (OTLP/HTTP, e.g. "
+                       "http://collector:4318/v1/traces; W3C traceparent honoured); off if unset")
     serve.add_argument("--engine-in-process", action="store_true",
                        help="step the engine on a thread of the server's process (default: the engine core runs in "
                        "its own process, and the server's HTTP, tokenizing and detokenizing never wait on its GIL)")
@@ -429,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--rules", default=None, metavar="FILE",
                         help="model variants: a JSON or YAML file of aliases (mini, full) and rules that pick a "
                         "model by the model asked, a header or the prompt's length (README: routing rules)")
+    router.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="send OpenTelemetry spans (OTLP/HTTP, e.g. http://collector:4318/v1/traces); off if unset")
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     router.add_argument("--health-failures", type=int, default=2,
                         help="failed health checks in a row that take a replica out (until one passes)")

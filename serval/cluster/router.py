@@ -31,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import serval
 from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
+from serval.tracing import Tracing
 
 logger = logging.getLogger("serval.router")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
@@ -50,6 +51,7 @@ class RouterConfig:
     max_body_bytes: int = 1 << 20
     request_timeout: float = 600.0
     rules: VariantRules | None = None  # which model variant serves a request (None: the model it names)
+    tracing: Tracing | None = None  # OpenTelemetry: a span per routed request, traceparent passed to the replica
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -173,6 +175,16 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     async def route(request: Request):
         started = time.monotonic()
+        tracing = config.tracing
+        span = tracing.start_span(f"route {request.url.path}", request.headers, start_monotonic=started) \
+            if tracing is not None else None
+        response = await _route(request, started, span)
+        if span is not None and not isinstance(response, StreamingResponse):  # refused: the route ends here
+            span.set_attribute("http.status_code", response.status_code)
+            span.end()
+        return response
+
+    async def _route(request: Request, started: float, span):
         body = await request.body()
         if len(body) > config.max_body_bytes:
             return _error(f"request body over {config.max_body_bytes} bytes", 413, "request_too_large")
@@ -213,12 +225,23 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             replica = decision.replica
             tried.add(replica.url)
             replica.outstanding += 1
-            upstream = state["client"].build_request(
-                "POST", f"{replica.url}{request.url.path}", content=body,
-                headers={**upstream_headers, "content-type": "application/json", "x-request-id": request_id})
+            headers = {**upstream_headers, "content-type": "application/json", "x-request-id": request_id}
+            attempt = None
+            if span is not None:  # the call to the replica: its traceparent makes the replica's span a child
+                attempt = config.tracing.start_span(f"POST {replica.url}{request.url.path}", parent=span,
+                                                    kind="CLIENT")
+                attempt.set_attributes({"serval.replica": replica.url, "serval.routing.policy": policy.name,
+                                        "serval.routing.reason": decision.reason, "serval.model": str(model),
+                                        "serval.routing.variant": variant})
+                Tracing.inject(attempt, headers)
+            upstream = state["client"].build_request("POST", f"{replica.url}{request.url.path}", content=body,
+                                                     headers=headers)
             try:
                 response = await state["client"].send(upstream, stream=True)
             except httpx.TransportError as exc:  # never reached the replica: another one may serve it
+                if attempt is not None:
+                    attempt.set_attribute("error.type", type(exc).__name__)
+                    attempt.end()
                 replica.outstanding -= 1
                 replica.consecutive_failures += 1
                 replica.healthy = False
@@ -227,6 +250,9 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                 metrics.retries.labels(replica.url).inc()
                 continue
             if response.status_code == 503:  # draining or shedding load: it did not start the request
+                if attempt is not None:
+                    attempt.set_attribute("http.status_code", 503)
+                    attempt.end()
                 await response.aclose()
                 replica.outstanding -= 1
                 logger.info("request %s: replica %s answered 503; retrying elsewhere", request_id, replica.url)
@@ -235,9 +261,9 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             policy.routed(prompt, replica)
             logger.info("request %s %s model %s (%s) -> %s (%s: %s) %d", request_id, request.url.path, model, variant,
                         replica.url, policy.name, decision.reason, response.status_code)
-            return _passthrough(response, replica, request_id, started)
+            return _passthrough(response, replica, request_id, started, (attempt, span))
 
-    def _passthrough(response: httpx.Response, replica: Replica, request_id: str, started: float):
+    def _passthrough(response: httpx.Response, replica: Replica, request_id: str, started: float, spans):
         headers = {k: v for k, v in response.headers.items() if k.lower() in PASSED_HEADERS}
         headers["x-serval-replica"] = replica.url
 
@@ -250,6 +276,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                 replica.outstanding -= 1
                 metrics.requests.labels(replica.url, str(response.status_code)).inc()
                 metrics.latency.labels(replica.url).observe(time.monotonic() - started)
+                for span in spans:  # the replica call, then the route
+                    if span is not None:
+                        span.set_attribute("http.status_code", response.status_code)
+                        span.end()
 
         return StreamingResponse(body(), status_code=response.status_code, headers=headers)
 

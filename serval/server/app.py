@@ -47,6 +47,7 @@ from serval.server.tools import (
     tool_call_grammar,
 )
 from serval.tokenizer import IncrementalDetokenizer
+from serval.tracing import Tracing
 
 logger = logging.getLogger("serval.server")
 request_log = logging.getLogger("serval.requests")
@@ -65,6 +66,7 @@ class ServerConfig:
     rate_limit_rpm: int | None = None
     rate_limit_tpm: int | None = None
     output_filter: OutputFilter = field(default_factory=NoFilter)
+    tracing: Tracing | None = None  # OpenTelemetry spans of generation requests (serval/tracing.py)
 
 
 @dataclass
@@ -146,6 +148,10 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         log = request.state.log = {"request_id": request_id, "method": request.method, "path": path,
                                    "status": None}
         request.state.started = started
+        if config.tracing is not None and request.method == "POST" and path.startswith("/v1/"):
+            # Ended with the request's log line (a stream's at its end), with its queue/prefill/decode phases.
+            log["_trace"] = (config.tracing, config.tracing.start_span(f"POST {path}", request.headers,
+                                                                       start_monotonic=started))
         try:
             length = int(request.headers.get("content-length") or 0)
             if "content-length" not in request.headers and request.method in ("POST", "PUT", "PATCH"):
@@ -699,7 +705,11 @@ def _log_request(log: dict, started: float, level: int = logging.INFO) -> None:
     """The request's one line in the ``serval.requests`` log, as JSON: method, path, status, request id, and for a
     generation its tokens, queue time, TTFT and finish reasons; latency runs from arrival to the response (for a
     stream, to its end)."""
+    trace = log.pop("_trace", None)
     request_log.log(level, json.dumps({**log, "latency_s": round(time.monotonic() - started, 4)}))
+    if trace is not None:
+        tracing, span = trace
+        tracing.finish_request(span, log, started)
 
 
 def _token_text(tokenizer, token_id: int) -> str:
