@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-
 # Wall clock minus monotonic clock, read once: every instant converts with the same offset, so two spans that
 # start at one monotonic instant start at one epoch instant too.
 _EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
