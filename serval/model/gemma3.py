@@ -19,7 +19,7 @@ from serval.config import ModelConfig
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.linear import Linear
 from serval.layers.rotary import RotaryEmbedding, RotaryStep
-from serval.model.llama import LlamaForCausalLM
+from serval.model.llama import LlamaForCausalLM, LlamaMLP
 
 
 class GemmaRMSNorm(nn.Module):
@@ -59,12 +59,8 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+class Gemma3MLP(LlamaMLP):
+    """Llama's MLP with GeGLU (gelu, tanh approximation) for SwiGLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
