@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -290,14 +291,18 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
 def spawn_replicas(count: int, serve_args: list[str],
                    timeout: float = 300.0) -> tuple[list[subprocess.Popen], list[str]]:
-    """Starts ``count`` `serval serve` processes on free loopback ports and waits until each is healthy."""
+    """Starts ``count`` `serval serve` processes on free loopback ports and waits until each is healthy. They share
+    the machine's cores (OMP_NUM_THREADS, unless set, is the cores over ``count``): replicas each spinning a thread
+    per core would take turns on the same cores (measured: 2 replicas on 2 cores ran 10x slower than one)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
     procs, urls = [], []
     for _ in range(count):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         procs.append(subprocess.Popen([sys.executable, "-m", "serval.cli", "serve", "--port", str(port),
-                                       *serve_args]))
+                                       *serve_args], env=env))
         urls.append(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + timeout
     for proc, url in zip(procs, urls):
