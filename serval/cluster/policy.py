@@ -29,6 +29,7 @@ class Replica:
     models: set[str] = field(default_factory=set)  # what its /v1/models lists (learned by the health checks)
     healthy: bool = True
     outstanding: int = 0  # requests sent and not finished
+    routed: int = 0  # requests sent, ever
     consecutive_failures: int = 0  # health checks (or connections) failed in a row
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)  # chunk-chain hashes, least recent first
 
@@ -57,14 +58,19 @@ class LeastOutstanding:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, prompt: str, candidates: list[Replica]) -> RoutingDecision:
+    def choose(self, prompt: str, candidates: list[Replica], tie_break: int | None = None) -> RoutingDecision:
+        """``tie_break``: which of the tied replicas (a number from the request, e.g. a hash of its id) where the
+        caller may ask more than once per request (Ray Serve's routing retries); None: ties are taken in turn."""
         least = min(r.outstanding for r in candidates)
         tied = [r for r in candidates if r.outstanding == least]
-        replica = tied[next(self._turn) % len(tied)]
+        fewest = min(r.routed for r in tied)  # then the one sent the fewest so far: repeated asks agree
+        tied = [r for r in tied if r.routed == fewest]
+        replica = tied[(next(self._turn) if tie_break is None else tie_break) % len(tied)]
         return RoutingDecision(replica, f"least outstanding ({least} in flight)")
 
     def routed(self, prompt: str, replica: Replica) -> None:
-        """Told where a request went (cache_aware learns from it)."""
+        """Told where a request went (cache_aware learns its prompt too)."""
+        replica.routed += 1
 
 
 class CacheAware(LeastOutstanding):
@@ -78,10 +84,10 @@ class CacheAware(LeastOutstanding):
         self.balance_rel = balance_rel
         self.max_prefixes = max_prefixes_per_replica
 
-    def choose(self, prompt: str, candidates: list[Replica]) -> RoutingDecision:
+    def choose(self, prompt: str, candidates: list[Replica], tie_break: int | None = None) -> RoutingDecision:
         loads = [r.outstanding for r in candidates]
         if max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(loads):
-            decision = super().choose(prompt, candidates)
+            decision = super().choose(prompt, candidates, tie_break)
             decision.reason = f"load unbalanced ({min(loads)}-{max(loads)} in flight): {decision.reason}"
             return decision
         hashes = prefix_hashes(prompt)
@@ -96,12 +102,13 @@ class CacheAware(LeastOutstanding):
         matched = best_chunks * CHUNK_CHARS
         if best is not None and best_chunks and matched >= self.cache_threshold * len(prompt):
             return RoutingDecision(best, f"prefix match {matched}/{len(prompt)} chars", matched)
-        decision = super().choose(prompt, candidates)
+        decision = super().choose(prompt, candidates, tie_break)
         decision.reason = f"no prefix match over {self.cache_threshold:.0%}: {decision.reason}"
         decision.matched_chars = matched if best is decision.replica else 0
         return decision
 
     def routed(self, prompt: str, replica: Replica) -> None:
+        super().routed(prompt, replica)
         for block_hash in prefix_hashes(prompt):
             replica.prefixes[block_hash] = None
             replica.prefixes.move_to_end(block_hash)

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import httpx
@@ -170,7 +171,10 @@ class ServalRequestRouter(RequestRouter):
         if not candidates:
             return []
         by_view = {id(self._view(r)): r for r in candidates}
-        decision = self.policy.choose(self._prompt(pending_request), [self._view(r) for r in candidates])
+        # Ray Serve may ask again for the same request: ties go by the request, not by turn.
+        tie_break = zlib.crc32(pending_request.metadata.internal_request_id.encode()) \
+            if pending_request is not None else None
+        decision = self.policy.choose(self._prompt(pending_request), [self._view(r) for r in candidates], tie_break)
         first = by_view[id(decision.replica)]
         if pending_request is not None:
             logger.info("ray serve route %s -> %s (%s: %s)", pending_request.metadata.request_id,

@@ -116,6 +116,15 @@ def _engine_of(replica_id: str) -> psutil.Process:
     raise AssertionError(f"no serval serve process for replica {replica_id}")
 
 
+def _waiting(engine: psutil.Process) -> float:
+    """serval:num_requests_waiting of a replica's `serval serve`."""
+    cmdline = engine.cmdline()
+    port = cmdline[cmdline.index("--port") + 1]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("serval:num_requests_waiting"))
+
+
 def test_a_replica_killed_mid_load_loses_no_request_silently_and_is_replaced(app):
     assert len(_replica_actors()) == 2
     finished, failed, lost = [], [], []
@@ -144,7 +153,16 @@ def test_a_replica_killed_mid_load_loses_no_request_silently_and_is_replaced(app
     threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
     for thread in threads:
         thread.start()
-    _, victim_id = first_chunks.get(timeout=120)  # the load is running: kill a replica that is streaming
+    # The victim: a replica streaming at least one request and holding at least one it has not started (16
+    # requests over 2 replicas running 4 each: one of them has some waiting).
+    streaming: set[str] = set()
+    deadline = time.monotonic() + 120
+    victim_id = None
+    while victim_id is None:
+        assert time.monotonic() < deadline, "no replica was streaming one request while holding another"
+        with contextlib.suppress(queue.Empty):
+            streaming.add(first_chunks.get(timeout=0.2)[1])
+        victim_id = next((r for r in streaming if _waiting(_engine_of(r)) > 0), None)
     engine = _engine_of(victim_id)
     victim = engine.parent()
     assert victim.cmdline()[0].startswith("ray::ServeReplica:serval:")
