@@ -65,6 +65,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram looked up")
     parser.add_argument("--speculative-max-batch-size", type=int, default=4,
                         help="speculate only while at most this many requests run")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split each layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs); "
+                        "the cores are shared among them")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +102,7 @@ def _engine_config(args: argparse.Namespace):
                                       prompt_lookup_max=args.ngram_prompt_lookup_max,
                                       prompt_lookup_min=args.ngram_prompt_lookup_min,
                                       max_batch_size=args.speculative_max_batch_size),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -209,8 +209,15 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    tensor_parallel_size: int = 1  # ranks (processes) that split each layer; rank 0 schedules and samples
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and (self.speculative.method not in (None, "ngram")
+                                              or self.cache.kv_offload_size):
+            raise ValueError("tensor parallelism supports ngram speculation only (no draft model) and no KV "
+                             "offload tier yet")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"EngineConfig.dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -20,6 +20,7 @@ from serval.engine.request import Request, RequestStatus
 from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler
 from serval.engine.spec_decode import NgramProposer
+from serval.engine.workers import start_ranks
 from serval.layers.sampler import TokenLogprobs
 from serval.model.loader import has_4bit_blocks, load_model
 from serval.model.registry import resolve_model_path
@@ -127,7 +128,11 @@ class EngineCore:
         """Loads the model at ``model_path`` (or reuses an already loaded ``model`` of the same dtype and device)."""
         start = time.perf_counter()
         self.config = config
-        self.model = model or load_model(model_path, config.torch_dtype, config.device, config.quantization)
+        # Tensor parallelism: this process is rank 0 (schedules, samples); the other ranks follow its steps.
+        self.ranks = start_ranks(config, str(model_path)) if config.tensor_parallel_size > 1 else None
+        self.group = self.ranks.group if self.ranks is not None else None
+        self.model = model or load_model(model_path, config.torch_dtype, config.device, config.quantization,
+                                         self.group)
         model_config = self.model.config
         cache = config.cache
         num_blocks = cache.num_blocks or int(
@@ -135,10 +140,12 @@ class EngineCore:
                                                                   config.kv_cache_torch_dtype))
         if num_blocks < 2:
             raise ValueError(f"CacheConfig.kv_cache_memory={cache.kv_cache_memory} GiB holds fewer than 2 blocks")
+        if self.group is not None:
+            self.group.broadcast(num_blocks)
         # A request alone must always fit, or preemption could never make room for it.
         max_model_len = min(config.max_model_len or model_config.max_position, num_blocks * cache.block_size)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.kv_cache_torch_dtype,
-                                  config.device)
+                                  config.device, self.group)
         self.offload_store, offload = self._make_offload_tier(model_path)
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                        cache.session_ttl, cache.session_cache_fraction, offload)
@@ -188,8 +195,11 @@ class EngineCore:
                                              (time.perf_counter() - start) / transfers.num_blocks)
 
     def shutdown(self) -> None:
-        """Ends the core's hold on its files: a disk tier first takes every cached block the device holds, so that
-        the next run starts with the whole prefix cache."""
+        """Ends the core's hold on its files and processes: a disk tier first takes every cached block the device
+        holds, so that the next run starts with the whole prefix cache; tensor-parallel ranks stop."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = self.group = None
         if self.offload_store is None:
             return
         if self.offload_store.kind == "disk":

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serval.config import ModelConfig
+from serval.distributed import ParallelGroup
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
@@ -56,9 +57,11 @@ def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtyp
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        cfg: ModelConfig = model.config
+                 device: torch.device | str, group: ParallelGroup | None = None) -> None:
+        cfg: ModelConfig = model.config  # a tensor-parallel rank's: its own KV heads
         self.model = model
+        # With several ranks, rank 0's runner sends each step's inputs to the others (``follow``) before its forward.
+        self.group = group if group is not None and group.world_size > 1 else None
         self.device = torch.device(device)
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
@@ -83,6 +86,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(out)
         if inputs is None:
             return result
+        if self.group is not None:
+            self.group.broadcast((inputs.input_ids, inputs.positions, inputs.meta, self._logits_plan(inputs)))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         if self.draft is not None:
             self.draft.mirror(inputs)
@@ -108,6 +113,24 @@ class ModelRunner:
                 result.logprobs[request.request_id] = sampler_output.logprobs[first: first + len(kept)]
             first += len(guesses) + 1
         return result
+
+    def _logits_plan(self, inputs: StepInputs) -> list[list[int]]:
+        """The hidden rows of each compute_logits call ``execute`` makes for this step, in order: every rank makes
+        the same calls, since a vocabulary-parallel head gathers across ranks."""
+        rows = max(1, PROMPT_LOGITS_SLICE_ELEMENTS // self.vocab_size)
+        plan = [list(range(row + i, row + min(i + rows, count)))
+                for _, row, count in inputs.scored for i in range(0, count, rows)]
+        return plan + ([inputs.logits_indices] if inputs.sampling_requests else [])
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: runs rank 0's steps on this rank's shard (its part of every
+        all-reduce and gather) until rank 0 sends None."""
+        while (step := self.group.broadcast()) is not None:
+            input_ids, positions, meta, plan = step
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            for rows in plan:
+                self.model.compute_logits(hidden[self._tensor(rows)])
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs | None:
         """The flat batch of a step: decodes (one new token each) first, then prefill chunks; None if empty."""

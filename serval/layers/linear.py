@@ -111,6 +111,9 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scales  # no fused kernel there: dequantize
 
 
+BLOCK_SIZE = 32  # weights per GGUF block, along the input dimension
+
+
 @dataclass
 class BlockWeight:
     """A weight [out_features, in_features] in blocks of 32 along the input dimension, as GGUF stores it.
@@ -151,6 +154,14 @@ class BlockWeight:
             q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
         scales = F.pad(self.scales, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, -1).permute(0, 2, 3, 1)
         return q.contiguous(), scales.contiguous().view(torch.float16)
+
+    def slice(self, rows: slice = slice(None), columns: slice = slice(None)) -> BlockWeight:
+        """Rows and input columns of the weight (a tensor-parallel shard); columns only at block boundaries."""
+        start, stop = columns.start or 0, self.in_features if columns.stop is None else columns.stop
+        if start % BLOCK_SIZE or (stop % BLOCK_SIZE and stop != self.in_features):
+            raise ValueError(f"columns {start}:{stop} do not fall on blocks of {BLOCK_SIZE}")
+        blocks = slice(start // BLOCK_SIZE, -(-stop // BLOCK_SIZE))
+        return BlockWeight(self.format, self.packed[rows, blocks], self.scales[rows, blocks], stop - start)
 
     @staticmethod
     def concat(parts: list[BlockWeight]) -> BlockWeight:

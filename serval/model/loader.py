@@ -12,11 +12,13 @@ import torch
 from gguf import GGMLQuantizationType
 
 from serval.config import ModelConfig
+from serval.distributed import ParallelGroup
 from serval.layers import cpu_kernels
 from serval.layers.linear import probe_row_padding, quantize_linears
 from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
 from serval.model.llama import LlamaForCausalLM
+from serval.model.parallel import TensorParallelShard
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +32,11 @@ def load_model_config(path: Path) -> ModelConfig:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-               quantization: str = "auto") -> LlamaForCausalLM:
-    """The model in ``dtype`` on ``device``; ``quantization`` as EngineConfig.quantization describes."""
+               quantization: str = "auto", group: ParallelGroup | None = None) -> LlamaForCausalLM:
+    """The model in ``dtype`` on ``device``; ``quantization`` as EngineConfig.quantization describes. With a
+    ``group`` of several ranks: this rank's tensor-parallel shard (model/parallel.py)."""
     start = time.perf_counter()
+    parallel = group is not None and group.world_size > 1
     quantization = resolve_quantization(path, device, dtype, quantization)
     if path.suffix == ".gguf":
         gguf = GGUFModelFile(path)
@@ -44,8 +48,11 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         weights = _safetensors_weights(path)
         total = None
     model_cls = _ARCHITECTURES[config.architecture]
+    shard = TensorParallelShard(config, group.rank, group.world_size) if parallel else None
+    if shard is not None:
+        weights = shard.shard_weights(weights)
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_cls(config) if shard is None else shard.build(model_cls)
     # Materialise on the target device in fp32, load, then cast: loading is exact, casting happens once.
     model = model.to_empty(device=device)
     model.load_weights(_progress(weights, path.name, total))
@@ -56,10 +63,13 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
             fresh = type(module)(*module.args)
             module.cos, module.sin = fresh.cos.to(device), fresh.sin.to(device)
     if quantization == "gguf":
-        swapped = model.use_block_weights(gguf.block_weights(config))
+        blocks = gguf.block_weights(config)
+        swapped = model.use_block_weights(blocks if shard is None else shard.shard_weights(blocks))
         logger.info("%d linears read the file's 4/8-bit blocks in place", swapped)
     elif quantization == "int8":
         quantize_linears(model, quantization)
+    if shard is not None:
+        shard.parallelize(model, group)
     model.eval()
     probe_row_padding(model, dtype)
     if torch.device(device).type == "cpu":

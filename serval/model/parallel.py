@@ -1,0 +1,136 @@
+"""Tensor parallelism for the Llama family: each rank holds a slice of every layer and the ranks sum their parts.
+
+- Attention: whole key/value heads per rank, each with its group of query heads (9 heads and 3 KV heads over 2
+  ranks: 6+2 on rank 0, 3+1 on rank 1); q/k/v rows and o_proj columns sliced to match. Each rank's KV cache holds
+  only its KV heads. o_proj's outputs are partial sums: one all-reduce.
+- MLP: gate/up rows and down columns sliced (the SiLU-gated product is per column, so no exchange between them);
+  down's outputs are partial sums: one all-reduce.
+- The head is vocabulary-parallel: each rank scores a slice of the vocabulary and the slices are gathered, so the
+  sampler on rank 0 sees every logit. The embedding stays whole on every rank (a lookup, no compute to split).
+
+The model classes stay as they are: a rank builds the model of its local shape (``local_config``), loads the slices
+of the checkpoint's tensors (``shard_weights``), and wraps the layers whose outputs need a collective
+(``parallelize``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from serval.config import ModelConfig
+from serval.distributed import ParallelGroup, partition
+from serval.layers.linear import BlockWeight
+
+WeightLike = torch.Tensor | BlockWeight
+
+
+def _take(weight: WeightLike, rows: slice, columns: slice) -> WeightLike | None:
+    if isinstance(weight, BlockWeight):
+        try:
+            return weight.slice(rows, columns)
+        except ValueError:
+            return None
+    return weight[rows, columns]
+
+
+@dataclasses.dataclass
+class TensorParallelShard:
+    """What rank ``rank`` of ``world_size`` holds of a model of shape ``config``."""
+
+    config: ModelConfig
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        if cfg.architecture != "llama":
+            raise ValueError(f"tensor parallelism supports the Llama family, not {cfg.architecture}")
+        if self.world_size > cfg.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {self.world_size} is more than the model's {cfg.num_kv_heads} "
+                             "key/value heads")
+        group = cfg.num_heads // cfg.num_kv_heads
+        self.kv_heads = partition(cfg.num_kv_heads, self.world_size, self.rank)
+        self.q_heads = (self.kv_heads[0] * group, self.kv_heads[1] * group)
+        self.intermediate = partition(cfg.intermediate_size, self.world_size, self.rank)
+        self.vocab = partition(cfg.vocab_size, self.world_size, self.rank)
+        self.vocab_sizes = [end - start for start, end in
+                            (partition(cfg.vocab_size, self.world_size, r) for r in range(self.world_size))]
+
+    def local_config(self) -> ModelConfig:
+        """The model shape this rank builds (the head is replaced after: see ``build``)."""
+        return dataclasses.replace(self.config, num_heads=self.q_heads[1] - self.q_heads[0],
+                                   num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+                                   intermediate_size=self.intermediate[1] - self.intermediate[0],
+                                   tie_word_embeddings=False)
+
+    def build(self, model_cls) -> nn.Module:
+        """The rank's model, on whatever device is current (meta while loading): local shapes, its head's slice."""
+        model = model_cls(self.local_config())
+        model.lm_head = type(model.lm_head)(self.config.hidden_size, self.vocab[1] - self.vocab[0])
+        return model
+
+    def shard_weights(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """Hugging Face-named full weights (tensors, or a GGUF file's BlockWeights) -> this rank's slices, under the
+        same names. A tied head is the embedding's rows of this rank's vocabulary slice. A BlockWeight whose slice
+        would cut its blocks is left out (that linear then stays dense: load_model loads dense weights first)."""
+        cfg, hd = self.config, self.config.head_dim
+        q = slice(self.q_heads[0] * hd, self.q_heads[1] * hd)
+        kv = slice(self.kv_heads[0] * hd, self.kv_heads[1] * hd)
+        inter, vocab, whole = slice(*self.intermediate), slice(*self.vocab), slice(None)
+        by_kind = {"q_proj": (q, whole), "k_proj": (kv, whole), "v_proj": (kv, whole), "o_proj": (whole, q),
+                   "gate_proj": (inter, whole), "up_proj": (inter, whole), "down_proj": (whole, inter)}
+        for name, weight in weights:
+            kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            bare = name.removeprefix("model.")
+            if kind in by_kind:
+                cut = _take(weight, *by_kind[kind])
+                if cut is not None:
+                    yield name, cut
+            elif bare == "lm_head.weight" or (bare == "embed_tokens.weight" and cfg.tie_word_embeddings):
+                cut = _take(weight, vocab, whole)
+                if cut is not None:
+                    yield "lm_head.weight", cut
+                if bare == "embed_tokens.weight" and isinstance(weight, torch.Tensor):
+                    yield name, weight  # the embedding itself stays whole
+            else:
+                yield name, weight
+
+    def parallelize(self, model: nn.Module, group: ParallelGroup) -> nn.Module:
+        """Wraps the layers whose outputs are partial (o_proj, down_proj: all-reduce) or sliced (the head:
+        gather)."""
+        for layer in model.layers:
+            for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+                linear = getattr(parent, name)
+                # Block-format linears can hand over their float32 sums: the partial products then meet unrounded
+                # and the total rounds to the model dtype once, as the single-process product does.
+                if hasattr(linear, "float_output"):
+                    linear.float_output = True
+                setattr(parent, name, AllReduced(linear, group))
+        model.lm_head = VocabGathered(model.lm_head, group, self.vocab_sizes)
+        return model
+
+
+class AllReduced(nn.Module):
+    """A row-parallel linear: each rank's product over its input slice, summed over ranks."""
+
+    def __init__(self, linear: nn.Module, group: ParallelGroup) -> None:
+        super().__init__()
+        self.linear, self.group = linear, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.linear(x)).to(x.dtype)
+
+
+class VocabGathered(nn.Module):
+    """A vocabulary-parallel head: each rank's logits slice, joined in rank order."""
+
+    def __init__(self, linear: nn.Module, group: ParallelGroup, sizes: list[int]) -> None:
+        super().__init__()
+        self.linear, self.group, self.sizes = linear, group, sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather_last(self.linear(x), self.sizes)
