@@ -68,6 +68,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split each layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs); "
                         "the cores are shared among them")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="split the layers into N stages, one process each (torch.distributed)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +104,7 @@ def _engine_config(args: argparse.Namespace):
                                       prompt_lookup_max=args.ngram_prompt_lookup_max,
                                       prompt_lookup_min=args.ngram_prompt_lookup_min,
                                       max_batch_size=args.speculative_max_batch_size),
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
     )
 
 

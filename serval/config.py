@@ -210,13 +210,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     tensor_parallel_size: int = 1  # ranks (processes) that split each layer; rank 0 schedules and samples
+    pipeline_parallel_size: int = 1  # ranks that each run a share of the layers; rank 0 schedules and samples
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and (self.speculative.method not in (None, "ngram")
-                                              or self.cache.kv_offload_size):
-            raise ValueError("tensor parallelism supports ngram speculation only (no draft model) and no KV "
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism cannot be combined yet: set one of them to 1")
+        if self.world_size > 1 and (self.speculative.method not in (None, "ngram") or self.cache.kv_offload_size):
+            raise ValueError("model parallelism supports ngram speculation only (no draft model) and no KV "
                              "offload tier yet")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"EngineConfig.dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
@@ -237,6 +241,15 @@ class EngineConfig:
                              "(--kv-offload-size GiB)")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes the model is split over."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def parallel_kind(self) -> str:
+        return "pipeline" if self.pipeline_parallel_size > 1 else "tensor"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""torch.distributed for model parallelism: one process per rank, gloo on the CPU, NCCL on GPUs.
+"""torch.distributed for model parallelism (tensor or pipeline): one process per rank, gloo on the CPU, NCCL on GPUs.
 
 Rank 0 is the engine (scheduler, runner, sampling); the other ranks hold their shard of the weights and KV cache and
 follow rank 0's steps (engine/runner.py ``follow``). Processes rendezvous over TCP (``init_method``), so ranks on
@@ -36,10 +36,11 @@ class ParallelGroup:
     rank: int
     world_size: int
     device: torch.device
+    kind: str = "tensor"  # "tensor": every rank holds a slice of every layer; "pipeline": a run of whole layers
 
     @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x, summed in float32 whatever x's dtype (16-bit partial sums would round once per
@@ -56,6 +57,14 @@ class ParallelGroup:
         dist.all_gather(parts, padded)
         return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        dist.send(x.contiguous(), dst)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(x, src)
+        return x
+
     def broadcast(self, obj=None):
         """Rank 0's ``obj`` on every rank (pickled; tensors come back on this rank's device)."""
         holder = [obj]
@@ -68,7 +77,7 @@ class ParallelGroup:
             dist.destroy_process_group()
 
 
-def init_group(rank: int, world_size: int, init_method: str, device: str) -> ParallelGroup:
+def init_group(rank: int, world_size: int, init_method: str, device: str, kind: str = "tensor") -> ParallelGroup:
     """Joins the group (blocks until every rank has). On CUDA, rank r takes GPU r of its machine."""
     if device.startswith("cuda"):
         torch_device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -80,4 +89,4 @@ def init_group(rank: int, world_size: int, init_method: str, device: str) -> Par
     # A rank that dies ends the others' waits within this time rather than the default half hour.
     timeout = timedelta(seconds=float(os.environ.get("SERVAL_DIST_TIMEOUT_S", "600")))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
-    return ParallelGroup(rank, world_size, torch_device)
+    return ParallelGroup(rank, world_size, torch_device, kind)

@@ -128,8 +128,8 @@ class EngineCore:
         """Loads the model at ``model_path`` (or reuses an already loaded ``model`` of the same dtype and device)."""
         start = time.perf_counter()
         self.config = config
-        # Tensor parallelism: this process is rank 0 (schedules, samples); the other ranks follow its steps.
-        self.ranks = start_ranks(config, str(model_path)) if config.tensor_parallel_size > 1 else None
+        # Model parallelism: this process is rank 0 (schedules, samples); the other ranks follow its steps.
+        self.ranks = start_ranks(config, str(model_path)) if config.world_size > 1 else None
         self.group = self.ranks.group if self.ranks is not None else None
         self.model = model or load_model(model_path, config.torch_dtype, config.device, config.quantization,
                                          self.group)

@@ -1,5 +1,6 @@
-"""The processes of a tensor-parallel engine: rank 0 is the engine core's own process; ranks 1..N-1 are started here,
-load their shard and follow rank 0's steps (ModelRunner.follow) until it shuts them down."""
+"""The processes of a model-parallel engine (tensor or pipeline): rank 0 is the engine core's own process; ranks
+1..N-1 are started here, load their shard and follow rank 0's steps (ModelRunner.follow) until it shuts them
+down."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class Ranks:
 def start_ranks(config: EngineConfig, model_path: str) -> Ranks:
     """Starts ranks 1..N-1 (fresh interpreters running this module: nothing of the caller's script is re-imported,
     no forked torch threads) and joins the group as rank 0."""
-    world = config.tensor_parallel_size
+    world = config.world_size
     init_method = free_init_method()
     processes = []
     for rank in range(1, world):
@@ -59,17 +60,17 @@ def start_ranks(config: EngineConfig, model_path: str) -> Ranks:
         processes.append(process)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads_per_rank(world))
-    return Ranks(init_group(0, world, init_method, config.device), processes, threads_before)
+    return Ranks(init_group(0, world, init_method, config.device, config.parallel_kind), processes, threads_before)
 
 
 def run_worker(config: EngineConfig, model_path: str, rank: int, world_size: int, init_method: str) -> None:
     torch.set_num_threads(threads_per_rank(world_size))
-    group = init_group(rank, world_size, init_method, config.device)
+    group = init_group(rank, world_size, init_method, config.device, config.parallel_kind)
     model = load_model(Path(model_path), config.torch_dtype, group.device, config.quantization, group)
     num_blocks = group.broadcast()  # rank 0 sizes the cache (the scheduler's blocks are every rank's)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, config.kv_cache_torch_dtype, group.device,
                          group)
-    logger.info("tensor-parallel rank %d of %d ready (%d KV blocks)", rank, world_size, num_blocks)
+    logger.info("%s-parallel rank %d of %d ready (%d KV blocks)", group.kind, rank, world_size, num_blocks)
     try:
         runner.follow()
     finally:

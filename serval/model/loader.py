@@ -18,7 +18,7 @@ from serval.layers.linear import probe_row_padding, quantize_linears
 from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
 from serval.model.llama import LlamaForCausalLM
-from serval.model.parallel import TensorParallelShard
+from serval.model.parallel import PipelineStage, TensorParallelShard
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     """The model in ``dtype`` on ``device``; ``quantization`` as EngineConfig.quantization describes. With a
     ``group`` of several ranks: this rank's tensor-parallel shard (model/parallel.py)."""
     start = time.perf_counter()
-    parallel = group is not None and group.world_size > 1
+    parallel = group is not None and group.world_size > 1 and group.kind == "tensor"
     quantization = resolve_quantization(path, device, dtype, quantization)
     if path.suffix == ".gguf":
         gguf = GGUFModelFile(path)
@@ -70,6 +70,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         quantize_linears(model, quantization)
     if shard is not None:
         shard.parallelize(model, group)
+    elif group is not None and group.world_size > 1:  # pipeline: this rank's run of layers
+        model = PipelineStage(model, group)
     model.eval()
     probe_row_padding(model, dtype)
     if torch.device(device).type == "cpu":

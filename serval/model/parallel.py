@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Llama family: each rank holds a slice of every layer and the ranks sum their parts.
+"""Model parallelism for the Llama family. Tensor parallelism: each rank holds a slice of every layer and the ranks
+sum their parts. Pipeline parallelism (``PipelineStage``, at the end): each rank holds a run of whole layers.
 
 - Attention: whole key/value heads per rank, each with its group of query heads (9 heads and 3 KV heads over 2
   ranks: 6+2 on rank 0, 3+1 on rank 1); q/k/v rows and o_proj columns sliced to match. Each rank's KV cache holds
@@ -134,3 +135,48 @@ class VocabGathered(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather_last(self.linear(x), self.sizes)
+
+
+class PipelineStage(nn.Module):
+    """Rank r of N runs layers [start, end) of the model, in order: rank 0 embeds the tokens, each rank passes
+    the hidden states and the residual stream to the next, and the last hands them back to rank 0, which holds the
+    final norm and the head (the sampler is there). A step's stages run one after another: no micro-batches yet.
+    ``config`` is the stage's (its own layers: its KV cache holds only theirs)."""
+
+    def __init__(self, model: nn.Module, group: ParallelGroup) -> None:
+        super().__init__()
+        cfg = model.config
+        if cfg.architecture != "llama":
+            raise ValueError(f"pipeline parallelism supports the Llama family, not {cfg.architecture}")
+        if group.world_size > cfg.num_layers:
+            raise ValueError(f"pipeline_parallel_size {group.world_size} is more than the model's {cfg.num_layers} "
+                             "layers")
+        self.start, self.end = partition(cfg.num_layers, group.world_size, group.rank)
+        self.group = group
+        model.layers = nn.ModuleList(list(model.layers)[self.start: self.end])
+        self.model = model
+        self.config = dataclasses.replace(cfg, num_layers=self.end - self.start)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta) -> torch.Tensor:
+        model, group = self.model, self.group
+        shape = (2, input_ids.shape[0], self.config.hidden_size)  # the hidden states and the residual stream
+        dtype = model.embed_tokens.weight.dtype
+        if group.rank == 0:
+            x, residual = model.embed_tokens(input_ids), None
+        else:
+            x, residual = group.recv(shape, dtype, group.rank - 1).unbind(0)
+        rope = model.rotary.for_step(positions, dtype)
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        if group.world_size == 1:
+            return model.norm(x, residual)[0]
+        if group.rank != 0 or not group.is_last:
+            group.send(torch.stack([x, residual]), (group.rank + 1) % group.world_size)  # the last sends to 0
+        if group.rank != 0:
+            return x  # not used: rank 0 scores
+        x, residual = group.recv(shape, dtype, group.world_size - 1).unbind(0)
+        return model.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.model.compute_logits(hidden) if self.group.rank == 0 else None
