@@ -69,7 +69,8 @@ class ParallelGroup:
         """Rank 0's ``obj`` on every rank (pickled; tensors come back on this rank's device)."""
         holder = [obj]
         dist.broadcast_object_list(holder, src=0, device=self.device if self.device.type == "cuda" else None)
-        return holder[0]
+        value = holder[0]
+        return value
 
     def close(self) -> None:
         if dist.is_initialized():
