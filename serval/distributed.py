@@ -69,8 +69,7 @@ class ParallelGroup:
         """Rank 0's ``obj`` on every rank (pickled; tensors come back on this rank's device)."""
         holder = [obj]
         dist.broadcast_object_list(holder, src=0, device=self.device if self.device.type == "cuda" else None)
-        value = holder[0]
-        return value
+        return holder[0]
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -129,6 +129,8 @@ class EngineCore:
         start = time.perf_counter()
         self.config = config
         # Model parallelism: this process is rank 0 (schedules, samples); the other ranks follow its steps.
+        if model is not None and config.world_size > 1:
+            raise ValueError("a loaded model cannot be split over ranks: let the engine load it")
         self.ranks = start_ranks(config, str(model_path)) if config.world_size > 1 else None
         self.group = self.ranks.group if self.ranks is not None else None
         self.model = model or load_model(model_path, config.torch_dtype, config.device, config.quantization,
@@ -196,7 +198,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Ends the core's hold on its files and processes: a disk tier first takes every cached block the device
-        holds, so that the next run starts with the whole prefix cache; tensor-parallel ranks stop."""
+        holds, so that the next run starts with the whole prefix cache; model-parallel ranks stop."""
         if self.ranks is not None:
             self.ranks.stop()
             self.ranks = self.group = None

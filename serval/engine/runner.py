@@ -58,7 +58,7 @@ def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtyp
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, group: ParallelGroup | None = None) -> None:
-        cfg: ModelConfig = model.config  # a tensor-parallel rank's: its own KV heads
+        cfg: ModelConfig = model.config  # a model-parallel rank's: its own KV heads or layers
         self.model = model
         # With several ranks, rank 0's runner sends each step's inputs to the others (``follow``) before its forward.
         self.group = group if group is not None and group.world_size > 1 else None
@@ -124,8 +124,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self) -> None:
-        """A tensor-parallel rank other than 0: runs rank 0's steps on this rank's shard (its part of every
-        all-reduce and gather) until rank 0 sends None."""
+        """A model-parallel rank other than 0: runs rank 0's steps on this rank's shard (its part of every
+        all-reduce and gather, or its pipeline stage) until rank 0 sends None."""
         while (step := self.group.broadcast()) is not None:
             input_ids, positions, meta, plan = step
             hidden = self.model(input_ids, positions, self.kv_cache, meta)

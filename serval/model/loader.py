@@ -34,7 +34,7 @@ def load_model_config(path: Path) -> ModelConfig:
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                quantization: str = "auto", group: ParallelGroup | None = None) -> LlamaForCausalLM:
     """The model in ``dtype`` on ``device``; ``quantization`` as EngineConfig.quantization describes. With a
-    ``group`` of several ranks: this rank's tensor-parallel shard (model/parallel.py)."""
+    ``group`` of several ranks: this rank's tensor-parallel shard or pipeline stage (model/parallel.py)."""
     start = time.perf_counter()
     parallel = group is not None and group.world_size > 1 and group.kind == "tensor"
     quantization = resolve_quantization(path, device, dtype, quantization)

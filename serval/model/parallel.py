@@ -29,6 +29,13 @@ from serval.layers.linear import BlockWeight
 WeightLike = torch.Tensor | BlockWeight
 
 
+def _check_split(cfg: ModelConfig, kind: str, parts: int, available: int, what: str) -> None:
+    if cfg.architecture != "llama":
+        raise ValueError(f"{kind} parallelism supports the Llama family, not {cfg.architecture}")
+    if parts > available:
+        raise ValueError(f"{kind}_parallel_size {parts} is more than the model's {available} {what}")
+
+
 def _take(weight: WeightLike, rows: slice, columns: slice) -> WeightLike | None:
     if isinstance(weight, BlockWeight):
         try:
@@ -48,11 +55,7 @@ class TensorParallelShard:
 
     def __post_init__(self) -> None:
         cfg = self.config
-        if cfg.architecture != "llama":
-            raise ValueError(f"tensor parallelism supports the Llama family, not {cfg.architecture}")
-        if self.world_size > cfg.num_kv_heads:
-            raise ValueError(f"tensor_parallel_size {self.world_size} is more than the model's {cfg.num_kv_heads} "
-                             "key/value heads")
+        _check_split(cfg, "tensor", self.world_size, cfg.num_kv_heads, "key/value heads")
         group = cfg.num_heads // cfg.num_kv_heads
         self.kv_heads = partition(cfg.num_kv_heads, self.world_size, self.rank)
         self.q_heads = (self.kv_heads[0] * group, self.kv_heads[1] * group)
@@ -146,11 +149,7 @@ class PipelineStage(nn.Module):
     def __init__(self, model: nn.Module, group: ParallelGroup) -> None:
         super().__init__()
         cfg = model.config
-        if cfg.architecture != "llama":
-            raise ValueError(f"pipeline parallelism supports the Llama family, not {cfg.architecture}")
-        if group.world_size > cfg.num_layers:
-            raise ValueError(f"pipeline_parallel_size {group.world_size} is more than the model's {cfg.num_layers} "
-                             "layers")
+        _check_split(cfg, "pipeline", group.world_size, cfg.num_layers, "layers")
         self.start, self.end = partition(cfg.num_layers, group.world_size, group.rank)
         self.group = group
         model.layers = nn.ModuleList(list(model.layers)[self.start: self.end])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from serval.config import CacheConfig, EngineConfig, SpeculativeConfig
+from serval.engine.core import EngineCore
 from serval.engine.engine import LLMEngine
 from serval.engine.llm import LLM
 from serval.sampling_params import SamplingParams
@@ -67,8 +68,10 @@ def test_serve_with_two_stages_answers_as_one_process(tmp_path):
     assert answers[2] == answers[1] and all(answers[1])
 
 
-def test_both_kinds_at_once_or_a_draft_model_are_refused():
+def test_both_kinds_at_once_a_draft_model_or_a_loaded_model_are_refused():
     with pytest.raises(ValueError, match="cannot be combined"):
         EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="no draft model"):
         EngineConfig(pipeline_parallel_size=2, speculative=SpeculativeConfig(method="self-layers:4"))
+    with pytest.raises(ValueError, match="cannot be split over ranks"):  # before any rank is started
+        EngineCore(EngineConfig(pipeline_parallel_size=2), "unused.gguf", model=object())
