@@ -135,13 +135,20 @@ def test_a_dead_or_killed_replica_is_taken_out_and_a_restarted_one_comes_back(re
     port = free_port()
     spare = Server(REPLICA_FLAGS, tmp_path / "spare.log", port=port, dtype=None).start().wait_ready()
     nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    router = _router(tmp_path, [replicas[0].url, spare.url, nowhere], "--policy", "least_outstanding")
+    router = _router(tmp_path, [replicas[0].url, spare.url, nowhere], "--policy", "least_outstanding",
+                     "--health-interval", "0.5")
     try:
+        # Health checks alone take it out (a request sent there first would take it out too, another path:
+        # test_a_request_that_never_reached_its_replica_is_sent_to_another), so wait for them before asking.
+        deadline = time.monotonic() + 20
+        while {r["url"]: r["healthy"] for r in router.state()["replicas"]}[nowhere]:
+            assert time.monotonic() < deadline, "health checks did not take the dead replica out"
+            time.sleep(0.1)
+        assert f"replica {nowhere} failed 2 health checks" in router.log()
         answered = {_ask(router, SYSTEMS["harbour"], q)[0] for q in QUESTIONS * 2}  # 6 requests, none lost
         assert answered == {replicas[0].url, spare.url}
         out = {r["url"]: r["healthy"] for r in router.state()["replicas"]}
         assert out == {replicas[0].url: True, spare.url: True, nowhere: False}
-        assert f"replica {nowhere} failed" in router.log()  # a health check took it out
 
         spare.proc.send_signal(signal.SIGKILL)  # killed: its next requests never start there
         spare.proc.wait(10)
