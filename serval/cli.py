@@ -86,7 +86,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace):
     """The engine flags, shared by serve, generate and chat, as one EngineConfig."""
-    from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from serval.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -105,6 +105,9 @@ def _engine_config(args: argparse.Namespace):
                                       prompt_lookup_min=args.ngram_prompt_lookup_min,
                                       max_batch_size=args.speculative_max_batch_size),
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        kv_transfer=KVTransferConfig(role=getattr(args, "role", "both"), host=getattr(args, "kv_transfer_host",
+                                     "127.0.0.1"), port=getattr(args, "kv_transfer_port", 0),
+                                     timeout=getattr(args, "kv_transfer_timeout", 30.0)),
     )
 
 
@@ -274,13 +277,15 @@ def cmd_router(args: argparse.Namespace) -> int:
             print(f"serval router: starting {args.spawn} replicas ...", file=sys.stderr, flush=True)
             spawned, urls = spawn_replicas(args.spawn, shlex.split(args.serve_args))
             args.replica = args.replica + urls
-        config = RouterConfig(replicas=args.replica, policy=args.policy, api_keys=_api_keys(args.api_key),
+        config = RouterConfig(replicas=args.replica, prefill=args.prefill, decode=args.decode,
+                              policy=args.policy, api_keys=_api_keys(args.api_key),
                               replica_api_key=args.replica_api_key, max_outstanding=args.max_outstanding,
                               health_interval=args.health_interval, health_failures=args.health_failures,
                               rules=_routing_rules(args.rules), tracing=_tracing("serval-router", args))
         app = create_router_app(config)
         logging.getLogger("serval.router").setLevel(min(logging.INFO, logging.getLogger().level))
-        print(f"serval router: {config.policy} over {', '.join(config.replicas)}; serving on "
+        print(f"serval router: {config.policy} over {', '.join(config.replicas + config.decode)}"
+              f"{' after prefill on ' + ', '.join(config.prefill) if config.prefill else ''}; serving on "
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
     finally:
@@ -444,12 +449,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ssl-ca-certs", default=None, help="CA bundle for client certificates (mutual TLS)")
     serve.add_argument("--ssl-cert-reqs", default="none", choices=["none", "optional", "required"],
                        help="whether clients must present a certificate signed by --ssl-ca-certs")
+    serve.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                       help="disaggregated prefill/decode (README): prefill computes prompts and holds their KV for "
+                       "decode workers; decode fetches it and generates; both: a whole worker, no transfers")
+    serve.add_argument("--kv-transfer-host", default="127.0.0.1",
+                       help="a prefill worker's address for decode workers to fetch held KV from")
+    serve.add_argument("--kv-transfer-port", type=int, default=0, help="a prefill worker's KV port (0: a free one)")
+    serve.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                       help="seconds a prefill worker holds a prompt's KV that no decode worker fetches")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     router = add_verb("router", "one OpenAI-compatible front over several `serval serve` replicas")
     router.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
+    router.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="a prefill worker (serve --role prefill): each request's prompt runs there first, "
+                        "then on a --decode worker that fetches its KV (repeatable)")
+    router.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode worker (serve --role decode) (repeatable)")
     router.add_argument("--spawn", type=int, default=0, metavar="N",
                         help="also start N `serval serve` replicas on free local ports (stopped with the router)")
     router.add_argument("--serve-args", default="", help="flags for the spawned replicas, as one string")

@@ -194,6 +194,32 @@ class SpeculativeConfig:
 
 
 @dataclass
+class KVTransferConfig:
+    """Disaggregated prefill/decode (engine/kv_transfer.py): which side of a KV transfer this engine is.
+
+    "both" (the default): a whole worker, no transfers. "prefill": a request that asks for it keeps its prompt's KV
+    when it ends and serves it at ``host``:``port`` (0: a free port) until a decode worker fetches it or
+    ``timeout`` seconds pass. "decode": a request that names such a transfer fetches the blocks its own prefix cache
+    lacks and computes only the prompt's last token."""
+
+    role: str = "both"
+    host: str = "127.0.0.1"  # the address decode workers reach this prefill worker at
+    port: int = 0
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLE_CHOICES:
+            raise ValueError(f"KVTransferConfig.role must be one of {list(KV_ROLE_CHOICES)}, got {self.role!r}")
+        if not (isinstance(self.port, int) and 0 <= self.port < 65536):
+            raise ValueError(f"KVTransferConfig.port must be a TCP port (0: any free one), got {self.port!r}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"KVTransferConfig.timeout must be > 0 seconds, got {self.timeout!r}")
+
+
+KV_ROLE_CHOICES = ("both", "prefill", "decode")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs: which model, on what, and the cache and scheduler settings."""
 
@@ -211,6 +237,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     tensor_parallel_size: int = 1  # ranks (processes) that split each layer; rank 0 schedules and samples
     pipeline_parallel_size: int = 1  # ranks that each run a share of the layers; rank 0 schedules and samples
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -222,6 +249,8 @@ class EngineConfig:
         if self.world_size > 1 and (self.speculative.method not in (None, "ngram") or self.cache.kv_offload_size):
             raise ValueError("model parallelism supports ngram speculation only (no draft model) and no KV "
                              "offload tier yet")
+        if self.world_size > 1 and self.kv_transfer.role != "both":
+            raise ValueError("a prefill or decode worker (--role) runs on one process: no model parallelism yet")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"EngineConfig.dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

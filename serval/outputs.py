@@ -33,6 +33,7 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    kv_transfer_params: dict | None = None  # a prefill worker's (engine/kv_transfer.py): where its KV is held
 
     @property
     def text(self) -> str:

@@ -65,6 +65,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: only the prompt's own token)
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a grammar
+    # Disaggregated prefill/decode (engine/kv_transfer.py): {"do_remote_decode": true} asks a prefill worker to keep
+    # the prompt's KV for a decode worker; the params its response carries, with "do_remote_prefill": true, tell the
+    # decode worker where to fetch it.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):  # as it crosses to the core process
@@ -97,6 +101,8 @@ class SamplingParams:
                        f"keys must be token ids (integers >= 0), got {token_id!r}")
                 _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias",
                        f"values must be in [-100, 100], got {bias!r} for token {token_id}")
+        _check(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict), "kv_transfer_params",
+               "must be an object")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

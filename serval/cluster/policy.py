@@ -26,6 +26,7 @@ class Replica:
     """What the router knows of one replica."""
 
     url: str
+    role: str = "both"  # "prefill" | "decode" | "both" (serve --role): a prefill worker only starts requests
     models: set[str] = field(default_factory=set)  # what its /v1/models lists (learned by the health checks)
     healthy: bool = True
     outstanding: int = 0  # requests sent and not finished

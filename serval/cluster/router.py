@@ -3,8 +3,12 @@
 Each generation request goes to the replica its policy picks (cluster/policy.py); its response, streamed or not,
 is passed through byte for byte. A request that never started on a replica (the connection failed, or the replica
 answered 503: draining or shedding load) is sent to another one; once a replica has started answering, its answer
-is the answer. Replicas are health-checked (GET /health) in the background: one that fails
-``health_failures`` checks in a row (or refuses a connection) is taken out until a check passes again. When every
+is the answer. With prefill workers (``--prefill``, `serve --role prefill`) and decode workers (``--decode``), a
+request runs first on a prefill worker (its prompt, one token; the KV is held there) and then on a decode worker,
+which fetches that KV (engine/kv_transfer.py) and streams the answer; a prefill worker that fails or is missing
+only costs the decode worker the prompt's computation. Replicas are health-checked (GET /health) in the
+background: one that fails ``health_failures`` checks in a row (or refuses a connection) is taken out until a check
+passes again. When every
 healthy replica has ``max_outstanding`` requests in flight the router answers 503 with Retry-After, without asking
 any. The router has its own API keys, request log (which replica, and why) and Prometheus metrics, per replica and
 in total.
@@ -42,7 +46,9 @@ PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-serval-dropp
 
 @dataclass
 class RouterConfig:
-    replicas: list[str]
+    replicas: list[str] = field(default_factory=list)  # whole workers
+    prefill: list[str] = field(default_factory=list)  # disaggregated: prefill workers, then ...
+    decode: list[str] = field(default_factory=list)  # ... decode workers
     policy: str = "cache_aware"
     api_keys: list[str] = field(default_factory=list)  # the router's own keys (empty: no auth)
     replica_api_key: str | None = None  # sent to the replicas
@@ -55,8 +61,10 @@ class RouterConfig:
     tracing: Tracing | None = None  # OpenTelemetry: a span per routed request, traceparent passed to the replica
 
     def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ValueError("the router needs at least one replica URL (--replica)")
+        if not self.replicas and not self.decode:
+            raise ValueError("the router needs at least one replica URL (--replica, or --prefill and --decode)")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("disaggregated serving needs both --prefill and --decode workers")
         make_policy(self.policy)  # a bad name fails here, with the choices
         if self.max_outstanding < 1:
             raise ValueError(f"max_outstanding must be >= 1, got {self.max_outstanding}")
@@ -76,6 +84,9 @@ class RouterMetrics:
         self.outstanding = Gauge("serval_router:replica_outstanding", "Requests in flight.", ["replica"], registry=r)
         self.healthy = Gauge("serval_router:replica_healthy", "1 while the replica passes its health checks.",
                              ["replica"], registry=r)
+        self.kv_transfers = Counter("serval_router:kv_transfers", "Disaggregated requests by outcome: prefilled "
+                                    "(the decode worker fetched the KV) or fallback (decoded without it).",
+                                    ["outcome"], registry=r)
         for replica in replicas:
             self.outstanding.labels(replica.url).set_function(lambda rep=replica: rep.outstanding)
             self.healthy.labels(replica.url).set_function(lambda rep=replica: int(rep.healthy))
@@ -90,8 +101,10 @@ def _error(message: str, status: int, code: str | None = None, headers: dict | N
 
 
 def create_router_app(config: RouterConfig) -> FastAPI:
-    replicas = [Replica(url.rstrip("/")) for url in config.replicas]
+    replicas = [Replica(url.rstrip("/"), role) for urls, role in
+                ((config.replicas, "both"), (config.prefill, "prefill"), (config.decode, "decode")) for url in urls]
     policy = make_policy(config.policy)
+    prefill_policy = make_policy(config.policy)  # its own memory of which prefixes went where
     metrics = RouterMetrics(replicas)
     upstream_headers = {"Authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
     state: dict = {}
@@ -158,7 +171,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/router/state")
     async def router_state():
         return {"policy": policy.name, "replicas": [
-            {"url": r.url, "models": sorted(r.models), "healthy": r.healthy, "outstanding": r.outstanding,
+            {"url": r.url, "role": r.role, "models": sorted(r.models), "healthy": r.healthy,
+             "outstanding": r.outstanding,
              "consecutive_failures": r.consecutive_failures, "known_prefixes": len(r.prefixes)} for r in replicas]}
 
     @app.get("/v1/models")
@@ -209,6 +223,18 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             known = sorted({m for r in replicas for m in r.models})
             return _error(f"the model {model!r} is not served here (served: {', '.join(known)})", 404,
                           "model_not_found")
+        prefills = [r for r in serving if r.role == "prefill"]
+        serving = [r for r in serving if r.role != "prefill"]
+        extra_headers = {}
+        if prefills and _pairable(request.url.path, payload):
+            kv, refused, prefill_url = await prefill_first(request.url.path, payload, prefills, prompt, request_id)
+            if refused is not None:  # the request's own error (a 4xx): the decode worker would say the same
+                return refused
+            if kv is not None:
+                payload = {**payload, "kv_transfer_params": {**kv, "do_remote_prefill": True}}
+                body = json.dumps(payload).encode()
+                extra_headers["x-serval-prefill-replica"] = prefill_url
+            metrics.kv_transfers.labels("prefilled" if kv is not None else "fallback").inc()
         tried: set[str] = set()
         while True:
             candidates = [r for r in serving if r.healthy and r.url not in tried]
@@ -262,11 +288,47 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             policy.routed(prompt, replica)
             logger.info("request %s %s model %s (%s) -> %s (%s: %s) %d", request_id, request.url.path, model, variant,
                         replica.url, policy.name, decision.reason, response.status_code)
-            return _passthrough(response, replica, request_id, started, (attempt, span))
+            return _passthrough(response, replica, request_id, started, (attempt, span), extra_headers)
 
-    def _passthrough(response: httpx.Response, replica: Replica, request_id: str, started: float, spans):
+    async def prefill_first(path: str, payload: dict, prefills: list[Replica], prompt: str, request_id: str):
+        """Runs the prompt on a prefill worker, which holds its KV: (the kv_transfer_params for the decode worker,
+        or None when no prefill worker could; the prefill worker's 4xx answer to pass on, or None; its URL)."""
+        candidates = [r for r in prefills if r.healthy and r.outstanding < config.max_outstanding]
+        if not candidates:
+            logger.warning("request %s: no prefill worker free; the decode worker computes the prompt", request_id)
+            return None, None, None
+        replica = prefill_policy.choose(prompt, candidates).replica
+        ask = {**payload, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        for key in ("stream_options", "min_tokens"):
+            ask.pop(key, None)
+        if "max_completion_tokens" in ask:
+            ask["max_completion_tokens"] = 1
+        headers = {**upstream_headers, "x-request-id": f"{request_id}-prefill"}
+        replica.outstanding += 1
+        try:
+            response = await state["client"].post(f"{replica.url}{path}", json=ask, headers=headers)
+        except httpx.TransportError as exc:
+            replica.healthy, replica.consecutive_failures = False, replica.consecutive_failures + 1
+            logger.warning("request %s: prefill worker %s unreachable (%s); taken out", request_id, replica.url,
+                           type(exc).__name__)
+            return None, None, None
+        finally:
+            replica.outstanding -= 1
+        prefill_policy.routed(prompt, replica)
+        if 400 <= response.status_code < 500 and response.status_code != 429:
+            return None, Response(response.content, response.status_code,
+                                  media_type=response.headers.get("content-type")), replica.url
+        kv = response.json().get("kv_transfer_params") if response.status_code == 200 else None
+        if kv is None:
+            logger.warning("request %s: prefill worker %s answered %d without held KV; the decode worker computes "
+                           "the prompt", request_id, replica.url, response.status_code)
+        return kv, None, replica.url
+
+    def _passthrough(response: httpx.Response, replica: Replica, request_id: str, started: float, spans,
+                     extra_headers: dict | None = None):
         headers = {k: v for k, v in response.headers.items() if k.lower() in PASSED_HEADERS}
         headers["x-serval-replica"] = replica.url
+        headers.update(extra_headers or {})
 
         async def body():
             try:
@@ -287,6 +349,16 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     for path in GENERATION_PATHS:
         app.add_api_route(path, route, methods=["POST"])
     return app
+
+
+def _pairable(path: str, payload: dict) -> bool:
+    """Whether a request can run disaggregated: one prompt, one sample, no echo (its KV is one sample's)."""
+    if path not in ("/v1/completions", "/v1/chat/completions") or payload.get("kv_transfer_params"):
+        return False
+    if payload.get("n", 1) not in (1, None) or payload.get("echo") or payload.get("prompt_logprobs"):
+        return False
+    prompt = payload.get("prompt")
+    return not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)))
 
 
 def spawn_replicas(count: int, serve_args: list[str],

@@ -145,6 +145,7 @@ class AsyncEngine(EngineClient):
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.core.poll_kv_transfers()  # a prefill worker's expired holds, while idle
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

@@ -16,7 +16,8 @@ from pathlib import Path
 from serval.config import EngineConfig
 from serval.engine.kv_cache import KVCacheManager
 from serval.engine.kv_offload import BlockStore, OffloadIndex
-from serval.engine.request import Request, RequestStatus
+from serval.engine.kv_transfer import KVConnector, ZmqKVConnector, prompt_hash
+from serval.engine.request import RemoteKV, Request, RequestStatus
 from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler
 from serval.engine.spec_decode import NgramProposer
@@ -62,6 +63,7 @@ class EngineCoreOutput:
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     first_scheduled_time: float | None = None
     error: str | None = None
+    kv_transfer_params: dict | None = None  # a prefill worker's finished request: where its KV is held
 
 
 @dataclass
@@ -104,6 +106,17 @@ class EngineCoreStats:
     spec_accepted_per_position: list[int] = field(default_factory=list)
     last_batch_size: int = 0
     last_batch_tokens: int = 0
+    # Disaggregated prefill/decode (engine/kv_transfer.py): blocks held for decode workers now, blocks and bytes
+    # sent and received, holds that expired unfetched, fetches that fell back to computing the prompt here.
+    kv_held_blocks: int = 0
+    kv_sent_blocks: int = 0
+    kv_sent_bytes: int = 0
+    kv_received_blocks: int = 0
+    kv_received_bytes: int = 0
+    kv_expired_holds: int = 0
+    kv_failed_fetches: int = 0
+    kv_fetches: int = 0
+    kv_fetch_seconds: float = 0.0
 
 
 @dataclass
@@ -148,6 +161,10 @@ class EngineCore:
         max_model_len = min(config.max_model_len or model_config.max_position, num_blocks * cache.block_size)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.kv_cache_torch_dtype,
                                   config.device, self.group)
+        self.kv_transfer: KVConnector | None = None
+        if config.kv_transfer.role != "both":
+            self.kv_transfer = ZmqKVConnector(config.kv_transfer, self.runner.kv_cache,
+                                              {**self._fingerprint(model_path), "block_size": cache.block_size})
         self.offload_store, offload = self._make_offload_tier(model_path)
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                        cache.session_ttl, cache.session_cache_fraction, offload)
@@ -173,16 +190,19 @@ class EngineCore:
         if num_slots < 1:
             raise ValueError(f"CacheConfig.kv_offload_size={cache.kv_offload_size} GiB holds no KV block "
                              f"({block_bytes} bytes)")
-        path = Path(model_path)
         # What the blocks of a disk tier are worth to a later run: the same weights, read the same way.
-        fingerprint = {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None,
-                       "dtype": self.config.dtype, "quantization": self.config.quantization,
-                       "kv_cache_dtype": cache.kv_cache_dtype}
-        store = BlockStore(num_slots, self.runner.kv_cache, cache.kv_offload_path, fingerprint)
+        store = BlockStore(num_slots, self.runner.kv_cache, cache.kv_offload_path, self._fingerprint(model_path))
         entries = store.entries()
         if entries:
             logger.info("KV offload tier %s: %d blocks kept from an earlier run", cache.kv_offload_path, len(entries))
         return store, OffloadIndex(num_slots, entries)
+
+    def _fingerprint(self, model_path) -> dict:
+        """What KV blocks depend on: the same weights read the same way, and the cache's own dtype."""
+        path = Path(model_path)
+        return {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None,
+                "dtype": self.config.dtype, "quantization": self.config.quantization,
+                "kv_cache_dtype": self.config.cache.kv_cache_dtype}
 
     def _transfer(self) -> None:
         """Makes the copies between the KV tiers that the last allocations asked for (before any forward uses or
@@ -202,6 +222,9 @@ class EngineCore:
         if self.ranks is not None:
             self.ranks.stop()
             self.ranks = self.group = None
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
+            self.kv_transfer = None
         if self.offload_store is None:
             return
         if self.offload_store.kind == "disk":
@@ -228,13 +251,17 @@ class EngineCore:
             error = f"request id {request_id!r} is already in use"
         elif core_request.params.structured_outputs is not None:
             error = self._add_grammar(request_id, core_request.params)
-        if error is not None:
-            self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
-            return
         request = Request(request_id, list(core_request.prompt_token_ids), core_request.params,
                           frozenset(core_request.eos_token_ids), core_request.max_tokens, core_request.priority,
                           group_id=core_request.group_id, arrival_time=core_request.arrival_time,
                           session_id=core_request.session_id, keep_session=core_request.keep_session)
+        if error is None and core_request.params.kv_transfer_params:
+            error = self._start_kv_transfer(request, core_request.params.kv_transfer_params)
+        if error is not None:
+            if request_id in self.structured_ids:
+                self.structured.remove(request_id)
+            self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
+            return
         self._requests[request_id] = request
         self._unreported.add(request_id)
         self.scheduler.add_request(request)
@@ -247,7 +274,63 @@ class EngineCore:
             if request is None:
                 continue
             self.scheduler.finish_request(request, status)
+            if request.held_block_ids:  # nobody hears where they are held: no decode worker will fetch them
+                self.kv_cache.pool.release(request.held_block_ids)
+                request.held_block_ids = []
             self._release(request)
+
+    # -- disaggregated prefill/decode --------------------------------------------------------------------------
+    def _start_kv_transfer(self, request: Request, params: dict) -> str | None:
+        """A prefill worker's request keeps its KV when it ends; a decode worker's fetches what its prefix cache
+        lacks of the prompt's KV. Returns why the params cannot be used here (the request's error), or None."""
+        role = self.config.kv_transfer.role
+        if params.get("do_remote_decode"):
+            if role != "prefill":
+                return "kv_transfer_params.do_remote_decode needs a prefill worker (serve --role prefill)"
+            request.hold_kv = True
+            return None
+        if not params.get("do_remote_prefill"):
+            return "kv_transfer_params must say do_remote_decode or do_remote_prefill"
+        if self.kv_transfer is None:
+            return "kv_transfer_params.do_remote_prefill needs a decode worker (serve --role decode)"
+        error = self.kv_transfer.check_params(params)
+        if error is not None:
+            return error
+        block_size = self.kv_cache.block_size
+        num_tokens = request.num_prompt_tokens - 1  # the last prompt token is computed here: its logits sample
+        hits, _ = self.kv_cache.get_computed_blocks(request)
+        first, last = len(hits), -(-num_tokens // block_size)
+        usable = params.get("prompt_hash") == prompt_hash(request.prompt_token_ids) and \
+            int(params["num_tokens"]) >= num_tokens and request.sampling_params.prompt_logprobs is None
+        if not usable:
+            logger.warning("request %s: the held KV is of another prompt (or prompt logprobs are asked); "
+                           "computing the prompt here", request.request_id)
+        if not usable or first >= last:  # nothing to fetch: end the hold at once
+            self.kv_transfer.start_fetch(request.request_id, params, 0, 0)
+            return None
+        request.remote_kv = RemoteKV(num_tokens, first)
+        self.kv_transfer.start_fetch(request.request_id, params, first, last - first)
+        return None
+
+    def poll_kv_transfers(self) -> bool:
+        """Frees the blocks of holds that ended; hands fetched blocks to their waiting requests (a failed fetch:
+        the prompt is computed here). True when blocks were freed."""
+        if self.kv_transfer is None:
+            return False
+        released = self.kv_transfer.take_released()
+        if released:
+            self.kv_cache.pool.release(released)
+        for fetch in self.kv_transfer.take_fetched():
+            request = self._requests.get(fetch.request_id)
+            if request is None or request.remote_kv is None:
+                continue  # aborted while fetching, or a fetch that only ended a hold
+            if fetch.error is not None:
+                logger.warning("request %s: fetching its prompt's KV failed (%s); computing the prompt here",
+                               fetch.request_id, fetch.error)
+                request.remote_kv = None
+            else:
+                request.remote_kv.staging = fetch.staging
+        return bool(released)
 
     def kv_state(self) -> dict:
         """The KV cache's blocks, prefix cache and sessions now (GET /debug/kv); sessions past their TTL end first
@@ -267,11 +350,17 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """One iteration: schedule, run the batch, advance the requests. Returns an output for every request that
         got tokens, prompt logprobs or a finish reason, and the core's counters."""
+        self.poll_kv_transfers()
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs, self.snapshot())
         scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled and self.kv_transfer is not None and self.kv_transfer.num_fetching:
+            time.sleep(0.001)  # every request waits for its prompt's KV: nothing to run yet
+            return EngineCoreOutputs(outputs, self.snapshot())
         self._transfer()
+        for staging, block_ids in scheduled.kv_loads:
+            self.kv_transfer.load(staging, block_ids)
         stats = self.stats
         stats.num_steps += 1
         stats.num_scheduled_tokens += scheduled.total_num_scheduled_tokens
@@ -335,6 +424,11 @@ class EngineCore:
             if request.status.finished:
                 out.finish_reason = request.status.value
                 out.stop_reason = request.stop_reason
+                if request.held_block_ids:
+                    out.kv_transfer_params = self.kv_transfer.hold(
+                        request.request_id, request.held_block_ids, request.num_computed_tokens,
+                        request.prompt_token_ids)
+                    request.held_block_ids = []
                 self._release(request)
         self._count_accepted(scheduled, result.sampled_token_ids)
         if self.proposer is not None:
@@ -465,4 +559,10 @@ class EngineCore:
             s.offload_saved_blocks, s.offload_loaded_blocks = tier.stats.saved_blocks, tier.stats.loaded_blocks
             s.offload_hit_tokens, s.offload_blocks = tier.stats.hit_tokens, tier.num_slots
             s.offload_cached_blocks, s.offload_swapped_blocks = len(tier.cached), tier.num_swapped
+        if self.kv_transfer is not None:
+            t = self.kv_transfer.stats
+            s.kv_held_blocks, s.kv_sent_blocks, s.kv_sent_bytes = t.held_blocks, t.sent_blocks, t.sent_bytes
+            s.kv_received_blocks, s.kv_received_bytes = t.received_blocks, t.received_bytes
+            s.kv_expired_holds, s.kv_failed_fetches = t.expired_holds, t.failed_fetches
+            s.kv_fetches, s.kv_fetch_seconds = t.fetches, t.fetch_seconds
         return EngineCoreStats(**{**s.__dict__, "spec_accepted_per_position": list(s.spec_accepted_per_position)})

@@ -78,20 +78,20 @@ def encode_outputs(outputs: EngineCoreOutputs) -> list:
         if o.prompt_logprobs is not None:
             prompt_logprobs = (o.prompt_logprobs[0], [_logprobs_to_wire(e) for e in o.prompt_logprobs[1]])
         rows.append([o.request_id, o.new_token_ids, logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens,
-                     prompt_logprobs, o.first_scheduled_time, o.error])
+                     prompt_logprobs, o.first_scheduled_time, o.error, o.kv_transfer_params])
     return ["outputs", rows, dataclasses.astuple(outputs.stats)]
 
 
 def decode_outputs(raw: list) -> EngineCoreOutputs:
     _, rows, stats = raw
     outputs = []
-    for request_id, tokens, logprobs, finish, stop, cached, prompt_logprobs, scheduled_at, error in rows:
+    for request_id, tokens, logprobs, finish, stop, cached, prompt_logprobs, scheduled_at, error, kv in rows:
         if logprobs is not None:
             logprobs = [_logprobs_from_wire(e) for e in logprobs]
         if prompt_logprobs is not None:
             prompt_logprobs = (prompt_logprobs[0], [_logprobs_from_wire(e) for e in prompt_logprobs[1]])
         outputs.append(EngineCoreOutput(request_id, tokens, logprobs, finish, stop, cached, prompt_logprobs,
-                                        scheduled_at, error))
+                                        scheduled_at, error, kv))
     return EngineCoreOutputs(outputs, EngineCoreStats(*stats))
 
 
@@ -138,7 +138,11 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
     while True:
         if os.getppid() != parent_pid:  # the server is gone (killed): nobody will read our outputs; checked every
             return                      # step, since a busy orphan would otherwise compute its requests for nobody
+        # Holds fetched or expired give their blocks back, even while idle: the front end hears the new counts.
+        freed = core.poll_kv_transfers()
         busy = core.has_unfinished_requests()
+        if freed and not busy:
+            results.send(pack(encode_outputs(EngineCoreOutputs([], core.snapshot()))))
         if commands.poll(0 if busy else POLL_MS):
             while True:
                 try:

@@ -46,6 +46,7 @@ class InputProcessor:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         prompt_text, prompt_ids = self._prompt_token_ids(prompt)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
+        self._check_kv_transfer(params)
         if params.structured_outputs is not None:
             self.grammar_compiler().compile(params.structured_outputs)  # a bad grammar is the caller's error
         arrival = time.monotonic()
@@ -64,6 +65,25 @@ class InputProcessor:
                                               priority, request_id if params.n > 1 else None, arrival,
                                               session_id if index == 0 else None, not end_session))
         return prompt_text, requests
+
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        """kv_transfer_params (engine/kv_transfer.py) that this worker's role cannot serve are the caller's error."""
+        kv = params.kv_transfer_params
+        if not kv:
+            return
+        role = self.config.kv_transfer.role
+        if kv.get("do_remote_decode"):
+            if role != "prefill":
+                raise ValueError("kv_transfer_params.do_remote_decode needs a prefill worker (serve --role prefill); "
+                                 f"this server's role is {role}")
+        elif kv.get("do_remote_prefill"):
+            if role != "decode":
+                raise ValueError("kv_transfer_params.do_remote_prefill needs a decode worker (serve --role decode); "
+                                 f"this server's role is {role}")
+        else:
+            raise ValueError("kv_transfer_params must say do_remote_decode or do_remote_prefill")
+        if params.n != 1:
+            raise ValueError("kv_transfer_params needs n = 1 (one sample's KV moves)")
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -108,6 +128,7 @@ class _Sample:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_transfer_params: dict | None = None  # a prefill worker's: where a decode worker fetches this prompt's KV
 
 
 @dataclass(eq=False)
@@ -194,6 +215,8 @@ class OutputProcessor:
             first, entries = out.prompt_logprobs
             del group.prompt_logprobs[first:]  # a chunk computed again after a preemption replaces its entries
             group.prompt_logprobs.extend(entries)
+        if out.kv_transfer_params is not None:
+            sample.kv_transfer_params = out.kv_transfer_params
         if out.error is not None:
             sample.finish_reason = "error"
             group.error = out.error
@@ -245,4 +268,4 @@ class OutputProcessor:
         prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.samples[0].num_cached_tokens, group.finished, group.error, metrics,
-                             prompt_logprobs)
+                             prompt_logprobs, group.samples[0].kv_transfer_params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from serval.sampling_params import SamplingParams
 
@@ -21,6 +22,15 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.name.startswith("FINISHED")
+
+
+@dataclass
+class RemoteKV:
+    """A decode worker's request whose prompt KV comes from a prefill worker (engine/kv_transfer.py)."""
+
+    num_tokens: int  # prompt tokens whose KV is fetched or found locally: all but the last
+    first_block: int  # the first block fetched; the ones before it are in this worker's prefix cache
+    staging: Any = None  # the fetched blocks (a tensor) once here; None while the fetch runs
 
 
 @dataclass(eq=False)
@@ -46,6 +56,11 @@ class Request:
     swapped_slots: list[int] = field(default_factory=list)  # second-tier slots of its KV while swapped out
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     spec_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, checked by the next step
+    # Disaggregated prefill/decode: a prefill worker keeps the blocks of a finished request that asks it to
+    # (``hold_kv``) in ``held_block_ids``; a decode worker's request may wait for its prompt's KV (``remote_kv``).
+    hold_kv: bool = False
+    held_block_ids: list[int] = field(default_factory=list)
+    remote_kv: RemoteKV | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

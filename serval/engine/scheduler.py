@@ -27,6 +27,9 @@ class SchedulerOutput:
     # Requests that check guessed tokens this step (speculative decoding): their guesses, which are part of their
     # num_scheduled_tokens (1 + len(guesses)).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Prompt KV fetched from a prefill worker, to copy into these blocks before the forward: (blocks as rows of a
+    # byte tensor, block ids).
+    kv_loads: list[tuple[object, list[int]]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -119,12 +122,13 @@ class Scheduler:
                 hit_blocks, num_hit_tokens = ComputedBlocks(), request.num_computed_tokens
             else:
                 hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_loaded = self._num_remote_tokens(request, hit_blocks, num_hit_tokens)
             while True:
-                num_new = self._num_new_tokens(request, num_hit_tokens, budget)
+                num_new = self._num_new_tokens(request, num_hit_tokens + num_loaded, budget)
                 if num_new == 0:
                     break
                 if len(self.running) < self.config.max_num_seqs and \
-                        self.kv_cache.allocate_slots(request, num_new, hit_blocks):
+                        self.kv_cache.allocate_slots(request, num_loaded + num_new, hit_blocks):
                     break
                 if not self._outranks(request):
                     num_new = 0
@@ -143,13 +147,29 @@ class Scheduler:
                 self.kv_cache.record_offload_hit(hit_blocks)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens + num_loaded
+            if num_loaded:  # the fetched blocks this worker's cache lacks go into the request's new blocks
+                remote, first = request.remote_kv, len(hit_blocks)
+                last = -(-remote.num_tokens // self.kv_cache.block_size)
+                out.kv_loads.append((remote.staging[first - remote.first_block:], request.block_ids[first:last]))
+            request.remote_kv = None
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         return out
+
+    def _num_remote_tokens(self, request: Request, hit_blocks: ComputedBlocks, num_hit_tokens: int) -> int:
+        """Prompt tokens past the prefix cache's hit whose KV a fetch from a prefill worker brought (0: none, or
+        the cache lost blocks the fetch skipped since it started, and the prompt is computed here instead)."""
+        remote = request.remote_kv
+        if remote is None or remote.staging is None:
+            return 0
+        if len(hit_blocks) < remote.first_block:
+            request.remote_kv = None
+            return 0
+        return max(0, remote.num_tokens - num_hit_tokens)
 
     def _swaps(self, request: Request) -> bool:
         mode = self.config.preemption_mode
@@ -211,6 +231,8 @@ class Scheduler:
                 self.kv_cache.pin_session(request.session_id, request)
             elif not request.keep_session:
                 self.kv_cache.end_session(request.session_id)
+        if request.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            request.held_block_ids, request.block_ids = request.block_ids, []  # kept for a decode worker
         self.kv_cache.free(request)
         request.status = status
         del self.requests[request.request_id]
@@ -232,7 +254,9 @@ class Scheduler:
                               and r.num_cached_tokens < (r.num_prompt_tokens - 1) // block_size * block_size}
         candidates = [r for r in self.waiting
                       # n > 1: siblings wait until the first one's prompt is cached, then share its blocks.
-                      if not (self.kv_cache.enable_prefix_caching and r.group_id in leaders_prefilling)]
+                      if not (self.kv_cache.enable_prefix_caching and r.group_id in leaders_prefilling)
+                      # Its prompt's KV is still on the way from a prefill worker.
+                      and not (r.remote_kv is not None and r.remote_kv.staging is None)]
         return min(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
 
     def _preempt(self, request: Request) -> None:

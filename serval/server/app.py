@@ -528,8 +528,12 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                     out_choices.append({"index": index, "text": prompt_text + c.text, "logprobs": logprobs,
                                         "finish_reason": c.finish_reason})
         usage = _usage(prompt_tokens, completion_tokens, cached)
-        return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": model, "choices": out_choices, "usage": usage}
+        result = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                  "model": model, "choices": out_choices, "usage": usage}
+        held = [finals[i].kv_transfer_params for i in sorted(finals) if finals[i].kv_transfer_params]
+        if held:  # a prefill worker's: where a decode worker fetches the prompt's KV (one prompt)
+            result["kv_transfer_params"] = held[0]
+        return result
 
     async def _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log, tools):
         choices: dict[int, _Choice] = {}

@@ -80,6 +80,8 @@ class _SamplingFields(BaseModel):
     # after the request for the next turn; ``end_session``: the last turn, let it go.
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
     end_session: bool = False
+    # Disaggregated prefill/decode (vLLM's name): what a router sends a prefill worker, then a decode worker.
+    kv_transfer_params: dict | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -116,7 +118,7 @@ class _SamplingFields(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             max_tokens=max_tokens, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs(),
+            structured_outputs=self.structured_outputs(), kv_transfer_params=self.kv_transfer_params,
         )
 
 

@@ -108,3 +108,21 @@ class Server:
                 name, value = line.rsplit(" ", 1)
                 values[name] = float(value)
         return values
+
+
+@dataclass
+class Router(Server):
+    """A `serval router` process (no model: it is ready as soon as it listens)."""
+
+    dtype: str | None = None
+
+    def start(self) -> Router:
+        cmd = [str(SERVAL), "--log-level", "INFO", "router", "--port", str(self.port), "--health-interval", "0.3",
+               *self.args]
+        env = {k: v for k, v in os.environ.items() if k != "SERVAL_API_KEY"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def state(self) -> dict:
+        return httpx.get(f"{self.url}/router/state", headers=self.headers, timeout=10).json()

@@ -5,17 +5,14 @@ restarted one comes back, a full fleet answers 503 with Retry-After, and the rou
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import threading
 import time
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
-from serverproc import SERVAL, Server, free_port
+from serverproc import Router, Server, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -25,24 +22,6 @@ SYSTEMS = {name: f"You are the {name} office's assistant. " + (
     "the weather. Answer in one short sentence. ") * 4 for name in ("harbour", "airport")}
 QUESTIONS = ["When do you open?", "Can I send a parcel?", "Do you handle passports?"]
 REPLICA_FLAGS = ["--max-num-seqs", "4", "--kv-cache-memory", "0.2"]
-
-
-@dataclass
-class Router(Server):
-    """A `serval router` process (no model: it is ready as soon as it listens)."""
-
-    dtype: str | None = None
-
-    def start(self) -> Router:
-        cmd = [str(SERVAL), "--log-level", "INFO", "router", "--port", str(self.port), "--health-interval", "0.3",
-               *self.args]
-        env = {k: v for k, v in os.environ.items() if k != "SERVAL_API_KEY"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return self
-
-    def state(self) -> dict:
-        return httpx.get(f"{self.url}/router/state", headers=self.headers, timeout=10).json()
 
 
 @pytest.fixture(scope="module")
