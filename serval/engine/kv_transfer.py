@@ -184,7 +184,10 @@ class ZmqKVConnector(KVConnector):
                 if not socket.poll(POLL_MS):
                     continue
                 identity, raw = socket.recv_multipart()
-                self._answer(socket, identity, msgpack.unpackb(raw))
+                try:
+                    self._answer(socket, identity, msgpack.unpackb(raw))
+                except Exception:  # noqa: BLE001 - one bad ask (or a send that failed) never stops the server
+                    logger.exception("KV transfer: answering a fetch failed")
         finally:
             socket.close(linger=0)
 

@@ -11,6 +11,23 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     80.0)
 
 
+# Disaggregated prefill/decode (engine/kv_transfer.py): (family, name after serval:kv_transfer_, help, stats field).
+_KV_TRANSFER_METRICS = (
+    (GaugeMetricFamily, "held_blocks", "KV blocks a prefill worker holds for decode workers.", "kv_held_blocks"),
+    (CounterMetricFamily, "sent_blocks", "KV blocks sent to decode workers.", "kv_sent_blocks"),
+    (CounterMetricFamily, "sent_bytes", "Bytes of KV sent to decode workers.", "kv_sent_bytes"),
+    (CounterMetricFamily, "received_blocks", "KV blocks fetched from prefill workers.", "kv_received_blocks"),
+    (CounterMetricFamily, "received_bytes", "Bytes of KV fetched from prefill workers.", "kv_received_bytes"),
+    (CounterMetricFamily, "expired_holds", "Held prompts no decode worker fetched in time (their blocks freed).",
+     "kv_expired_holds"),
+    (CounterMetricFamily, "failed_fetches", "Fetches that failed; those prompts were computed on the decode worker.",
+     "kv_failed_fetches"),
+    (CounterMetricFamily, "fetches", "Fetches of a prompt's KV that brought it.", "kv_fetches"),
+    (CounterMetricFamily, "fetch_seconds", "Time those fetches took, asked to last block received.",
+     "kv_fetch_seconds"),
+)
+
+
 class _EngineCollector:
     """Reads the engine's live state at scrape time."""
 
@@ -66,26 +83,8 @@ class _EngineCollector:
         for position, count in enumerate(s.spec_accepted_per_position):
             per_position.add_metric([str(position)], count)
         yield per_position
-        yield GaugeMetricFamily("serval:kv_transfer_held_blocks",
-                                "KV blocks a prefill worker holds for decode workers.", s.kv_held_blocks)
-        yield CounterMetricFamily("serval:kv_transfer_sent_blocks", "KV blocks sent to decode workers.",
-                                  s.kv_sent_blocks)
-        yield CounterMetricFamily("serval:kv_transfer_sent_bytes", "Bytes of KV sent to decode workers.",
-                                  s.kv_sent_bytes)
-        yield CounterMetricFamily("serval:kv_transfer_received_blocks", "KV blocks fetched from prefill workers.",
-                                  s.kv_received_blocks)
-        yield CounterMetricFamily("serval:kv_transfer_received_bytes", "Bytes of KV fetched from prefill workers.",
-                                  s.kv_received_bytes)
-        yield CounterMetricFamily("serval:kv_transfer_expired_holds",
-                                  "Held prompts no decode worker fetched in time (their blocks freed).",
-                                  s.kv_expired_holds)
-        yield CounterMetricFamily("serval:kv_transfer_failed_fetches",
-                                  "Fetches that failed; those prompts were computed on the decode worker.",
-                                  s.kv_failed_fetches)
-        yield CounterMetricFamily("serval:kv_transfer_fetches", "Fetches of a prompt's KV that brought it.",
-                                  s.kv_fetches)
-        yield CounterMetricFamily("serval:kv_transfer_fetch_seconds",
-                                  "Time those fetches took, asked to last block received.", s.kv_fetch_seconds)
+        for family, name, documentation, attribute in _KV_TRANSFER_METRICS:
+            yield family(f"serval:kv_transfer_{name}", documentation, getattr(s, attribute))
         yield GaugeMetricFamily("serval:engine_alive", "1 while the engine loop runs.", int(self.engine.is_alive))
 
 
