@@ -60,6 +60,10 @@ class ParallelGroup:
     def send(self, x: torch.Tensor, dst: int) -> None:
         dist.send(x.contiguous(), dst)
 
+    def isend(self, x: torch.Tensor, dst: int):
+        """Starts sending x; the caller keeps x alive and waits on the returned work before reusing it."""
+        return dist.isend(x.contiguous(), dst)
+
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(x, src)

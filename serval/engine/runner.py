@@ -83,21 +83,53 @@ class ModelRunner:
         ``grammar_bitmasks``: the tokens each constrained request may take, one row per position it samples."""
         grammar_bitmasks = grammar_bitmasks or {}
         result = ModelRunnerOutput()
-        inputs = self.prepare_inputs(out)
-        if inputs is None:
+        steps = [inputs for inputs in map(self.prepare_inputs, self._micro_batches(out)) if inputs is not None]
+        if not steps:
             return result
         if self.group is not None:
-            self.group.broadcast((inputs.input_ids, inputs.positions, inputs.meta, self._logits_plan(inputs)))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
-        if self.draft is not None:
-            self.draft.mirror(inputs)
+            self.group.broadcast([(s.input_ids, s.positions, s.meta, self._logits_plan(s)) for s in steps])
+        if len(steps) == 1:
+            hiddens = [self.model(steps[0].input_ids, steps[0].positions, self.kv_cache, steps[0].meta)]
+        else:  # pipeline stages overlap: each micro-batch is scored while the next one is still in the stages
+            hiddens = self.model.pipelined([(s.input_ids, s.positions, s.meta) for s in steps], self.kv_cache)
+        for inputs, hidden in zip(steps, hiddens):
+            if self.draft is not None:
+                self.draft.mirror(inputs)
+            self._collect(inputs, hidden, grammar_bitmasks, result)
+        return result
+
+    def _micro_batches(self, out: SchedulerOutput) -> list[SchedulerOutput]:
+        """A pipeline-parallel step's requests in one micro-batch per stage, of about equal tokens (other steps: the
+        step itself). Each request's tokens stay in one micro-batch: its output does not depend on the split, since
+        a request's rows never depend on the other rows of its batch."""
+        if self.group is None or not hasattr(self.model, "pipelined") or len(out.scheduled) < 2:
+            return [out]
+        count = min(self.group.world_size, len(out.scheduled))
+        target = out.total_num_scheduled_tokens / count
+        parts, done = [SchedulerOutput() for _ in range(count)], 0
+        for i, request in enumerate(out.scheduled):
+            # The next part once this one holds its share, keeping at least one request for each part left.
+            index = min(int(done // target), count - 1, i)
+            index = max(index, count - (len(out.scheduled) - i))
+            part = parts[index]
+            part.scheduled.append(request)
+            tokens = out.num_scheduled_tokens[request.request_id]
+            part.num_scheduled_tokens[request.request_id] = tokens
+            if request.request_id in out.spec_token_ids:
+                part.spec_token_ids[request.request_id] = out.spec_token_ids[request.request_id]
+            done += tokens
+        return parts
+
+    def _collect(self, inputs: StepInputs, hidden: torch.Tensor, grammar_bitmasks: dict[str, torch.Tensor],
+                 result: ModelRunnerOutput) -> None:
+        """Scores the prompt tokens and samples the next tokens of one forward's requests, into ``result``."""
         for request, row, count in inputs.scored:
             first = request.num_computed_tokens + 1
             targets = request.prompt_token_ids[first: first + count]
             result.prompt_logprobs[request.request_id] = (
                 first, self._score(hidden[row: row + count], targets, request.sampling_params.prompt_logprobs))
         if not inputs.sampling_requests:
-            return result
+            return
         logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
         # Row i of a request with guesses samples as if guesses[:i] had been accepted.
         rows = [self._sampling_row(request, guesses[:i], request.request_id in grammar_bitmasks)
@@ -112,7 +144,6 @@ class ModelRunner:
             if request.sampling_params.logprobs is not None:
                 result.logprobs[request.request_id] = sampler_output.logprobs[first: first + len(kept)]
             first += len(guesses) + 1
-        return result
 
     def _logits_plan(self, inputs: StepInputs) -> list[list[int]]:
         """The hidden rows of each compute_logits call ``execute`` makes for this step, in order: every rank makes
@@ -126,8 +157,12 @@ class ModelRunner:
     def follow(self) -> None:
         """A model-parallel rank other than 0: runs rank 0's steps on this rank's shard (its part of every
         all-reduce and gather, or its pipeline stage) until rank 0 sends None."""
-        while (step := self.group.broadcast()) is not None:
-            input_ids, positions, meta, plan = step
+        while (steps := self.group.broadcast()) is not None:
+            if len(steps) > 1:  # a pipeline stage's micro-batches
+                for _ in self.model.pipelined([(ids, pos, meta) for ids, pos, meta, _ in steps], self.kv_cache):
+                    pass
+                continue
+            input_ids, positions, meta, plan = steps[0]
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
             for rows in plan:
                 self.model.compute_logits(hidden[self._tensor(rows)])

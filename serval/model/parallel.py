@@ -143,7 +143,8 @@ class VocabGathered(nn.Module):
 class PipelineStage(nn.Module):
     """Rank r of N runs layers [start, end) of the model, in order: rank 0 embeds the tokens, each rank passes
     the hidden states and the residual stream to the next, and the last hands them back to rank 0, which holds the
-    final norm and the head (the sampler is there). A step's stages run one after another: no micro-batches yet.
+    final norm and the head (the sampler is there). ``pipelined`` runs a step as micro-batches, so that while one
+    stage computes a micro-batch the stage before it computes the next one.
     ``config`` is the stage's (its own layers: its KV cache holds only theirs)."""
 
     def __init__(self, model: nn.Module, group: ParallelGroup) -> None:
@@ -176,6 +177,37 @@ class PipelineStage(nn.Module):
             return x  # not used: rank 0 scores
         x, residual = group.recv(shape, dtype, group.world_size - 1).unbind(0)
         return model.norm(x, residual)[0]
+
+    def pipelined(self, batches: list[tuple[torch.Tensor, torch.Tensor, object]], kv_caches: torch.Tensor):
+        """Runs micro-batches (input ids, positions, attention metadata) through the stages; rank 0 yields each
+        one's final hidden states in order, once it is back (the caller scores it while the later stages still
+        compute the next one); other ranks yield nothing. Sends do not wait: a stage goes on to its next
+        micro-batch while the one after it takes the last."""
+        model, group = self.model, self.group
+        dtype = model.embed_tokens.weight.dtype
+        shapes = [(2, ids.shape[0], self.config.hidden_size) for ids, _, _ in batches]
+        sends = []  # (work, the tensor it sends): kept alive until the send completes
+
+        def run(x, residual, positions, meta):
+            rope = model.rotary.for_step(positions, dtype)
+            for layer, kv_cache in zip(model.layers, kv_caches):
+                x, residual = layer(rope, x, residual, kv_cache, meta)
+            out = torch.stack([x, residual])
+            sends.append((group.isend(out, (group.rank + 1) % group.world_size), out))
+
+        try:
+            if group.rank == 0:
+                for ids, positions, meta in batches:
+                    run(model.embed_tokens(ids), None, positions, meta)
+                for shape in shapes:
+                    x, residual = group.recv(shape, dtype, group.world_size - 1).unbind(0)
+                    yield model.norm(x, residual)[0]
+            else:
+                for shape, (_, positions, meta) in zip(shapes, batches):
+                    run(*group.recv(shape, dtype, group.rank - 1).unbind(0), positions, meta)
+        finally:
+            for work, _ in sends:
+                work.wait()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.model.compute_logits(hidden) if self.group.rank == 0 else None

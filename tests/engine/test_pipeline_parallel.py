@@ -1,7 +1,7 @@
 """Pipeline parallelism over 2 real processes (torch.distributed, gloo) on the embedded model, in the default dtype
 and weights: each rank runs a run of whole layers and hands the hidden states on, so the arithmetic is one
-process's: prompt logprobs and greedy text equal bitwise, alone and batched, through the engine and through
-`serval serve --pipeline-parallel-size 2`."""
+process's: prompt logprobs and greedy text equal bitwise, alone and batched (a batch runs as one micro-batch per
+stage, so the stages overlap), through the engine and through `serval serve --pipeline-parallel-size 2`."""
 
 from __future__ import annotations
 
@@ -43,7 +43,11 @@ def test_two_stages_give_one_process_logprobs_and_text_bitwise():
         stage = llm.engine.core.model
         assert (stage.start, stage.end, stage.config.num_layers) == (0, 15, 15)  # rank 0: the first 15 of 30
         assert llm.engine.core.runner.kv_cache.shape[0] == 15  # ... and only their KV cache
+        micro_batches = []  # each step's micro-batch count: stages overlap when it is 2
+        pipelined = stage.pipelined
+        stage.pipelined = lambda batches, kv: (micro_batches.append(len(batches)), pipelined(batches, kv))[1]
         batched = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert micro_batches and set(micro_batches) == {2}
         alone = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
     finally:
         llm.engine.shutdown()
@@ -52,6 +56,26 @@ def test_two_stages_give_one_process_logprobs_and_text_bitwise():
         for x, y, z in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], c.prompt_logprobs[1:]):
             assert (x.logprob, x.top) == (y.logprob, y.top) == (z.logprob, z.top)
         assert [t.top for t in a.outputs[0].logprobs] == [t.top for t in b.outputs[0].logprobs]
+
+
+def test_a_step_splits_into_one_micro_batch_per_stage_of_about_equal_tokens():
+    from types import SimpleNamespace
+
+    from serval.engine.request import Request
+    from serval.engine.runner import ModelRunner
+    from serval.engine.scheduler import SchedulerOutput
+
+    runner = SimpleNamespace(group=SimpleNamespace(world_size=2), model=SimpleNamespace(pipelined=None))
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(6)]
+    tokens = [1, 1, 1, 1, 1, 128]  # five decodes, then a prompt chunk
+    out = SchedulerOutput(requests, {r.request_id: t for r, t in zip(requests, tokens)}, spec_token_ids={"r0": [7]})
+    parts = ModelRunner._micro_batches(runner, out)
+    assert [[r.request_id for r in p.scheduled] for p in parts] == [["r0", "r1", "r2", "r3", "r4"], ["r5"]]
+    assert parts[0].spec_token_ids == {"r0": [7]} and parts[1].num_scheduled_tokens == {"r5": 128}
+    even = SchedulerOutput(requests[:4], {r.request_id: 1 for r in requests[:4]})
+    assert [len(p.scheduled) for p in ModelRunner._micro_batches(runner, even)] == [2, 2]
+    one = SchedulerOutput(requests[:1], {"r0": 5})
+    assert ModelRunner._micro_batches(runner, one) == [one]
 
 
 def test_serve_with_two_stages_answers_as_one_process(tmp_path):
