@@ -211,7 +211,7 @@ class ZmqKVConnector(KVConnector):
         try:
             for block_id in hold.block_ids[first:first + count]:
                 # The held blocks are written by nobody while held: reading them beside the step loop is safe.
-                data = self.kv_bytes[:, :, block_id].contiguous().numpy()
+                data = self.kv_bytes[:, :, block_id].contiguous().cpu().numpy()
                 socket.send_multipart([identity, data], copy=False)
                 sent += data.nbytes
             socket.send_multipart([identity, b"end"])
