@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 import httpx
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
+from serval.cluster.router import error_response
 
 logger = logging.getLogger("serval.ray_serve")
 PASSED_HEADERS = ("content-type", "retry-after", "x-serval-dropped-messages", "cache-control")
@@ -199,12 +200,6 @@ class ServalRequestRouter(RequestRouter):
         self.views.pop(replica_id, None)
 
 
-def _error(message: str, status: int, code: str, headers: dict | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "invalid_request_error"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
-                        status_code=status, headers=headers)
-
-
 def _sse_error(message: str) -> bytes:
     error = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}}
     return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
@@ -239,7 +234,8 @@ class ServalIngress:
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request):
         if not self._authorized(request):
-            return _error("invalid or missing API key (send Authorization: Bearer KEY)", 401, "invalid_api_key")
+            return error_response("invalid or missing API key (send Authorization: Bearer KEY)", 401,
+                                  "invalid_api_key")
         listed = await asyncio.gather(*(handle.models.remote() for handle in self.replicas.values()))
         return {"object": "list", "data": [m for answer in listed for m in answer.get("data", [])]}
 
@@ -258,13 +254,14 @@ class ServalIngress:
     async def _route(self, request: Request, path: str) -> Response:
         """``path``: the server's own endpoint (the request's may carry the application's route prefix)."""
         if not self._authorized(request):
-            return _error("invalid or missing API key (send Authorization: Bearer KEY)", 401, "invalid_api_key")
+            return error_response("invalid or missing API key (send Authorization: Bearer KEY)", 401,
+                                  "invalid_api_key")
         try:
             payload = json.loads(await request.body())
             if not isinstance(payload, dict):
                 raise ValueError("not an object")
         except ValueError:
-            return _error("the request body is not a JSON object", 400, "invalid_json")
+            return error_response("the request body is not a JSON object", 400, "invalid_json")
         model = payload.get("model")
         if self.rules is not None:
             model, _ = self.rules.resolve(model, {k.lower(): v for k, v in request.headers.items()},
@@ -272,8 +269,9 @@ class ServalIngress:
             payload["model"] = model
         handle = self.replicas.get(model) or (next(iter(self.replicas.values())) if len(self.replicas) == 1 else None)
         if handle is None:
-            return _error(f"the model {model!r} is not served here (served: {', '.join(sorted(self.replicas))})",
-                          404, "model_not_found")
+            served = ", ".join(sorted(self.replicas))
+            return error_response(f"the model {model!r} is not served here (served: {served})", 404,
+                                  "model_not_found")
         headers = {"content-type": "application/json"}
         if "x-request-id" in request.headers:
             headers["x-request-id"] = request.headers["x-request-id"]
@@ -299,8 +297,8 @@ class ServalIngress:
                 continue
             return StreamingResponse(self._rest(stream, first), status_code=status,
                                      headers={**passed, "x-serval-replica": replica_id})
-        return _error(f"no replica could take the request after {self.max_attempts} attempts; retry later", 503,
-                      "no_replica", {"Retry-After": "1"})
+        return error_response(f"no replica could take the request after {self.max_attempts} attempts; retry later",
+                              503, "no_replica", {"Retry-After": "1"})
 
     async def _rest(self, stream, first: bytes):
         yield first

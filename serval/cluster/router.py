@@ -92,7 +92,7 @@ class RouterMetrics:
             self.healthy.labels(replica.url).set_function(lambda rep=replica: int(rep.healthy))
 
 
-def _error(message: str, status: int, code: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(message: str, status: int, code: str | None = None, headers: dict | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 and status != 429 else "server_error"
     if status == 401:
         kind = "authentication_error"
@@ -154,7 +154,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         if config.api_keys and request.url.path not in ("/health",):
             header = request.headers.get("authorization", "")
             if header.removeprefix("Bearer ").strip() not in config.api_keys:
-                return _error("invalid or missing API key (send Authorization: Bearer KEY)", 401, "invalid_api_key")
+                return error_response("invalid or missing API key (send Authorization: Bearer KEY)", 401,
+                                      "invalid_api_key")
         return await call_next(request)
 
     @app.get("/health")
@@ -202,13 +203,13 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def _route(request: Request, started: float, span):
         body = await request.body()
         if len(body) > config.max_body_bytes:
-            return _error(f"request body over {config.max_body_bytes} bytes", 413, "request_too_large")
+            return error_response(f"request body over {config.max_body_bytes} bytes", 413, "request_too_large")
         try:
             payload = json.loads(body)
             if not isinstance(payload, dict):
                 raise ValueError("not an object")
         except ValueError:
-            return _error("the request body is not a JSON object", 400, "invalid_json")
+            return error_response("the request body is not a JSON object", 400, "invalid_json")
         prompt = prompt_text(payload)
         request_id = request.headers.get("x-request-id") or f"route-{uuid.uuid4().hex[:12]}"
         model, variant = payload.get("model"), "as asked"
@@ -221,8 +222,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         serving = [r for r in replicas if not isinstance(model, str) or not r.models or model in r.models]
         if not serving:
             known = sorted({m for r in replicas for m in r.models})
-            return _error(f"the model {model!r} is not served here (served: {', '.join(known)})", 404,
-                          "model_not_found")
+            return error_response(f"the model {model!r} is not served here (served: {', '.join(known)})", 404,
+                                  "model_not_found")
         prefills = [r for r in serving if r.role == "prefill"]
         serving = [r for r in serving if r.role != "prefill"]
         extra_headers = {}
@@ -242,12 +243,12 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                 reason = "no healthy replica" if not tried and not any(r.healthy for r in replicas) else \
                     "every replica refused or failed it"
                 metrics.rejected.labels("unavailable").inc()
-                return _error(f"{reason}; retry later", 503, "no_replica", {"Retry-After": "1"})
+                return error_response(f"{reason}; retry later", 503, "no_replica", {"Retry-After": "1"})
             open_ = [r for r in candidates if r.outstanding < config.max_outstanding]
             if not open_:
                 metrics.rejected.labels("full").inc()
-                return _error(f"every replica has {config.max_outstanding} requests in flight; retry later", 503,
-                              "overloaded", {"Retry-After": "1"})
+                return error_response(f"every replica has {config.max_outstanding} requests in flight; retry later",
+                                      503, "overloaded", {"Retry-After": "1"})
             decision = policy.choose(prompt, open_)
             replica = decision.replica
             tried.add(replica.url)

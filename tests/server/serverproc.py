@@ -24,6 +24,15 @@ GUARDED_MAX_BODY = 4096
 GUARDED_BLOCKLIST = "Seoul,forbiddenword"
 SMALL_KEY = "sk-serval-small"
 
+# The routing tests' replicas and conversations (tests/server/test_router.py, test_ray_serve.py): two offices whose
+# long system prompts a cache-aware router should keep apart.
+MODEL = "smollm2-135m-instruct"
+SYSTEMS = {name: f"You are the {name} office's assistant. " + (
+    f"The {name} office opens at nine, closes at five, handles parcels, letters and passports, and never discusses "
+    "the weather. Answer in one short sentence. ") * 4 for name in ("harbour", "airport")}
+QUESTIONS = ["When do you open?", "Can I send a parcel?", "Do you handle passports?"]
+REPLICA_FLAGS = ["--max-num-seqs", "4", "--kv-cache-memory", "0.2"]
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

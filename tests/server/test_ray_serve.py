@@ -14,7 +14,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from serverproc import free_port
+from serverproc import MODEL, QUESTIONS, REPLICA_FLAGS, SYSTEMS, free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -23,12 +23,6 @@ from serval.cluster.ray_serve import RayServeConfig, build_app, run  # noqa: E40
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-MODEL = "smollm2-135m-instruct"
-SYSTEMS = {name: f"You are the {name} office's assistant. " + (
-    f"The {name} office opens at nine, closes at five, handles parcels, letters and passports, and never discusses "
-    "the weather. Answer in one short sentence. ") * 4 for name in ("harbour", "airport")}
-QUESTIONS = ["When do you open?", "Can I send a parcel?", "Do you handle passports?"]
-REPLICA_FLAGS = ["--max-num-seqs", "4", "--kv-cache-memory", "0.2"]
 KEY = "sk-ray"
 
 

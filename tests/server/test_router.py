@@ -12,16 +12,10 @@ import time
 import httpx
 import openai
 import pytest
-from serverproc import Router, Server, free_port
+from serverproc import MODEL, QUESTIONS, REPLICA_FLAGS, SYSTEMS, Router, Server, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MODEL = "smollm2-135m-instruct"
-SYSTEMS = {name: f"You are the {name} office's assistant. " + (
-    f"The {name} office opens at nine, closes at five, handles parcels, letters and passports, and never discusses "
-    "the weather. Answer in one short sentence. ") * 4 for name in ("harbour", "airport")}
-QUESTIONS = ["When do you open?", "Can I send a parcel?", "Do you handle passports?"]
-REPLICA_FLAGS = ["--max-num-seqs", "4", "--kv-cache-memory", "0.2"]
 
 
 @pytest.fixture(scope="module")
