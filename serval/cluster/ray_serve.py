@@ -39,7 +39,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
-from serval.cluster.router import error_response
+from serval.cluster.router import error_response, sse_error
 
 logger = logging.getLogger("serval.ray_serve")
 PASSED_HEADERS = ("content-type", "retry-after", "x-serval-dropped-messages", "cache-control")
@@ -200,11 +200,6 @@ class ServalRequestRouter(RequestRouter):
         self.views.pop(replica_id, None)
 
 
-def _sse_error(message: str) -> bytes:
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}}
-    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-
-
 fastapi_app = FastAPI(title="Serval on Ray Serve")
 
 
@@ -307,7 +302,7 @@ class ServalIngress:
                 yield chunk
         except REPLICA_GONE as exc:  # started, so not retried: the client is told, not left with a cut stream
             self.counts["failed_streams"] += 1
-            yield _sse_error(f"the replica serving this request died ({type(exc).__name__}); retry the request")
+            yield sse_error(f"the replica serving this request died ({type(exc).__name__}); retry the request")
 
 
 def build_app(config: RayServeConfig):
@@ -343,7 +338,15 @@ def run(config: RayServeConfig, host: str = "127.0.0.1", port: int = 8000, addre
     until interrupted."""
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": host, "port": port})
+    for attempt in range(1, 4):
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            break
+        except (ray.exceptions.ActorDiedError, TimeoutError) as exc:  # on a busy machine the controller may kill a
+            if attempt == 3:                                          # proxy slow to start
+                raise
+            logger.warning("Ray Serve's HTTP proxy did not start (%s); starting Serve again", type(exc).__name__)
+            serve.shutdown()
     handle = serve.run(build_app(config), name="serval", route_prefix="/", blocking=False)
     if not blocking:
         return handle

@@ -1,17 +1,17 @@
 """`serval router`: one OpenAI-compatible front over several `serval serve` replicas.
 
 Each generation request goes to the replica its policy picks (cluster/policy.py); its response, streamed or not,
-is passed through byte for byte. A request that never started on a replica (the connection failed, or the replica
-answered 503: draining or shedding load) is sent to another one; once a replica has started answering, its answer
-is the answer. With prefill workers (``--prefill``, `serve --role prefill`) and decode workers (``--decode``), a
-request runs first on a prefill worker (its prompt, one token; the KV is held there) and then on a decode worker,
-which fetches that KV (engine/kv_transfer.py) and streams the answer; a prefill worker that fails or is missing
-only costs the decode worker the prompt's computation. Replicas are health-checked (GET /health) in the
-background: one that fails ``health_failures`` checks in a row (or refuses a connection) is taken out until a check
-passes again. When every
-healthy replica has ``max_outstanding`` requests in flight the router answers 503 with Retry-After, without asking
-any. The router has its own API keys, request log (which replica, and why) and Prometheus metrics, per replica and
-in total.
+is passed through byte for byte. A request that never started on a replica (the connection failed, the replica
+answered 503 (draining or shedding load), or it died before its first bytes: the router holds a response until
+then) is sent to another one; once a replica has started answering, its answer is the answer, and one that dies
+later ends a stream with an SSE error event. With prefill workers (``--prefill``, `serve --role prefill`) and
+decode workers (``--decode``), a request runs first on a prefill worker (its prompt, one token; the KV is held
+there) and then on a decode worker, which fetches that KV (engine/kv_transfer.py) and streams the answer; a prefill
+worker that fails or is missing only costs the decode worker the prompt's computation. Replicas are health-checked
+(GET /health) in the background: one that fails ``health_failures`` checks in a row (or refuses a connection) is
+taken out until a check passes again. When every healthy replica has ``max_outstanding`` requests in flight the
+router answers 503 with Retry-After, without asking any. The router has its own API keys, request log (which
+replica, and why) and Prometheus metrics, per replica and in total.
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ class RouterMetrics:
         self.outstanding = Gauge("serval_router:replica_outstanding", "Requests in flight.", ["replica"], registry=r)
         self.healthy = Gauge("serval_router:replica_healthy", "1 while the replica passes its health checks.",
                              ["replica"], registry=r)
+        self.cut = Counter("serval_router:cut_responses", "Answers a replica started and then failed to finish.",
+                           ["replica"], registry=r)
         self.kv_transfers = Counter("serval_router:kv_transfers", "Disaggregated requests by outcome: prefilled "
                                     "(the decode worker fetched the KV) or fallback (decoded without it).",
                                     ["outcome"], registry=r)
@@ -98,6 +100,12 @@ def error_response(message: str, status: int, code: str | None = None, headers: 
         kind = "authentication_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
                         status_code=status, headers=headers)
+
+
+def sse_error(message: str, code: str = "replica_failed") -> bytes:
+    """The last events of a stream cut by its replica: an OpenAI error object, then [DONE]."""
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
 
 def create_router_app(config: RouterConfig) -> FastAPI:
@@ -277,19 +285,30 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                                replica.url, type(exc).__name__)
                 metrics.retries.labels(replica.url).inc()
                 continue
-            if response.status_code == 503:  # draining or shedding load: it did not start the request
+            chunks, first, failure = response.aiter_raw(), b"", None
+            if response.status_code != 503:
+                try:  # nothing reaches the client before the replica's first bytes
+                    first = await anext(chunks, b"")
+                except httpx.HTTPError as exc:
+                    failure = type(exc).__name__
+            if response.status_code == 503 or failure is not None:  # it started nothing the client saw
                 if attempt is not None:
-                    attempt.set_attribute("http.status_code", 503)
+                    attempt.set_attribute("http.status_code", 503) if failure is None else \
+                        attempt.set_attribute("error.type", failure)
                     attempt.end()
                 await response.aclose()
                 replica.outstanding -= 1
-                logger.info("request %s: replica %s answered 503; retrying elsewhere", request_id, replica.url)
+                if failure is not None:  # died: out until a health check passes
+                    replica.healthy, replica.consecutive_failures = False, replica.consecutive_failures + 1
+                logger.info("request %s: replica %s %s; retrying elsewhere", request_id, replica.url,
+                            "answered 503" if failure is None else f"failed before answering ({failure})")
                 metrics.retries.labels(replica.url).inc()
                 continue
             policy.routed(prompt, replica)
             logger.info("request %s %s model %s (%s) -> %s (%s: %s) %d", request_id, request.url.path, model, variant,
                         replica.url, policy.name, decision.reason, response.status_code)
-            return _passthrough(response, replica, request_id, started, (attempt, span), extra_headers)
+            return _passthrough(response, chunks, first, replica, request_id, started, (attempt, span),
+                                extra_headers)
 
     async def prefill_first(path: str, payload: dict, prefills: list[Replica], prompt: str, request_id: str):
         """Runs the prompt on a prefill worker, which holds its KV: (the kv_transfer_params for the decode worker,
@@ -325,16 +344,25 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                            "the prompt", request_id, replica.url, response.status_code)
         return kv, None, replica.url
 
-    def _passthrough(response: httpx.Response, replica: Replica, request_id: str, started: float, spans,
-                     extra_headers: dict | None = None):
+    def _passthrough(response: httpx.Response, chunks, first: bytes, replica: Replica, request_id: str,
+                     started: float, spans, extra_headers: dict | None = None):
         headers = {k: v for k, v in response.headers.items() if k.lower() in PASSED_HEADERS}
         headers["x-serval-replica"] = replica.url
         headers.update(extra_headers or {})
+        streamed = response.headers.get("content-type", "").startswith("text/event-stream")
 
         async def body():
             try:
-                async for chunk in response.aiter_raw():
+                yield first
+                async for chunk in chunks:
                     yield chunk
+            except httpx.HTTPError as exc:  # the replica died mid-answer: say so, never end silently
+                logger.warning("request %s: replica %s failed mid-answer (%s)", request_id, replica.url,
+                               type(exc).__name__)
+                metrics.cut.labels(replica.url).inc()
+                if streamed:
+                    yield sse_error(f"the replica serving this request failed ({type(exc).__name__}); retry the "
+                                    "request")
             finally:  # finished, failed, or the client went away (the replica then sees its disconnect)
                 await response.aclose()
                 replica.outstanding -= 1

@@ -1,8 +1,8 @@
 """Disaggregated serving through `serval router --prefill URL --decode URL`, real processes and the official client:
 each prompt runs on the prefill worker (`serve --role prefill`), whose held KV the decode worker (`--role decode`)
 fetches; greedy answers, streamed or not, equal the decode worker's own when it computes the prompt itself; a
-request a worker's role cannot serve gets a 400; a decode worker that dies fails its requests with a clear error and
-the prefill worker's held blocks come back."""
+request a worker's role cannot serve gets a 400; a decode worker that dies fails its requests with a clear error (an
+SSE error event for a stream it had started, a 503 for the next) and the prefill worker's held blocks come back."""
 
 from __future__ import annotations
 
@@ -100,8 +100,18 @@ def test_a_dead_decode_worker_fails_its_requests_clearly_and_frees_the_held_kv(w
     try:
         router.wait_ready()
         assert _chat(router.client(), QUESTIONS[0]).parse().choices[0].message.content
-        doomed.proc.send_signal(signal.SIGKILL)
+        stream = router.client().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400,
+                                                    stream=True, extra_body={"ignore_eos": True})
+        received = 0
+        with pytest.raises(openai.APIError, match="replica serving this request failed"):  # told, not cut short
+            for _ in stream:
+                received += 1
+                if received == 3:  # killed mid-answer
+                    doomed.proc.send_signal(signal.SIGKILL)
+        assert 3 <= received < 400
         doomed.proc.wait(10)
+        assert f'serval_router:cut_responses_total{{replica="{doomed.url}"}} 1.0' in \
+            httpx.get(f"{router.url}/metrics", timeout=10).text
         expired_before = prefill.metrics()["serval:kv_transfer_expired_holds_total"]
         with pytest.raises(openai.APIStatusError) as failure:
             _chat(router.client(), QUESTIONS[1])
