@@ -293,7 +293,9 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                     failure = type(exc).__name__
             if response.status_code == 503 or failure is not None:  # it started nothing the client saw
                 if attempt is not None:
-                    attempt.set_attribute("http.status_code", 503) if failure is None else \
+                    if failure is None:
+                        attempt.set_attribute("http.status_code", 503)
+                    else:
                         attempt.set_attribute("error.type", failure)
                     attempt.end()
                 await response.aclose()

@@ -54,7 +54,6 @@ class Hold:
     """A finished prefill's blocks, kept for a decode worker."""
 
     block_ids: list[int]
-    num_tokens: int  # tokens whose KV the blocks hold
     deadline: float  # time.monotonic()
     sending: bool = False
 
@@ -156,7 +155,7 @@ class ZmqKVConnector(KVConnector):
     def hold(self, request_id: str, block_ids: list[int], num_tokens: int, prompt_token_ids: list[int]) -> dict:
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         with self._lock:
-            self._holds[transfer_id] = Hold(list(block_ids), num_tokens, time.monotonic() + self.config.timeout)
+            self._holds[transfer_id] = Hold(list(block_ids), time.monotonic() + self.config.timeout)
             self.stats.held_blocks += len(block_ids)
         return {"remote_address": self.address, "transfer_id": transfer_id, "num_tokens": num_tokens,
                 "prompt_hash": prompt_hash(prompt_token_ids), "layout": self.layout}
