@@ -8,9 +8,11 @@ has AVX-512, so that the paths of AVX2-only CPUs are tested and measured everywh
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -58,6 +60,39 @@ def _build() -> ModuleType:
     digest = hashlib.sha256(text).hexdigest()[:10]
     kind = torch.backends.cpu.get_cpu_capability().lower() if isa == "native" else isa
     name = f"serval_cpu_kernels_{kind}_{digest}"
-    logger.info("building the CPU kernels (%s; once per machine) ...", name)
-    return load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=cflags,
-                          extra_ldflags=["-fopenmp"], verbose=False)
+    build_dir = build_directory(name)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(build_dir / "serval.lock"):
+        # torch's own "lock" file outlives a builder that was killed, and then every later load waits on it forever.
+        # Every Serval builder holds serval.lock (which the kernel releases when its holder dies), so a "lock" file
+        # seen here was left by a dead one.
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a CPU kernel build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        logger.info("building the CPU kernels (%s; once per machine) ...", name)
+        return load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=cflags,
+                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+
+
+def build_directory(name: str) -> Path:
+    """Where the kernels named ``name`` are built: under TORCH_EXTENSIONS_DIR if set, else torch's cache folder."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}" / name
+
+
+class _exclusive:
+    """An flock on ``path`` for a with-block: one builder at a time, released by the kernel if its holder dies."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.file = open(self.path, "a")  # noqa: SIM115 - closed in __exit__
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
