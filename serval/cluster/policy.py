@@ -28,6 +28,7 @@ class Replica:
     url: str
     role: str = "both"  # "prefill" | "decode" | "both" (serve --role): a prefill worker only starts requests
     models: set[str] = field(default_factory=set)  # what its /v1/models lists (learned by the health checks)
+    kv_address: str | None = None  # a prefill worker's KV server (its /health says it)
     healthy: bool = True
     outstanding: int = 0  # requests sent and not finished
     routed: int = 0  # requests sent, ever

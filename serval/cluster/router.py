@@ -5,9 +5,10 @@ is passed through byte for byte. A request that never started on a replica (the 
 answered 503 (draining or shedding load), or it died before its first bytes: the router holds a response until
 then) is sent to another one; once a replica has started answering, its answer is the answer, and one that dies
 later ends a stream with an SSE error event. With prefill workers (``--prefill``, `serve --role prefill`) and
-decode workers (``--decode``), a request runs first on a prefill worker (its prompt, one token; the KV is held
-there) and then on a decode worker, which fetches that KV (engine/kv_transfer.py) and streams the answer; a prefill
-worker that fails or is missing only costs the decode worker the prompt's computation. Replicas are health-checked
+decode workers (``--decode``), a request goes to both at once under a transfer id the router names: the prefill
+worker computes its prompt (one token; the KV is held there) and the decode worker fetches that KV as it is computed
+(engine/kv_transfer.py) and streams the answer; a prefill worker that fails or is missing only costs the decode
+worker the prompt's computation. Replicas are health-checked
 (GET /health) in the background: one that fails ``health_failures`` checks in a row (or refuses a connection) is
 taken out until a check passes again. When every healthy replica has ``max_outstanding`` requests in flight the
 router answers 503 with Retry-After, without asking any. The router has its own API keys, request log (which
@@ -86,8 +87,10 @@ class RouterMetrics:
                              ["replica"], registry=r)
         self.cut = Counter("serval_router:cut_responses", "Answers a replica started and then failed to finish.",
                            ["replica"], registry=r)
-        self.kv_transfers = Counter("serval_router:kv_transfers", "Disaggregated requests by outcome: prefilled "
-                                    "(the decode worker fetched the KV) or fallback (decoded without it).",
+        self.kv_transfers = Counter("serval_router:kv_transfers", "Disaggregated requests by outcome of their "
+                                    "prefill: prefilled (the prefill worker held the KV for the decode worker), "
+                                    "fallback (no prefill worker could: the decode worker computed the prompt), "
+                                    "cancelled (no decode worker took the request).",
                                     ["outcome"], registry=r)
         for replica in replicas:
             self.outstanding.labels(replica.url).set_function(lambda rep=replica: rep.outstanding)
@@ -116,6 +119,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     metrics = RouterMetrics(replicas)
     upstream_headers = {"Authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
     state: dict = {}
+    prefill_tasks: set[asyncio.Task] = set()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -131,9 +135,11 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     async def check(replica: Replica) -> None:
         try:
-            ok = (await state["client"].get(f"{replica.url}/health", headers=upstream_headers,
-                                            timeout=2.0)).status_code == 200
-        except httpx.HTTPError:
+            answer = await state["client"].get(f"{replica.url}/health", headers=upstream_headers, timeout=2.0)
+            ok = answer.status_code == 200
+            if ok and replica.role == "prefill":  # where decode workers fetch the KV it holds
+                replica.kv_address = (answer.json().get("kv_transfer") or {}).get("address")
+        except (httpx.HTTPError, ValueError, AttributeError):
             ok = False
         if ok:
             try:  # what it serves: requests for a model go only to replicas that list it
@@ -234,16 +240,26 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                                   "model_not_found")
         prefills = [r for r in serving if r.role == "prefill"]
         serving = [r for r in serving if r.role != "prefill"]
-        extra_headers = {}
+        extra_headers, prefill = {}, None
         if prefills and _pairable(request.url.path, payload):
-            kv, refused, prefill_url = await prefill_first(request.url.path, payload, prefills, prompt, request_id)
-            if refused is not None:  # the request's own error (a 4xx): the decode worker would say the same
-                return refused
-            if kv is not None:
-                payload = {**payload, "kv_transfer_params": {**kv, "do_remote_prefill": True}}
+            prefill = start_prefill(request.url.path, payload, prefills, prompt, request_id)
+            if prefill is not None:
+                replica, transfer_id, task = prefill
+                payload = {**payload, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
+                                                             "remote_address": replica.kv_address}}
                 body = json.dumps(payload).encode()
-                extra_headers["x-serval-prefill-replica"] = prefill_url
-            metrics.kv_transfers.labels("prefilled" if kv is not None else "fallback").inc()
+                extra_headers["x-serval-prefill-replica"] = replica.url
+            else:
+                metrics.kv_transfers.labels("fallback").inc()
+        response = await to_decode(request, body, serving, prompt, request_id, model, variant, span, started,
+                                   extra_headers)
+        if prefill is not None and isinstance(response, JSONResponse):  # refused: no decode worker will fetch it
+            prefill[2].cancel()  # closing the connection aborts the prefill: its blocks are freed now
+        return response
+
+    async def to_decode(request: Request, body: bytes, serving: list[Replica], prompt: str, request_id: str, model,
+                        variant: str, span, started: float, extra_headers: dict):
+        """Sends the request to a replica (a decode worker, or a whole one) and passes its answer through."""
         tried: set[str] = set()
         while True:
             candidates = [r for r in serving if r.healthy and r.url not in tried]
@@ -312,39 +328,49 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             return _passthrough(response, chunks, first, replica, request_id, started, (attempt, span),
                                 extra_headers)
 
-    async def prefill_first(path: str, payload: dict, prefills: list[Replica], prompt: str, request_id: str):
-        """Runs the prompt on a prefill worker, which holds its KV: (the kv_transfer_params for the decode worker,
-        or None when no prefill worker could; the prefill worker's 4xx answer to pass on, or None; its URL)."""
-        candidates = [r for r in prefills if r.healthy and r.outstanding < config.max_outstanding]
+    def start_prefill(path: str, payload: dict, prefills: list[Replica], prompt: str, request_id: str):
+        """Starts the prompt on a prefill worker, under a transfer id the decode worker is given at the same time:
+        the decode worker fetches the blocks while they are computed. (the worker, the transfer id, the task), or
+        None when no prefill worker is free (the decode worker then computes the prompt)."""
+        candidates = [r for r in prefills if r.healthy and r.kv_address and r.outstanding < config.max_outstanding]
         if not candidates:
             logger.warning("request %s: no prefill worker free; the decode worker computes the prompt", request_id)
-            return None, None, None
+            return None
         replica = prefill_policy.choose(prompt, candidates).replica
-        ask = {**payload, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        prefill_policy.routed(prompt, replica)
+        transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        ask = {**payload, "max_tokens": 1, "stream": False,
+               "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}
         for key in ("stream_options", "min_tokens"):
             ask.pop(key, None)
         if "max_completion_tokens" in ask:
             ask["max_completion_tokens"] = 1
-        headers = {**upstream_headers, "x-request-id": f"{request_id}-prefill"}
         replica.outstanding += 1
+        task = asyncio.create_task(run_prefill(replica, path, ask, request_id))
+        prefill_tasks.add(task)  # held until done: the event loop keeps only weak references to tasks
+        task.add_done_callback(prefill_tasks.discard)
+        return replica, transfer_id, task
+
+    async def run_prefill(replica: Replica, path: str, ask: dict, request_id: str) -> None:
+        outcome = "fallback"
         try:
-            response = await state["client"].post(f"{replica.url}{path}", json=ask, headers=headers)
+            response = await state["client"].post(f"{replica.url}{path}", json=ask,
+                                                  headers={**upstream_headers, "x-request-id": f"{request_id}-prefill"})
+            if response.status_code == 200 and response.json().get("kv_transfer_params"):
+                outcome = "prefilled"
+            else:
+                logger.warning("request %s: prefill worker %s answered %d without held KV; the decode worker "
+                               "computes the prompt", request_id, replica.url, response.status_code)
         except httpx.TransportError as exc:
             replica.healthy, replica.consecutive_failures = False, replica.consecutive_failures + 1
             logger.warning("request %s: prefill worker %s unreachable (%s); taken out", request_id, replica.url,
                            type(exc).__name__)
-            return None, None, None
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         finally:
             replica.outstanding -= 1
-        prefill_policy.routed(prompt, replica)
-        if 400 <= response.status_code < 500 and response.status_code != 429:
-            return None, Response(response.content, response.status_code,
-                                  media_type=response.headers.get("content-type")), replica.url
-        kv = response.json().get("kv_transfer_params") if response.status_code == 200 else None
-        if kv is None:
-            logger.warning("request %s: prefill worker %s answered %d without held KV; the decode worker computes "
-                           "the prompt", request_id, replica.url, response.status_code)
-        return kv, None, replica.url
+            metrics.kv_transfers.labels(outcome).inc()
 
     def _passthrough(response: httpx.Response, chunks, first: bytes, replica: Replica, request_id: str,
                      started: float, spans, extra_headers: dict | None = None):

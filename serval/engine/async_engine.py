@@ -30,6 +30,7 @@ class AsyncEngine(EngineClient):
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.core.info.vocab_size
+        self.kv_transfer_address = engine.core.info.kv_transfer_address
         self.context_policy = engine.config.context_policy
         self.load_time = engine.load_time
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -42,6 +42,7 @@ class EngineClient:
     vocab_size: int
     context_policy: str
     load_time: float
+    kv_transfer_address: str | None = None  # a prefill worker's KV server (engine/kv_transfer.py)
     error: BaseException | None = None
 
     def __init__(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,7 @@ class EngineCoreStats:
     # sent and received, holds that expired unfetched, fetches that fell back to computing the prompt here.
     kv_held_blocks: int = 0
     kv_sent_blocks: int = 0
+    kv_sent_early_blocks: int = 0  # of those, sent while their prompt's prefill still computed
     kv_sent_bytes: int = 0
     kv_received_blocks: int = 0
     kv_received_bytes: int = 0
@@ -134,6 +136,7 @@ class EngineCoreInfo:
     vocab_size: int
     num_blocks: int
     load_time: float
+    kv_transfer_address: str | None = None  # a prefill worker's KV server, where decode workers fetch its blocks
 
 
 class EngineCore:
@@ -172,7 +175,8 @@ class EngineCore:
         self.stats = EngineCoreStats(num_blocks=num_blocks)
         self.max_model_len = max_model_len
         self.speculative = config.speculative
-        self.info = EngineCoreInfo(str(model_path), max_model_len, model_config.vocab_size, num_blocks, 0.0)
+        self.info = EngineCoreInfo(str(model_path), max_model_len, model_config.vocab_size, num_blocks, 0.0,
+                                   self.kv_transfer.address if self.kv_transfer is not None else None)
         self.proposer = self._make_proposer(config)
         self.stats.spec_accepted_per_position = [0] * config.speculative.num_speculative_tokens
         self.structured = None  # StructuredOutputManager, once a front end sets it up (setup_structured_outputs)
@@ -274,7 +278,7 @@ class EngineCore:
             if request is None:
                 continue
             self.scheduler.finish_request(request, status)
-            if request.held_block_ids:  # nobody hears where they are held: no decode worker will fetch them
+            if request.held_block_ids:  # a stop string cut the prefill: its transfer fails, the blocks are freed
                 self.kv_cache.pool.release(request.held_block_ids)
                 request.held_block_ids = []
             self._release(request)
@@ -287,8 +291,11 @@ class EngineCore:
         if params.get("do_remote_decode"):
             if role != "prefill":
                 return "kv_transfer_params.do_remote_decode needs a prefill worker (serve --role prefill)"
-            request.hold_kv = True
-            return None
+            transfer_id = params.get("transfer_id") or f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+            error = self.kv_transfer.open(transfer_id, request.prompt_token_ids, self.kv_cache.block_size)
+            if error is None:
+                request.transfer_id = transfer_id
+            return error
         if not params.get("do_remote_prefill"):
             return "kv_transfer_params must say do_remote_decode or do_remote_prefill"
         if self.kv_transfer is None:
@@ -300,16 +307,19 @@ class EngineCore:
         num_tokens = request.num_prompt_tokens - 1  # the last prompt token is computed here: its logits sample
         hits, _ = self.kv_cache.get_computed_blocks(request)
         first, last = len(hits), -(-num_tokens // block_size)
-        usable = params.get("prompt_hash") == prompt_hash(request.prompt_token_ids) and \
-            int(params["num_tokens"]) >= num_tokens and request.sampling_params.prompt_logprobs is None
+        digest = prompt_hash(request.prompt_token_ids)
+        # Params from a finished prefill say which prompt they hold; a router's (sent before the prefill ran) do
+        # not, and the prefill worker's answer says it instead (the fetch checks it).
+        usable = params.get("prompt_hash", digest) == digest and \
+            int(params.get("num_tokens", num_tokens)) >= num_tokens and request.sampling_params.prompt_logprobs is None
         if not usable:
             logger.warning("request %s: the held KV is of another prompt (or prompt logprobs are asked); "
                            "computing the prompt here", request.request_id)
-        if not usable or first >= last:  # nothing to fetch: end the hold at once
+        if not usable or first >= last:  # nothing to fetch: end the hold once the prefill is done
             self.kv_transfer.start_fetch(request.request_id, params, 0, 0)
             return None
         request.remote_kv = RemoteKV(num_tokens, first)
-        self.kv_transfer.start_fetch(request.request_id, params, first, last - first)
+        self.kv_transfer.start_fetch(request.request_id, params, first, last - first, digest)
         return None
 
     def poll_kv_transfers(self) -> bool:
@@ -324,7 +334,12 @@ class EngineCore:
             request = self._requests.get(fetch.request_id)
             if request is None or request.remote_kv is None:
                 continue  # aborted while fetching, or a fetch that only ended a hold
-            if fetch.error is not None:
+            if fetch.fatal:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+                self._release(request)
+                self._pending.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
+                                                      error=fetch.error))
+            elif fetch.error is not None:
                 logger.warning("request %s: fetching its prompt's KV failed (%s); computing the prompt here",
                                fetch.request_id, fetch.error)
                 request.remote_kv = None
@@ -355,6 +370,10 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs, self.snapshot())
         scheduled = self.scheduler.schedule()
+        for request in scheduled.preempted:  # its blocks were freed: the transfer they were offered to fails
+            if request.transfer_id is not None:
+                self.kv_transfer.fail(request.transfer_id, "the request was preempted")
+                request.transfer_id = None
         if not scheduled.scheduled and self.kv_transfer is not None and self.kv_transfer.num_fetching:
             time.sleep(0.001)  # every request waits for its prompt's KV: nothing to run yet
             return EngineCoreOutputs(outputs, self.snapshot())
@@ -425,11 +444,14 @@ class EngineCore:
                 out.finish_reason = request.status.value
                 out.stop_reason = request.stop_reason
                 if request.held_block_ids:
-                    out.kv_transfer_params = self.kv_transfer.hold(
-                        request.request_id, request.held_block_ids, request.num_computed_tokens,
-                        request.prompt_token_ids)
-                    request.held_block_ids = []
+                    out.kv_transfer_params = self.kv_transfer.complete(
+                        request.transfer_id, request.held_block_ids, request.num_computed_tokens)
+                    request.held_block_ids, request.transfer_id = [], None
                 self._release(request)
+        for request in scheduled.scheduled:  # a prefill's full blocks computed so far can go to the decode worker
+            if request.transfer_id is not None and not request.status.finished:
+                self.kv_transfer.progress(request.transfer_id,
+                                          request.block_ids[:request.num_computed_tokens // self.kv_cache.block_size])
         self._count_accepted(scheduled, result.sampled_token_ids)
         if self.proposer is not None:
             self._propose()
@@ -540,6 +562,9 @@ class EngineCore:
                 stats.spec_accepted_per_position[position] += 1
 
     def _release(self, request: Request) -> None:
+        if request.transfer_id is not None:  # a prefill that ends without its blocks held (aborted, failed)
+            self.kv_transfer.fail(request.transfer_id, f"the request ended ({request.status.value})")
+            request.transfer_id = None
         self._requests.pop(request.request_id, None)
         if request.request_id in self.structured_ids:
             self.structured.remove(request.request_id)
@@ -565,4 +590,5 @@ class EngineCore:
             s.kv_received_blocks, s.kv_received_bytes = t.received_blocks, t.received_bytes
             s.kv_expired_holds, s.kv_failed_fetches = t.expired_holds, t.failed_fetches
             s.kv_fetches, s.kv_fetch_seconds = t.fetches, t.fetch_seconds
+            s.kv_sent_early_blocks = t.sent_early_blocks
         return EngineCoreStats(**{**s.__dict__, "spec_accepted_per_position": list(s.spec_accepted_per_position)})

@@ -210,6 +210,7 @@ class CoreProcessClient(EngineClient):
             raise
         self.info = info
         self.max_model_len, self.vocab_size, self.load_time = info.max_model_len, info.vocab_size, info.load_time
+        self.kv_transfer_address = info.kv_transfer_address
         self._inputs = InputProcessor(config, self.tokenizer, info)
         self._outputs = OutputProcessor(self.tokenizer)
         self._stats = EngineCoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)

@@ -84,6 +84,13 @@ class InputProcessor:
             raise ValueError("kv_transfer_params must say do_remote_decode or do_remote_prefill")
         if params.n != 1:
             raise ValueError("kv_transfer_params needs n = 1 (one sample's KV moves)")
+        transfer_id = kv.get("transfer_id")
+        if transfer_id is not None and not (isinstance(transfer_id, str) and 0 < len(transfer_id) <= 256):
+            raise ValueError("kv_transfer_params.transfer_id must be a string of 1 to 256 characters")
+        if kv.get("do_remote_prefill") and not (isinstance(transfer_id, str) and isinstance(kv.get("remote_address"),
+                                                                                            str)):
+            raise ValueError("kv_transfer_params.do_remote_prefill needs transfer_id and remote_address: where the "
+                             "prefill worker holds the prompt's KV")
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

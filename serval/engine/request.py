@@ -56,9 +56,10 @@ class Request:
     swapped_slots: list[int] = field(default_factory=list)  # second-tier slots of its KV while swapped out
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     spec_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, checked by the next step
-    # Disaggregated prefill/decode: a prefill worker keeps the blocks of a finished request that asks it to
-    # (``hold_kv``) in ``held_block_ids``; a decode worker's request may wait for its prompt's KV (``remote_kv``).
-    hold_kv: bool = False
+    # Disaggregated prefill/decode: a prefill worker's request that names a transfer (``transfer_id``) offers its
+    # blocks as they are computed and keeps them when it ends (``held_block_ids``); a decode worker's request may
+    # wait for its prompt's KV (``remote_kv``).
+    transfer_id: str | None = None
     held_block_ids: list[int] = field(default_factory=list)
     remote_kv: RemoteKV | None = None
 

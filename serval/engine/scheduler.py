@@ -231,8 +231,9 @@ class Scheduler:
                 self.kv_cache.pin_session(request.session_id, request)
             elif not request.keep_session:
                 self.kv_cache.end_session(request.session_id)
-        if request.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            request.held_block_ids, request.block_ids = request.block_ids, []  # kept for a decode worker
+        ended_well = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if request.transfer_id is not None and ended_well:  # a prefill worker's: kept for a decode worker
+            request.held_block_ids, request.block_ids = request.block_ids, []
         self.kv_cache.free(request)
         request.status = status
         del self.requests[request.request_id]

@@ -193,6 +193,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     async def health():
         if not engine.is_alive:
             return JSONResponse({"status": "dead", "error": str(engine.error)}, status_code=503)
+        if engine.kv_transfer_address is not None:  # a prefill worker: where a router sends decode workers
+            return {"status": "ok", "kv_transfer": {"role": "prefill", "address": engine.kv_transfer_address}}
         return {"status": "ok"}
 
     @app.api_route("/version", methods=READ_METHODS)

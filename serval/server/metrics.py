@@ -15,6 +15,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _KV_TRANSFER_METRICS = (
     (GaugeMetricFamily, "held_blocks", "KV blocks a prefill worker holds for decode workers.", "kv_held_blocks"),
     (CounterMetricFamily, "sent_blocks", "KV blocks sent to decode workers.", "kv_sent_blocks"),
+    (CounterMetricFamily, "sent_early_blocks", "KV blocks sent while their prompt's prefill still computed "
+     "(the transfer overlapping the compute).", "kv_sent_early_blocks"),
     (CounterMetricFamily, "sent_bytes", "Bytes of KV sent to decode workers.", "kv_sent_bytes"),
     (CounterMetricFamily, "received_blocks", "KV blocks fetched from prefill workers.", "kv_received_blocks"),
     (CounterMetricFamily, "received_bytes", "Bytes of KV fetched from prefill workers.", "kv_received_bytes"),
@@ -23,7 +25,8 @@ _KV_TRANSFER_METRICS = (
     (CounterMetricFamily, "failed_fetches", "Fetches that failed; those prompts were computed on the decode worker.",
      "kv_failed_fetches"),
     (CounterMetricFamily, "fetches", "Fetches of a prompt's KV that brought it.", "kv_fetches"),
-    (CounterMetricFamily, "fetch_seconds", "Time those fetches took, asked to last block received.",
+    (CounterMetricFamily, "fetch_seconds", "Time those fetches took, asked to last block "
+     "received (with a router, the prefill computes meanwhile).",
      "kv_fetch_seconds"),
 )
 

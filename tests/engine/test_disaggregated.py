@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode in one process: a prefill EngineCore holds a prompt's KV, a decode EngineCore fetches
 it over ZeroMQ/TCP (engine/kv_transfer.py) and continues. In the default dtype, greedy output equals one worker's,
-batched or not; blocks the decode side's prefix cache has are not sent; holds nobody fetches expire and give their
-blocks back; a failed or mismatched transfer is computed locally or refused with a clear error."""
+batched or not; blocks the decode side's prefix cache has are not sent; a transfer a router names before either
+worker has the request sends blocks while the prefill still computes; holds nobody fetches expire and give their
+blocks back; a failed, aborted or mismatched transfer is computed locally or refused with a clear error."""
 
 from __future__ import annotations
 
@@ -145,6 +146,91 @@ def test_transfers_this_worker_cannot_use_fail_clearly_or_fall_back(cores):
     assert "decode worker" in error_of(prefill, _request("wrong-side", ids, tok, kv=params))
     assert "prefill worker" in error_of(decode, _request("wrong-ask", ids, tok, kv={"do_remote_decode": True}))
     assert decode.snapshot().num_free_blocks == decode.snapshot().num_blocks
+
+
+def _wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _router_named(prefill: EngineCore, transfer_id: str) -> tuple[dict, dict]:
+    """The two workers' params for a transfer a router names before either worker has the request."""
+    return ({"do_remote_decode": True, "transfer_id": transfer_id},
+            {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_address": prefill.kv_transfer.address})
+
+
+def _finish(core: EngineCore, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            assert out.error is None, out.error
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_a_router_named_transfer_sends_blocks_while_the_prefill_still_computes(cores):
+    single, prefill, decode, tok = cores
+    ids = tok.encode("A river runs through the valley, past mills and bridges and fields of barley. " * 40)[:500]
+    expected, _ = _run(single, [_request("r", ids, tok)])
+    to_prefill, to_decode = _router_named(prefill, "route-r-1")
+    sent_before, early_before = prefill.snapshot().kv_sent_blocks, prefill.snapshot().kv_sent_early_blocks
+    decode.add_request(_request("r", ids, tok, kv=to_decode))  # asks before the prefill worker has the request
+    decode.step()
+    prefill.add_request(_request("p-r", ids, tok, 1, to_prefill))
+    held, chunks = {}, 0
+    while prefill.has_unfinished_requests():
+        for out in prefill.step().outputs:
+            held[out.request_id] = out.kv_transfer_params
+        chunks += 1
+        if prefill.has_unfinished_requests():
+            # This chunk's 8 full blocks go to the decode worker while the prefill has more chunks to compute.
+            assert _wait_for(lambda n=8 * chunks: prefill.snapshot().kv_sent_blocks - sent_before >= n)
+            assert prefill.snapshot().kv_sent_blocks - sent_before == 8 * chunks
+    assert chunks == 4  # 128 + 128 + 128 + 116 tokens
+    assert prefill.snapshot().kv_sent_early_blocks - early_before == 24
+    assert held["p-r"]["transfer_id"] == "route-r-1" and held["p-r"]["num_tokens"] == len(ids)
+    got = _finish(decode, {})
+    assert got == expected
+    assert prefill.snapshot().kv_sent_blocks - sent_before == -(-(len(ids) - 1) // 16)
+    prefill.poll_kv_transfers()
+    assert prefill.snapshot().num_free_blocks == prefill.snapshot().num_blocks
+    assert decode.snapshot().num_free_blocks == decode.snapshot().num_blocks
+
+
+def test_a_prefill_aborted_mid_transfer_leaves_the_decode_worker_computing_the_prompt(cores):
+    single, prefill, decode, tok = cores
+    ids = tok.encode("The baker rose before dawn to knead the dough and light the ovens of the village. " * 20)[:300]
+    expected, _ = _run(single, [_request("a", ids, tok)])
+    to_prefill, to_decode = _router_named(prefill, "route-a-1")
+    failed = decode.snapshot().kv_failed_fetches
+    sent_before = prefill.snapshot().kv_sent_blocks
+    prefill.add_request(_request("p-a", ids, tok, 1, to_prefill))
+    prefill.step()
+    decode.add_request(_request("a", ids, tok, kv=to_decode))
+    decode.step()
+    assert _wait_for(lambda: prefill.snapshot().kv_sent_blocks - sent_before >= 8)
+    prefill.finish_requests(["p-a"])  # the client went away: its blocks are freed, the transfer fails
+    assert _finish(decode, {}) == expected
+    assert decode.snapshot().kv_failed_fetches == failed + 1
+    assert prefill.snapshot().num_free_blocks == prefill.snapshot().num_blocks
+    assert decode.snapshot().num_free_blocks == decode.snapshot().num_blocks
+
+
+def test_a_transfer_that_never_reaches_the_prefill_worker_is_computed_on_the_decode_worker(cores, monkeypatch):
+    from serval.engine import kv_transfer
+
+    single, prefill, decode, tok = cores
+    monkeypatch.setattr(kv_transfer, "OPEN_GRACE_S", 0.5)
+    ids = tok.encode("Describe a quiet harbour at night.")
+    _, to_decode = _router_named(prefill, "route-lost-1")  # the router's prefill request failed on the way
+    failed = decode.snapshot().kv_failed_fetches
+    decode.add_request(_request("x", ids, tok, kv=to_decode))
+    got = _finish(decode, {})
+    assert got == _run(single, [_request("x", ids, tok)])[0]
+    assert decode.snapshot().kv_failed_fetches == failed + 1
 
 
 def test_roles_are_refused_where_they_cannot_work():

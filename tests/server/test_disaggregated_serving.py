@@ -1,8 +1,9 @@
 """Disaggregated serving through `serval router --prefill URL --decode URL`, real processes and the official client:
-each prompt runs on the prefill worker (`serve --role prefill`), whose held KV the decode worker (`--role decode`)
-fetches; greedy answers, streamed or not, equal the decode worker's own when it computes the prompt itself; a
-request a worker's role cannot serve gets a 400; a decode worker that dies fails its requests with a clear error (an
-SSE error event for a stream it had started, a 503 for the next) and the prefill worker's held blocks come back."""
+each prompt runs on the prefill worker (`serve --role prefill`), whose KV the decode worker (`--role decode`), asked
+at the same time, fetches; greedy answers, streamed or not, equal the decode worker's own when it computes the prompt
+itself; a request a worker's role cannot serve gets a 400; a decode worker that dies fails its requests with a clear
+error (an SSE error event for a stream it had started, a 503 for the next) and the prefill worker's held blocks come
+back."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def workers(tmp_path_factory):
     finally:
         prefill.stop()
         decode.stop()
+
+
+def _wait_for(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def _chat(client: openai.OpenAI, question: str, **kwargs):
@@ -70,8 +80,10 @@ def test_answers_equal_the_decode_workers_own_and_the_kv_moves(workers, tmp_path
         # only the partial last blocks came (the engine tests count them exactly); the same count on both sides.
         assert sent == received > 0
         assert decode.metrics()["serval:kv_transfer_failed_fetches_total"] == 0
-        text = httpx.get(f"{router.url}/metrics", timeout=10).text
-        assert 'serval_router:kv_transfers_total{outcome="prefilled"} 5.0' in text
+        # Each prefill ran beside its decode (the router sends both at once): its answer may come after the decode
+        # worker's.
+        assert _wait_for(lambda: 'serval_router:kv_transfers_total{outcome="prefilled"} 5.0' in
+                         httpx.get(f"{router.url}/metrics", timeout=10).text)
         assert {r["role"] for r in router.state()["replicas"]} == {"prefill", "decode"}
     finally:
         router.stop()
@@ -90,6 +102,10 @@ def test_a_request_a_workers_role_cannot_serve_is_a_400(workers):
         "model": MODEL, "prompt": "Hello there", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     held = body.json()["kv_transfer_params"]
     assert held["remote_address"].startswith("tcp://") and held["num_tokens"] >= 2
+    # ... and so does its /health, for a router to name transfers before the prefill has run.
+    assert httpx.get(f"{prefill.url}/health", timeout=10).json()["kv_transfer"]["address"] == held["remote_address"]
+    with pytest.raises(openai.BadRequestError, match="transfer_id and remote_address"):
+        _chat(decode.client(), QUESTIONS[0], extra_body={"kv_transfer_params": {"do_remote_prefill": True}})
 
 
 def test_a_dead_decode_worker_fails_its_requests_clearly_and_frees_the_held_kv(workers, tmp_path):
@@ -116,11 +132,10 @@ def test_a_dead_decode_worker_fails_its_requests_clearly_and_frees_the_held_kv(w
         with pytest.raises(openai.APIStatusError) as failure:
             _chat(router.client(), QUESTIONS[1])
         assert failure.value.status_code == 503 and "every replica refused or failed it" in str(failure.value)
-        assert prefill.metrics()["serval:kv_transfer_held_blocks"] > 0  # prefilled, held for nobody now
-        deadline = time.monotonic() + 20  # the hold's timeout is 3 s
-        while prefill.metrics()["serval:kv_transfer_held_blocks"] > 0:
-            assert time.monotonic() < deadline, "the prefill worker kept the dead decode worker's KV"
-            time.sleep(0.5)
+        # The prefill ran beside the refused decode: held for nobody, then released after the hold's 3 s.
+        assert _wait_for(lambda: prefill.metrics()["serval:kv_transfer_held_blocks"] > 0)
+        assert _wait_for(lambda: prefill.metrics()["serval:kv_transfer_held_blocks"] == 0), \
+            "the prefill worker kept the dead decode worker's KV"
         assert prefill.metrics()["serval:kv_transfer_expired_holds_total"] == expired_before + 1
         assert "not fetched within" in prefill.log()
     finally:
