@@ -9,7 +9,8 @@ Three setups, each alone on the machine in turn, the same seeded requests (20-60
 - a prefill worker and a decode worker (`serve --role prefill|decode`) behind `serval router --prefill --decode`,
   the cores split between them.
 Reported: throughput, TTFT, TPOT and ITL percentiles, and for the disaggregated setup the KV moved (blocks and bytes
-per request, the decode worker's fetch time per request) from the workers' /metrics.
+per request, the share sent while the prompt's later chunks still computed, the decode worker's fetch time per
+request: asked, at the same time as the prefill, to last block) from the workers' /metrics.
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def main() -> None:
                     "failed_fetches": int(got.get("serval:kv_transfer_failed_fetches_total", 0)),
                     "blocks_per_request": round(sent.get("serval:kv_transfer_sent_blocks_total", 0) / fetches, 1),
                     "kib_per_request": round(sent.get("serval:kv_transfer_sent_bytes_total", 0) / fetches / 1024, 1),
+                    # blocks that went while their prompt's later chunks still computed: the overlapped transfer
+                    "sent_early_share": round(sent.get("serval:kv_transfer_sent_early_blocks_total", 0)
+                                              / max(1.0, sent.get("serval:kv_transfer_sent_blocks_total", 0)), 3),
                     "fetch_ms_per_request": round(1000 * got.get("serval:kv_transfer_fetch_seconds_total", 0)
                                                   / fetches, 2)}
             results["setups"][name] = row

@@ -70,6 +70,13 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "the cores are shared among them")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="split the layers into N stages, one process each (torch.distributed)")
+    parser.add_argument("--dist-init-method", default=None, metavar="tcp://HOST:PORT",
+                        help="model parallelism across machines: where rank 0 waits for the ranks that other "
+                        "machines start with `serval rank` (HOST: this machine's address they reach); unset: "
+                        "every rank on this machine")
+    parser.add_argument("--local-ranks", type=int, default=None,
+                        help="ranks this machine runs (rank 0 and the next ones; unset: all of them, or 1 with "
+                        "--dist-init-method)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +112,7 @@ def _engine_config(args: argparse.Namespace):
                                       prompt_lookup_min=args.ngram_prompt_lookup_min,
                                       max_batch_size=args.speculative_max_batch_size),
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        dist_init_method=args.dist_init_method, num_local_ranks=args.local_ranks,
         kv_transfer=KVTransferConfig(role=getattr(args, "role", "both"), host=getattr(args, "kv_transfer_host",
                                      "127.0.0.1"), port=getattr(args, "kv_transfer_port", 0),
                                      timeout=getattr(args, "kv_transfer_timeout", 30.0)),
@@ -261,6 +269,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _drain_on_sigterm(server, app)
     server.run()
     engine.shutdown()
+    return 0
+
+
+def cmd_rank(args: argparse.Namespace) -> int:
+    from serval.engine.workers import run_worker
+
+    if not 1 <= args.rank < args.world_size:
+        print(f"serval rank: --rank must be 1 to {args.world_size - 1} (rank 0 is the server)", file=sys.stderr)
+        return 2
+    if not args.dist_init_method.startswith("tcp://"):
+        print("serval rank: --dist-init-method must be tcp://HOST:PORT", file=sys.stderr)
+        return 2
+    run_worker(args.rank, args.world_size, args.dist_init_method, args.device, args.model)
     return 0
 
 
@@ -459,6 +480,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a prefill worker holds a prompt's KV that no decode worker fetches")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    rank = add_verb("rank", "one rank of a model-parallel engine whose rank 0 (`serve --dist-init-method`) runs on "
+                    "another machine: joins it, loads its shard of the model, follows its steps")
+    rank.add_argument("--dist-init-method", required=True, metavar="tcp://HOST:PORT",
+                      help="rank 0's --dist-init-method")
+    rank.add_argument("--rank", type=int, required=True, help="this process's rank, 1 to world size - 1")
+    rank.add_argument("--world-size", type=int, required=True,
+                      help="all ranks: tensor-parallel size x pipeline-parallel size")
+    rank.add_argument("--device", default="cpu", help="cpu, or cuda (rank r takes GPU r mod the machine's count)")
+    rank.add_argument("--model", default=None,
+                      help="this machine's copy of the model file (default: where rank 0's model is found here)")
+    rank.set_defaults(func=cmd_rank)
 
     router = add_verb("router", "one OpenAI-compatible front over several `serval serve` replicas")
     router.add_argument("--replica", action="append", default=[], metavar="URL",

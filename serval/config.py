@@ -237,6 +237,10 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     tensor_parallel_size: int = 1  # ranks (processes) that split each layer; rank 0 schedules and samples
     pipeline_parallel_size: int = 1  # ranks that each run a share of the layers; rank 0 schedules and samples
+    # Model parallelism across machines: tcp://HOST:PORT where rank 0 waits for the ranks (HOST must be reachable
+    # from the other machines); None: a free loopback port, every rank on this machine.
+    dist_init_method: str | None = None
+    num_local_ranks: int | None = None  # ranks this machine runs (rank 0 first); None: all, or 1 with dist_init_method
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
@@ -244,6 +248,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {value!r}")
+        if self.dist_init_method is not None and not self.dist_init_method.startswith("tcp://"):
+            raise ValueError(f"EngineConfig.dist_init_method must be tcp://HOST:PORT, got {self.dist_init_method!r}")
+        if self.num_local_ranks is not None and not 1 <= self.num_local_ranks <= self.world_size:
+            raise ValueError(f"EngineConfig.num_local_ranks must be 1 to {self.world_size} (the ranks), got "
+                             f"{self.num_local_ranks!r}")
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError("tensor and pipeline parallelism cannot be combined yet: set one of them to 1")
         if self.world_size > 1 and (self.speculative.method not in (None, "ngram") or self.cache.kv_offload_size):

@@ -125,6 +125,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=5.0),
                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        # One round of checks before the first request: the replicas' models and prefill workers' KV addresses.
+        await asyncio.gather(*(check(r) for r in replicas))
         checker = asyncio.create_task(health_checks())
         yield
         checker.cancel()
@@ -160,8 +162,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     async def health_checks() -> None:
         while True:
-            await asyncio.gather(*(check(r) for r in replicas))
             await asyncio.sleep(config.health_interval)
+            await asyncio.gather(*(check(r) for r in replicas))
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):

@@ -1,6 +1,10 @@
 """The processes of a model-parallel engine (tensor or pipeline): rank 0 is the engine core's own process; ranks
-1..N-1 are started here, load their shard and follow rank 0's steps (ModelRunner.follow) until it shuts them
-down."""
+1..N-1 load their shard and follow rank 0's steps (ModelRunner.follow) until it shuts them down.
+
+On one machine rank 0 starts them all here. Across machines (``EngineConfig.dist_init_method``, a TCP address the
+other machines reach) rank 0 starts only its machine's share (``num_local_ranks``) and the others are started there
+with `serval rank --dist-init-method ... --rank R --world-size N`: every rank learns the engine's config from rank 0
+once the group has formed, and checks it holds the same model file."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from serval.config import EngineConfig
 from serval.distributed import ParallelGroup, free_init_method, init_group
 from serval.engine.runner import ModelRunner
 from serval.model.loader import load_model
+from serval.model.registry import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -46,26 +51,49 @@ class Ranks:
         torch.set_num_threads(self.threads_before)
 
 
+def model_identity(model_path: str) -> tuple[str, int]:
+    """What ranks compare to know they hold the same weights: the file's name and size."""
+    path = Path(model_path)
+    return path.name, path.stat().st_size if path.is_file() else -1
+
+
 def start_ranks(config: EngineConfig, model_path: str) -> Ranks:
-    """Starts ranks 1..N-1 (fresh interpreters running this module: nothing of the caller's script is re-imported,
-    no forked torch threads) and joins the group as rank 0."""
+    """Starts this machine's ranks 1..K-1 (fresh interpreters running this module: nothing of the caller's script is
+    re-imported, no forked torch threads), joins the group as rank 0 (waiting for the ranks of other machines, if
+    any) and tells every rank the config."""
     world = config.world_size
-    init_method = free_init_method()
+    init_method = config.dist_init_method or free_init_method()
+    local = config.num_local_ranks or (1 if config.dist_init_method else world)
     processes = []
-    for rank in range(1, world):
+    for rank in range(1, local):
         process = subprocess.Popen([sys.executable, "-c", "from serval.engine.workers import main; main()"],
                                    stdin=subprocess.PIPE)
-        process.stdin.write(pickle.dumps((config, str(model_path), rank, world, init_method)))
+        process.stdin.write(pickle.dumps((rank, world, init_method, config.device, str(model_path), local)))
         process.stdin.close()
         processes.append(process)
+    if local < world:
+        logger.warning("waiting for ranks %d..%d to join at %s (serval rank --dist-init-method %s --rank R "
+                       "--world-size %d, on their machines)", local, world - 1, init_method, init_method, world)
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads_per_rank(world))
-    return Ranks(init_group(0, world, init_method, config.device, config.parallel_kind), processes, threads_before)
+    torch.set_num_threads(threads_per_rank(local))
+    group = init_group(0, world, init_method, config.device, config.parallel_kind)
+    group.broadcast((config, model_identity(model_path)))
+    return Ranks(group, processes, threads_before)
 
 
-def run_worker(config: EngineConfig, model_path: str, rank: int, world_size: int, init_method: str) -> None:
-    torch.set_num_threads(threads_per_rank(world_size))
-    group = init_group(rank, world_size, init_method, config.device, config.parallel_kind)
+def run_worker(rank: int, world_size: int, init_method: str, device: str, model_path: str | None,
+               num_local_ranks: int = 1) -> None:
+    """Rank ``rank``'s life: join, learn the config from rank 0, load this rank's shard, follow the steps.
+    ``model_path`` None: the model rank 0's config names, found on this machine."""
+    torch.set_num_threads(threads_per_rank(num_local_ranks))
+    group = init_group(rank, world_size, init_method, device)
+    config, identity = group.broadcast()
+    group.kind = config.parallel_kind
+    model_path = str(resolve_model_path(model_path or config.model))
+    if model_identity(model_path) != identity:
+        group.close()
+        raise RuntimeError(f"rank {rank}: {model_path} is {model_identity(model_path)} (name, bytes); rank 0 "
+                           f"serves {identity}: every rank needs the same model file")
     model = load_model(Path(model_path), config.torch_dtype, group.device, config.quantization, group)
     num_blocks = group.broadcast()  # rank 0 sizes the cache (the scheduler's blocks are every rank's)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, config.kv_cache_torch_dtype, group.device,

@@ -2,10 +2,12 @@
 back together are the whole weights, the logits match the single-process model (float32, tight), greedy text is
 the same in float32, and in the default dtype and weights (the file's 4-bit blocks, sliced per rank) the output does
 not change with batching and the logprobs stay within a stated distance of one process; `serval serve
---tensor-parallel-size 2` answers as `serval serve` does (float32)."""
+--tensor-parallel-size 2` answers as `serval serve` does (float32), with rank 1 started by serve or, as on another
+machine, by `serval rank`."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from serval.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 from real_model import MODEL_PATH, requires_model  # noqa: E402
-from serverproc import Server  # noqa: E402
+from serverproc import SERVAL, Server, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, requires_model, pytest.mark.timeout(900)]
 
@@ -112,13 +114,26 @@ def test_default_dtype_output_is_batch_invariant_and_near_one_process():
 
 
 def test_serve_with_two_ranks_answers_as_one_process(tmp_path):
+    """Both ranks started by `serve`, and rank 1 started apart with `serval rank` (as on another machine: it learns
+    the config from rank 0 and finds the model file itself)."""
     answers = {}
-    for size in (1, 2):
-        server = Server(["--tensor-parallel-size", str(size)], tmp_path / f"tp{size}.log", dtype="float32")
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    for name, flags in (("one", ["--tensor-parallel-size", "1"]), ("two", ["--tensor-parallel-size", "2"]),
+                        ("apart", ["--tensor-parallel-size", "2", "--dist-init-method", init_method])):
+        server = Server(flags, tmp_path / f"{name}.log", dtype="float32")
+        rank = None
         try:
-            client = server.start().wait_ready().client()
-            answers[size] = [client.completions.create(model="smollm2-135m-instruct", prompt=p, max_tokens=24,
+            server.start()
+            if name == "apart":
+                with open(tmp_path / "rank1.log", "wb") as log:
+                    rank = subprocess.Popen([str(SERVAL), "rank", "--dist-init-method", init_method, "--rank", "1",
+                                             "--world-size", "2"], stdout=log, stderr=subprocess.STDOUT)
+            client = server.wait_ready().client()
+            answers[name] = [client.completions.create(model="smollm2-135m-instruct", prompt=p, max_tokens=24,
                                                        temperature=0).choices[0].text for p in PROMPTS[:2]]
         finally:
             server.stop()
-    assert answers[2] == answers[1] and all(answers[1])
+            if rank is not None:
+                assert rank.wait(60) == 0, (tmp_path / "rank1.log").read_text()[-3000:]  # ends with rank 0
+    assert answers["two"] == answers["one"] and answers["apart"] == answers["one"] and all(answers["one"])
+    assert "waiting for ranks 1..1 to join at " + init_method in (tmp_path / "apart.log").read_text()
