@@ -439,10 +439,20 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             return StreamingResponse(
                 _sse(merged, prompts, params, chat, echo, response_id, model, include_usage, started, log, tools),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        finals: dict[int, RequestOutput] = {}
+        finals: dict[int, RequestOutput] = {}  # each prompt's latest output: its final one once done
         choices: dict[int, _Choice] = {}
-        async for prompt_index, output in _observe(merged, choices, params.n, started, log):
-            finals[prompt_index] = output
+
+        async def collect() -> None:
+            async for prompt_index, output in _observe(merged, choices, params.n, started, log):
+                finals[prompt_index] = output
+
+        if not await _unless_disconnected(request, collect()):  # aborted (merged's streams end): one line says so
+            log["aborted"] = True
+            log["finish_reasons"] = [c.finish_reason or "abort" for o in finals.values() for c in o.outputs]
+            _log_usage(log, _usage(sum(len(o.prompt_token_ids) for o in finals.values()),
+                                   sum(len(c.token_ids) for o in finals.values() for c in o.outputs),
+                                   sum(o.num_cached_tokens for o in finals.values())))
+            return Response(status_code=499)  # nobody reads it: the status logged for a client that left
         result = _full_response(finals, choices, prompts, params, chat, echo, response_id, model, tools)
         _log_usage(log, result["usage"])
         return result
@@ -638,6 +648,30 @@ def _tool_delta(choice: _Choice, text: str, finish_reason: str | None, logprobs)
     if not delta and finish_reason is None and logprobs is None:
         return None
     return {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+async def _unless_disconnected(request: Request, work) -> bool:
+    """Runs ``work`` (a coroutine) unless the client disconnects first: then cancels it and returns False. A
+    non-streamed answer writes nothing until the end, so only the connection tells that its client is gone."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    done: set = set()
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in {task, watcher} - done:
+            pending.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(watcher, task, return_exceptions=True)
+    if task in done:
+        task.result()  # its errors are the request's
+        return True
+    return False
 
 
 async def anext_or_none(stream):

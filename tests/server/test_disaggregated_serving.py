@@ -128,16 +128,14 @@ def test_a_dead_decode_worker_fails_its_requests_clearly_and_frees_the_held_kv(w
         doomed.proc.wait(10)
         assert f'serval_router:cut_responses_total{{replica="{doomed.url}"}} 1.0' in \
             httpx.get(f"{router.url}/metrics", timeout=10).text
-        expired_before = prefill.metrics()["serval:kv_transfer_expired_holds_total"]
         with pytest.raises(openai.APIStatusError) as failure:
             _chat(router.client(), QUESTIONS[1])
         assert failure.value.status_code == 503 and "every replica refused or failed it" in str(failure.value)
-        # The prefill ran beside the refused decode: held for nobody, then released after the hold's 3 s.
-        assert _wait_for(lambda: prefill.metrics()["serval:kv_transfer_held_blocks"] > 0)
-        assert _wait_for(lambda: prefill.metrics()["serval:kv_transfer_held_blocks"] == 0), \
+        # The prefill started beside the refused decode; the router cancelled it (the prefill worker aborts it) or,
+        # had it ended first, its hold is released after 3 s: either way no block stays owned.
+        assert _wait_for(lambda: prefill.metrics()["serval:kv_transfer_held_blocks"] == 0
+                         and prefill.metrics()["serval:kv_cache_blocks_owned"] == 0), \
             "the prefill worker kept the dead decode worker's KV"
-        assert prefill.metrics()["serval:kv_transfer_expired_holds_total"] == expired_before + 1
-        assert "not fetched within" in prefill.log()
     finally:
         router.stop()
         doomed.stop()

@@ -196,3 +196,26 @@ def test_sigterm_drains_running_streams_then_exits(small):
     rc = small.proc.wait(shutdown_timeout + 10)
     assert rc == 0, small.log()[-3000:]
     assert time.monotonic() - sent_at < shutdown_timeout
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_its_blocks(server):
+    """Not streamed, nothing is written to the client until the end: the server watches the connection instead, and
+    a client that gives up (a timeout, a router that cancelled) aborts its request as a stream's would."""
+    rid = f"gone-{uuid.uuid4().hex[:8]}"
+    log_start = len(server.log())
+    body = {"model": MODEL, "prompt": "A very long story begins:", "max_tokens": 4000, "ignore_eos": True,
+            "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=3)
+
+    def idle() -> bool:
+        m = server.metrics()
+        return m["serval:kv_cache_blocks_owned"] == 0 and m["serval:num_requests_running"] == 0
+
+    def logged():
+        return [line for line in server.log()[log_start:].splitlines() if rid in line]
+
+    assert wait_for(lambda: idle() and logged(), timeout=30), server.metrics()
+    record = json.loads(logged()[0][logged()[0].index("{"):])
+    assert record["aborted"] is True and record["finish_reasons"] == ["abort"]
+    assert 0 < record["completion_tokens"] < 4000
