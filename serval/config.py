@@ -235,8 +235,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    tensor_parallel_size: int = 1  # ranks (processes) that split each layer; rank 0 schedules and samples
-    pipeline_parallel_size: int = 1  # ranks that each run a share of the layers; rank 0 schedules and samples
+    # Model parallelism: ranks (processes) that split each layer, times stages that each run a share of the layers
+    # (both: stages of tensor-parallel ranks); rank 0 schedules and samples.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     # Model parallelism across machines: tcp://HOST:PORT where rank 0 waits for the ranks (HOST must be reachable
     # from the other machines); None: a free loopback port, every rank on this machine.
     dist_init_method: str | None = None
@@ -253,8 +255,6 @@ class EngineConfig:
         if self.num_local_ranks is not None and not 1 <= self.num_local_ranks <= self.world_size:
             raise ValueError(f"EngineConfig.num_local_ranks must be 1 to {self.world_size} (the ranks), got "
                              f"{self.num_local_ranks!r}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError("tensor and pipeline parallelism cannot be combined yet: set one of them to 1")
         if self.world_size > 1 and (self.speculative.method not in (None, "ngram") or self.cache.kv_offload_size):
             raise ValueError("model parallelism supports ngram speculation only (no draft model) and no KV "
                              "offload tier yet")
@@ -284,10 +284,6 @@ class EngineConfig:
     def world_size(self) -> int:
         """Processes the model is split over."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def parallel_kind(self) -> str:
-        return "pipeline" if self.pipeline_parallel_size > 1 else "tensor"
 
     @property
     def torch_dtype(self) -> torch.dtype:

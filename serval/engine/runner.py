@@ -104,7 +104,7 @@ class ModelRunner:
         a request's rows never depend on the other rows of its batch."""
         if self.group is None or not hasattr(self.model, "pipelined") or len(out.scheduled) < 2:
             return [out]
-        count = min(self.group.world_size, len(out.scheduled))
+        count = min(self.group.num_stages, len(out.scheduled))
         target = out.total_num_scheduled_tokens / count
         parts, done = [SchedulerOutput() for _ in range(count)], 0
         for i, request in enumerate(out.scheduled):
@@ -158,14 +158,14 @@ class ModelRunner:
         """A model-parallel rank other than 0: runs rank 0's steps on this rank's shard (its part of every
         all-reduce and gather, or its pipeline stage) until rank 0 sends None."""
         while (steps := self.group.broadcast()) is not None:
-            if len(steps) > 1:  # a pipeline stage's micro-batches
-                for _ in self.model.pipelined([(ids, pos, meta) for ids, pos, meta, _ in steps], self.kv_cache):
-                    pass
-                continue
-            input_ids, positions, meta, plan = steps[0]
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
-            for rows in plan:
-                self.model.compute_logits(hidden[self._tensor(rows)])
+            if len(steps) > 1:  # a pipeline stage's micro-batches (stage 0 gets each one's hidden states back)
+                hiddens = self.model.pipelined([(ids, pos, meta) for ids, pos, meta, _ in steps], self.kv_cache)
+            else:
+                input_ids, positions, meta, _ = steps[0]
+                hiddens = [self.model(input_ids, positions, self.kv_cache, meta)]
+            for (*_, plan), hidden in zip(steps, hiddens):  # a stage 0 rank's part of each vocabulary gather
+                for rows in plan:
+                    self.model.compute_logits(hidden[self._tensor(rows)])
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs | None:
         """The flat batch of a step: decodes (one new token each) first, then prefill chunks; None if empty."""

@@ -1,4 +1,4 @@
-"""The processes of a model-parallel engine (tensor or pipeline): rank 0 is the engine core's own process; ranks
+"""The processes of a model-parallel engine (tensor, pipeline, or both): rank 0 is the engine core's own process; ranks
 1..N-1 load their shard and follow rank 0's steps (ModelRunner.follow) until it shuts them down.
 
 On one machine rank 0 starts them all here. Across machines (``EngineConfig.dist_init_method``, a TCP address the
@@ -76,8 +76,9 @@ def start_ranks(config: EngineConfig, model_path: str) -> Ranks:
                        "--world-size %d, on their machines)", local, world - 1, init_method, init_method, world)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads_per_rank(local))
-    group = init_group(0, world, init_method, config.device, config.parallel_kind)
+    group = init_group(0, world, init_method, config.device)
     group.broadcast((config, model_identity(model_path)))
+    group.configure(config.tensor_parallel_size, config.pipeline_parallel_size)
     return Ranks(group, processes, threads_before)
 
 
@@ -88,7 +89,7 @@ def run_worker(rank: int, world_size: int, init_method: str, device: str, model_
     torch.set_num_threads(threads_per_rank(num_local_ranks))
     group = init_group(rank, world_size, init_method, device)
     config, identity = group.broadcast()
-    group.kind = config.parallel_kind
+    group.configure(config.tensor_parallel_size, config.pipeline_parallel_size)
     model_path = str(resolve_model_path(model_path or config.model))
     if model_identity(model_path) != identity:
         group.close()
@@ -98,7 +99,8 @@ def run_worker(rank: int, world_size: int, init_method: str, device: str, model_
     num_blocks = group.broadcast()  # rank 0 sizes the cache (the scheduler's blocks are every rank's)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, config.kv_cache_torch_dtype, group.device,
                          group)
-    logger.info("%s-parallel rank %d of %d ready (%d KV blocks)", group.kind, rank, world_size, num_blocks)
+    logger.info("rank %d of %d ready: pipeline stage %d, tensor-parallel rank %d (%d KV blocks)", rank, world_size,
+                group.stage, group.tensor_rank, num_blocks)
     try:
         runner.follow()
     finally:

@@ -34,9 +34,9 @@ def load_model_config(path: Path) -> ModelConfig:
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                quantization: str = "auto", group: ParallelGroup | None = None) -> LlamaForCausalLM:
     """The model in ``dtype`` on ``device``; ``quantization`` as EngineConfig.quantization describes. With a
-    ``group`` of several ranks: this rank's tensor-parallel shard or pipeline stage (model/parallel.py)."""
+    ``group`` of several ranks: this rank's tensor-parallel shard of its pipeline stage (model/parallel.py)."""
     start = time.perf_counter()
-    parallel = group is not None and group.world_size > 1 and group.kind == "tensor"
+    parallel = group is not None and group.tensor_size > 1
     quantization = resolve_quantization(path, device, dtype, quantization)
     if path.suffix == ".gguf":
         gguf = GGUFModelFile(path)
@@ -48,7 +48,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         weights = _safetensors_weights(path)
         total = None
     model_cls = _ARCHITECTURES[config.architecture]
-    shard = TensorParallelShard(config, group.rank, group.world_size) if parallel else None
+    shard = TensorParallelShard(config, group.tensor_rank, group.tensor_size) if parallel else None
     if shard is not None:
         weights = shard.shard_weights(weights)
     with torch.device("meta"):
@@ -70,7 +70,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         quantize_linears(model, quantization)
     if shard is not None:
         shard.parallelize(model, group)
-    elif group is not None and group.world_size > 1:  # pipeline: this rank's run of layers
+    if group is not None and group.num_stages > 1:  # pipeline: this rank's run of layers
         model = PipelineStage(model, group)
     model.eval()
     probe_row_padding(model, dtype)

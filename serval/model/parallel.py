@@ -141,17 +141,18 @@ class VocabGathered(nn.Module):
 
 
 class PipelineStage(nn.Module):
-    """Rank r of N runs layers [start, end) of the model, in order: rank 0 embeds the tokens, each rank passes
-    the hidden states and the residual stream to the next, and the last hands them back to rank 0, which holds the
-    final norm and the head (the sampler is there). ``pipelined`` runs a step as micro-batches, so that while one
-    stage computes a micro-batch the stage before it computes the next one.
-    ``config`` is the stage's (its own layers: its KV cache holds only theirs)."""
+    """Stage s of N runs layers [start, end) of the model, in order: stage 0 embeds the tokens, each stage passes
+    the hidden states and the residual stream to the next, and the last hands them back to stage 0, which holds the
+    final norm and the head (the sampler is on rank 0). With tensor parallelism too, each of a stage's ranks holds
+    its slice of the stage's layers and exchanges with the rank of the same slice in the stages before and after.
+    ``pipelined`` runs a step as micro-batches, so that while one stage computes a micro-batch the stage before it
+    computes the next one. ``config`` is the stage's (its own layers: its KV cache holds only theirs)."""
 
     def __init__(self, model: nn.Module, group: ParallelGroup) -> None:
         super().__init__()
         cfg = model.config
-        _check_split(cfg, "pipeline", group.world_size, cfg.num_layers, "layers")
-        self.start, self.end = partition(cfg.num_layers, group.world_size, group.rank)
+        _check_split(cfg, "pipeline", group.num_stages, cfg.num_layers, "layers")
+        self.start, self.end = partition(cfg.num_layers, group.num_stages, group.stage)
         self.group = group
         model.layers = nn.ModuleList(list(model.layers)[self.start: self.end])
         self.model = model
@@ -160,30 +161,29 @@ class PipelineStage(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta) -> torch.Tensor:
         model, group = self.model, self.group
+        stage, last = group.stage, group.num_stages - 1
         shape = (2, input_ids.shape[0], self.config.hidden_size)  # the hidden states and the residual stream
         dtype = model.embed_tokens.weight.dtype
-        if group.rank == 0:
+        if stage == 0:
             x, residual = model.embed_tokens(input_ids), None
         else:
-            x, residual = group.recv(shape, dtype, group.rank - 1).unbind(0)
+            x, residual = group.recv(shape, dtype, group.rank_in_stage(stage - 1)).unbind(0)
         rope = model.rotary.for_step(positions, dtype)
         for layer, kv_cache in zip(model.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv_cache, meta)
-        if group.world_size == 1:
-            return model.norm(x, residual)[0]
-        if group.rank != 0 or not group.is_last:
-            group.send(torch.stack([x, residual]), (group.rank + 1) % group.world_size)  # the last sends to 0
-        if group.rank != 0:
-            return x  # not used: rank 0 scores
-        x, residual = group.recv(shape, dtype, group.world_size - 1).unbind(0)
+        group.send(torch.stack([x, residual]), group.rank_in_stage(stage + 1))  # the last stage sends to stage 0
+        if stage != 0:
+            return x  # not used: stage 0 scores
+        x, residual = group.recv(shape, dtype, group.rank_in_stage(last)).unbind(0)
         return model.norm(x, residual)[0]
 
     def pipelined(self, batches: list[tuple[torch.Tensor, torch.Tensor, object]], kv_caches: torch.Tensor):
-        """Runs micro-batches (input ids, positions, attention metadata) through the stages; rank 0 yields each
+        """Runs micro-batches (input ids, positions, attention metadata) through the stages; stage 0 yields each
         one's final hidden states in order, once it is back (the caller scores it while the later stages still
-        compute the next one); other ranks yield nothing. Sends do not wait: a stage goes on to its next
+        compute the next one); other stages yield nothing. Sends do not wait: a stage goes on to its next
         micro-batch while the one after it takes the last."""
         model, group = self.model, self.group
+        stage, last = group.stage, group.num_stages - 1
         dtype = model.embed_tokens.weight.dtype
         shapes = [(2, ids.shape[0], self.config.hidden_size) for ids, _, _ in batches]
         sends = []  # (work, the tensor it sends): kept alive until the send completes
@@ -193,21 +193,22 @@ class PipelineStage(nn.Module):
             for layer, kv_cache in zip(model.layers, kv_caches):
                 x, residual = layer(rope, x, residual, kv_cache, meta)
             out = torch.stack([x, residual])
-            sends.append((group.isend(out, (group.rank + 1) % group.world_size), out))
+            sends.append((group.isend(out, group.rank_in_stage(stage + 1)), out))
 
         try:
-            if group.rank == 0:
+            if stage == 0:
                 for ids, positions, meta in batches:
                     run(model.embed_tokens(ids), None, positions, meta)
                 for shape in shapes:
-                    x, residual = group.recv(shape, dtype, group.world_size - 1).unbind(0)
+                    x, residual = group.recv(shape, dtype, group.rank_in_stage(last)).unbind(0)
                     yield model.norm(x, residual)[0]
             else:
                 for shape, (_, positions, meta) in zip(shapes, batches):
-                    run(*group.recv(shape, dtype, group.rank - 1).unbind(0), positions, meta)
+                    run(*group.recv(shape, dtype, group.rank_in_stage(stage - 1)).unbind(0), positions, meta)
         finally:
             for work, _ in sends:
                 work.wait()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.model.compute_logits(hidden) if self.group.rank == 0 else None
+        """Stage 0's ranks score (with tensor parallelism, each its slice of the vocabulary, gathered)."""
+        return self.model.compute_logits(hidden) if self.group.stage == 0 else None

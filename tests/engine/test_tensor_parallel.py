@@ -39,13 +39,15 @@ TEXT = ("The harbour town woke slowly: fishing boats came back with the tide, th
 BF16_TOLERANCE = (0.04, 0.5)
 
 
-def _llm(tensor_parallel_size: int, dtype: str) -> LLM:
+def _llm(tensor_parallel_size: int, dtype: str, pipeline_parallel_size: int = 1) -> LLM:
     return LLM.from_engine(LLMEngine(EngineConfig(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                                                  pipeline_parallel_size=pipeline_parallel_size,
                                                   cache=CacheConfig(kv_cache_memory=0.1))))
 
 
-def _run(tensor_parallel_size: int, dtype: str, params: SamplingParams, one_by_one: bool = False):
-    llm = _llm(tensor_parallel_size, dtype)
+def _run(tensor_parallel_size: int, dtype: str, params: SamplingParams, one_by_one: bool = False,
+         pipeline_parallel_size: int = 1):
+    llm = _llm(tensor_parallel_size, dtype, pipeline_parallel_size)
     try:
         if one_by_one:
             return [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
@@ -83,6 +85,30 @@ def test_float32_logits_match_one_process_and_greedy_text_is_the_same():
             assert list(y.top) == list(x.top)  # the same top 5, in order
             worst = max(worst, abs(x.logprob - y.logprob), *(abs(x.top[k] - y.top[k]) for k in x.top))
     assert 0 < worst < FLOAT32_TOLERANCE  # 0 would mean the ranks never split anything
+
+
+def test_tensor_and_pipeline_parallel_together_match_one_process():
+    """2 stages of 2 tensor-parallel ranks each (4 processes): the float32 logits within the tensor-parallel
+    tolerance and the same greedy text, batched (the stages overlap micro-batches, stage 0's two ranks gather the
+    vocabulary of each) and one request at a time."""
+    params = SamplingParams(max_tokens=24, temperature=0, prompt_logprobs=5)
+    single = _run(1, "float32", params)
+    llm = _llm(2, "float32", pipeline_parallel_size=2)
+    try:
+        group = llm.engine.core.runner.group
+        assert (group.world_size, group.tensor_size, group.num_stages) == (4, 2, 2)
+        assert len(llm.engine.core.model.model.layers) == 15  # stage 0's half of the 30 layers
+        batched = llm.generate(PROMPTS, params, use_tqdm=False)
+        alone = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
+    finally:
+        llm.engine.shutdown()
+    worst = 0.0
+    for a, b, c in zip(single, batched, alone):
+        assert b.outputs[0].text == a.outputs[0].text == c.outputs[0].text
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert list(y.top) == list(x.top)
+            worst = max(worst, abs(x.logprob - y.logprob), *(abs(x.top[k] - y.top[k]) for k in x.top))
+    assert 0 < worst < FLOAT32_TOLERANCE
 
 
 def test_default_dtype_output_is_batch_invariant_and_near_one_process():
