@@ -1,6 +1,6 @@
 """Model parallelism's step time: one process against tensor and pipeline parallelism over 2 processes, one run.
 
-    .venv/bin/python benchmarks/bench_parallel.py [--tokens 64] [--setups tp1,tp2,pp2]
+    .venv/bin/python benchmarks/bench_parallel.py [--tokens 64] [--setups tp1,tp2,pp2,tp2pp2]
 
 Each setup is an offline engine (`LLMEngine`, the default dtype, speculation off so every step is one token a
 request) on the embedded model, measured at 1 and 16 streams (greedy, ``ignore_eos``, ``--tokens`` each): tokens/s
@@ -26,7 +26,8 @@ from serval import LLMEngine  # noqa: E402
 from serval.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from serval.platform_info import describe_hardware  # noqa: E402
 
-SETUPS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+SETUPS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2},
+          "tp2pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}
 
 
 def main() -> None:

@@ -6,7 +6,9 @@ blocks back; a failed, aborted or mismatched transfer is computed locally or ref
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,9 @@ from serval.engine.core import EngineCore, EngineCoreRequest
 from serval.model.registry import resolve_model_path
 from serval.sampling_params import SamplingParams
 from serval.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+from serverproc import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -148,15 +153,6 @@ def test_transfers_this_worker_cannot_use_fail_clearly_or_fall_back(cores):
     assert decode.snapshot().num_free_blocks == decode.snapshot().num_blocks
 
 
-def _wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def _router_named(prefill: EngineCore, transfer_id: str) -> tuple[dict, dict]:
     """The two workers' params for a transfer a router names before either worker has the request."""
     return ({"do_remote_decode": True, "transfer_id": transfer_id},
@@ -187,7 +183,7 @@ def test_a_router_named_transfer_sends_blocks_while_the_prefill_still_computes(c
         chunks += 1
         if prefill.has_unfinished_requests():
             # This chunk's 8 full blocks go to the decode worker while the prefill has more chunks to compute.
-            assert _wait_for(lambda n=8 * chunks: prefill.snapshot().kv_sent_blocks - sent_before >= n)
+            assert wait_for(lambda n=8 * chunks: prefill.snapshot().kv_sent_blocks - sent_before >= n, 10, 0.01)
             assert prefill.snapshot().kv_sent_blocks - sent_before == 8 * chunks
     assert chunks == 4  # 128 + 128 + 128 + 116 tokens
     assert prefill.snapshot().kv_sent_early_blocks - early_before == 24
@@ -211,7 +207,7 @@ def test_a_prefill_aborted_mid_transfer_leaves_the_decode_worker_computing_the_p
     prefill.step()
     decode.add_request(_request("a", ids, tok, kv=to_decode))
     decode.step()
-    assert _wait_for(lambda: prefill.snapshot().kv_sent_blocks - sent_before >= 8)
+    assert wait_for(lambda: prefill.snapshot().kv_sent_blocks - sent_before >= 8, 10, 0.01)
     prefill.finish_requests(["p-a"])  # the client went away: its blocks are freed, the transfer fails
     assert _finish(decode, {}) == expected
     assert decode.snapshot().kv_failed_fetches == failed + 1

@@ -65,7 +65,7 @@ def test_a_step_splits_into_one_micro_batch_per_stage_of_about_equal_tokens():
     from serval.engine.runner import ModelRunner
     from serval.engine.scheduler import SchedulerOutput
 
-    runner = SimpleNamespace(group=SimpleNamespace(world_size=2), model=SimpleNamespace(pipelined=None))
+    runner = SimpleNamespace(group=SimpleNamespace(num_stages=2), model=SimpleNamespace(pipelined=None))
     requests = [Request(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(6)]
     tokens = [1, 1, 1, 1, 1, 128]  # five decodes, then a prompt chunk
     out = SchedulerOutput(requests, {r.request_id: t for r, t in zip(requests, tokens)}, spec_token_ids={"r0": [7]})
@@ -92,9 +92,12 @@ def test_serve_with_two_stages_answers_as_one_process(tmp_path):
     assert answers[2] == answers[1] and all(answers[1])
 
 
-def test_both_kinds_at_once_a_draft_model_or_a_loaded_model_are_refused():
-    with pytest.raises(ValueError, match="cannot be combined"):
-        EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+def test_a_draft_model_a_loaded_model_or_bad_rank_counts_are_refused():
+    assert EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2).world_size == 4  # both kinds at once
+    with pytest.raises(ValueError, match="num_local_ranks"):
+        EngineConfig(pipeline_parallel_size=2, num_local_ranks=3)
+    with pytest.raises(ValueError, match="tcp://"):
+        EngineConfig(pipeline_parallel_size=2, dist_init_method="10.0.0.1:29500")
     with pytest.raises(ValueError, match="no draft model"):
         EngineConfig(pipeline_parallel_size=2, speculative=SpeculativeConfig(method="self-layers:4"))
     with pytest.raises(ValueError, match="cannot be split over ranks"):  # before any rank is started

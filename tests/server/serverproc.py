@@ -34,6 +34,17 @@ QUESTIONS = ["When do you open?", "Can I send a parcel?", "Do you handle passpor
 REPLICA_FLAGS = ["--max-num-seqs", "4", "--kv-cache-memory", "0.2"]
 
 
+def wait_for(condition, timeout: float, interval: float = 0.2):
+    """Polls ``condition`` until it returns something truthy (returned) or ``timeout`` seconds pass (its last
+    value is returned)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

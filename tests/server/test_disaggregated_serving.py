@@ -8,12 +8,11 @@ back."""
 from __future__ import annotations
 
 import signal
-import time
 
 import httpx
 import openai
 import pytest
-from serverproc import Router, Server
+from serverproc import Router, Server, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,15 +35,6 @@ def workers(tmp_path_factory):
     finally:
         prefill.stop()
         decode.stop()
-
-
-def _wait_for(condition, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def _chat(client: openai.OpenAI, question: str, **kwargs):
@@ -82,8 +72,8 @@ def test_answers_equal_the_decode_workers_own_and_the_kv_moves(workers, tmp_path
         assert decode.metrics()["serval:kv_transfer_failed_fetches_total"] == 0
         # Each prefill ran beside its decode (the router sends both at once): its answer may come after the decode
         # worker's.
-        assert _wait_for(lambda: 'serval_router:kv_transfers_total{outcome="prefilled"} 5.0' in
-                         httpx.get(f"{router.url}/metrics", timeout=10).text)
+        assert wait_for(lambda: 'serval_router:kv_transfers_total{outcome="prefilled"} 5.0' in
+                        httpx.get(f"{router.url}/metrics", timeout=10).text, timeout=20)
         assert {r["role"] for r in router.state()["replicas"]} == {"prefill", "decode"}
     finally:
         router.stop()
@@ -133,8 +123,8 @@ def test_a_dead_decode_worker_fails_its_requests_clearly_and_frees_the_held_kv(w
         assert failure.value.status_code == 503 and "every replica refused or failed it" in str(failure.value)
         # The prefill started beside the refused decode; the router cancelled it (the prefill worker aborts it) or,
         # had it ended first, its hold is released after 3 s: either way no block stays owned.
-        assert _wait_for(lambda: prefill.metrics()["serval:kv_transfer_held_blocks"] == 0
-                         and prefill.metrics()["serval:kv_cache_blocks_owned"] == 0), \
+        assert wait_for(lambda: prefill.metrics()["serval:kv_transfer_held_blocks"] == 0
+                        and prefill.metrics()["serval:kv_cache_blocks_owned"] == 0, timeout=20), \
             "the prefill worker kept the dead decode worker's KV"
     finally:
         router.stop()

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serverproc import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -30,15 +31,6 @@ def assert_openai_error(response: httpx.Response, status: int, type: str) -> Non
     assert response.status_code == status, response.text
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert response.json()["error"]["type"] == type
-
-
-def wait_for(condition, timeout: float, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 def sse_events(lines) -> list[dict | str]:
