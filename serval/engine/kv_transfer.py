@@ -122,9 +122,9 @@ class KVConnector:
         """The open hold's blocks computed so far (full blocks, in prompt order): they can be sent."""
         raise NotImplementedError
 
-    def complete(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> dict:
+    def complete(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> dict | None:
         """The request ended: ``block_ids`` (all of its blocks) are kept for the decode worker; returns the
-        kv_transfer_params that find them."""
+        kv_transfer_params that find them (None: the transfer ended already, the blocks are released)."""
         raise NotImplementedError
 
     def fail(self, transfer_id: str, reason: str) -> None:
@@ -207,9 +207,12 @@ class ZmqKVConnector(KVConnector):
             if hold is not None and not hold.complete and len(block_ids) > len(hold.block_ids):
                 hold.block_ids = list(block_ids)
 
-    def complete(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> dict:
+    def complete(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> dict | None:
         with self._lock:
-            hold = self._holds[transfer_id]
+            hold = self._holds.get(transfer_id)
+            if hold is None:  # its fetch failed while the request ran: nobody will fetch these blocks
+                self._released += list(block_ids)
+                return None
             hold.block_ids, hold.complete = list(block_ids), True
             hold.deadline = time.monotonic() + self.config.timeout
             self.stats.held_blocks += len(block_ids)

@@ -234,3 +234,29 @@ def test_roles_are_refused_where_they_cannot_work():
         KVTransferConfig(role="decoder")
     with pytest.raises(ValueError, match="one process"):
         EngineConfig(tensor_parallel_size=2, kv_transfer=KVTransferConfig(role="prefill"))
+
+
+def test_a_transfer_that_ended_while_its_prefill_ran_gives_the_blocks_back_when_it_completes():
+    """A send that failed mid-fetch ends the transfer while the request still runs; when the request then ends, its
+    blocks are released (nobody will fetch them) instead of held, and the step loop gets no params."""
+    import torch
+
+    from serval.engine.kv_transfer import ZmqKVConnector
+
+    cache = torch.zeros(2, 2, 8, 16, 1, 4)  # [layer, k/v, block, slot, kv head, row]
+    connector = ZmqKVConnector(KVTransferConfig(role="prefill"), cache, {"model": "tiny"})
+    try:
+        assert connector.open("t-1", list(range(40)), 16) is None
+        assert "already in use" in connector.open("t-1", list(range(40)), 16)
+        connector.progress("t-1", [3, 5])
+        with connector._lock:
+            connector._end_hold("t-1", "the send failed")  # what the KV server does when a send raises
+        assert connector.take_released() == []  # an open hold's blocks are its request's
+        assert connector.complete("t-1", [3, 5, 6], 40) is None
+        assert connector.take_released() == [3, 5, 6]
+        assert connector.stats.held_blocks == 0
+        connector.open("t-2", list(range(20)), 16)
+        params = connector.complete("t-2", [1, 2], 20)
+        assert params["transfer_id"] == "t-2" and connector.stats.held_blocks == 2
+    finally:
+        connector.close()
