@@ -8,9 +8,9 @@ later ends a stream with an SSE error event. With prefill workers (``--prefill``
 decode workers (``--decode``), a request goes to both at once under a transfer id the router names: the prefill
 worker computes its prompt (one token; the KV is held there) and the decode worker fetches that KV as it is computed
 (engine/kv_transfer.py) and streams the answer; a prefill worker that fails or is missing only costs the decode
-worker the prompt's computation. Replicas are health-checked
-(GET /health) in the background: one that fails ``health_failures`` checks in a row (or refuses a connection) is
-taken out until a check passes again. When every healthy replica has ``max_outstanding`` requests in flight the
+worker the prompt's computation. Replicas are health-checked (GET /health) before the first request and then in
+the background: one that fails ``health_failures`` checks in a row (or refuses a connection) is taken out until a
+check passes again. When every healthy replica has ``max_outstanding`` requests in flight the
 router answers 503 with Retry-After, without asking any. The router has its own API keys, request log (which
 replica, and why) and Prometheus metrics, per replica and in total.
 """
