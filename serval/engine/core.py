@@ -448,10 +448,12 @@ class EngineCore:
                         request.transfer_id, request.held_block_ids, request.num_computed_tokens)
                     request.held_block_ids, request.transfer_id = [], None
                 self._release(request)
-        for request in scheduled.scheduled:  # a prefill's full blocks computed so far can go to the decode worker
-            if request.transfer_id is not None and not request.status.finished:
-                self.kv_transfer.progress(request.transfer_id,
-                                          request.block_ids[:request.num_computed_tokens // self.kv_cache.block_size])
+        if self.kv_transfer is not None:  # a prefill's full blocks computed so far can go to the decode worker
+            block_size = self.kv_cache.block_size
+            for request in scheduled.scheduled:
+                if request.transfer_id is not None and not request.status.finished:
+                    self.kv_transfer.progress(request.transfer_id,
+                                              request.block_ids[:request.num_computed_tokens // block_size])
         self._count_accepted(scheduled, result.sampled_token_ids)
         if self.proposer is not None:
             self._propose()

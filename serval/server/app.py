@@ -447,11 +447,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                 finals[prompt_index] = output
 
         if not await _unless_disconnected(request, collect()):  # aborted (merged's streams end): one line says so
-            log["aborted"] = True
-            log["finish_reasons"] = [c.finish_reason or "abort" for o in finals.values() for c in o.outputs]
-            _log_usage(log, _usage(sum(len(o.prompt_token_ids) for o in finals.values()),
-                                   sum(len(c.token_ids) for o in finals.values() for c in o.outputs),
-                                   sum(o.num_cached_tokens for o in finals.values())))
+            _log_aborted(log, finals)
             return Response(status_code=499)  # nobody reads it: the status logged for a client that left
         result = _full_response(finals, choices, prompts, params, chat, echo, response_id, model, tools)
         _log_usage(log, result["usage"])
@@ -618,11 +614,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             _log_request(log, started)
             yield f"data: {json.dumps(err.body())}\n\n"
         except (asyncio.CancelledError, GeneratorExit):  # the client went away: one log line says so
-            log["aborted"] = True
-            log["finish_reasons"] = [c.finish_reason or "abort" for o in latest.values() for c in o.outputs]
-            _log_usage(log, _usage(sum(len(o.prompt_token_ids) for o in latest.values()),
-                                   sum(len(c.token_ids) for o in latest.values() for c in o.outputs),
-                                   sum(o.num_cached_tokens for o in latest.values())))
+            _log_aborted(log, latest)
             _log_request(log, started)
             raise
         finally:
@@ -739,6 +731,15 @@ def _client_key(request: Request) -> str:
 def _log_usage(log: dict, usage: dict) -> None:
     log.update(prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
                cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def _log_aborted(log: dict, latest: dict[int, RequestOutput]) -> None:
+    """A request whose client went away: what it had produced by then (each prompt's latest output)."""
+    log["aborted"] = True
+    log["finish_reasons"] = [c.finish_reason or "abort" for o in latest.values() for c in o.outputs]
+    _log_usage(log, _usage(sum(len(o.prompt_token_ids) for o in latest.values()),
+                           sum(len(c.token_ids) for o in latest.values() for c in o.outputs),
+                           sum(o.num_cached_tokens for o in latest.values())))
 
 
 def _log_request(log: dict, started: float, level: int = logging.INFO) -> None:
