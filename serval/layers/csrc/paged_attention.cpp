@@ -248,15 +248,16 @@ inline float softmax_numerators(float* scores, int64_t j0, int64_t ctx) {
   return 1.f / serval::reduce_add16(sums);
 }
 
-// acc[0 .. C * 16) += sum over keys l0 <= l < l1, in order, of p[l] * v[l] (v rows head_dim apart). The sums are
-// float32 in memory between calls: cutting the keys into ranges changes no bit.
-template <int C>
-inline void weighted_values(const float* p, const float* v, int64_t head_dim, int64_t l0, int64_t l1, float* acc) {
+// acc[0 .. C * 16) += sum over keys l0 <= l < l1, in order, of p[l] * v[l] (value_row(l): key l's float32 values,
+// from column c0). The sums are float32 in memory between calls: cutting the keys into ranges changes no bit.
+template <int C, typename ValueRow>
+inline void weighted_values(const float* p, ValueRow value_row, int64_t l0, int64_t l1, float* acc) {
   V16 sum[C];
   for (int i = 0; i < C; ++i) sum[i] = serval::load16(acc + i * 16);
   for (int64_t l = l0; l < l1; ++l) {
     const V16 pl = serval::set16(p[l]);
-    for (int i = 0; i < C; ++i) sum[i] = serval::fma16(pl, serval::load16(v + l * head_dim + i * 16), sum[i]);
+    const float* v = value_row(l);
+    for (int i = 0; i < C; ++i) sum[i] = serval::fma16(pl, serval::load16(v + i * 16), sum[i]);
   }
   for (int i = 0; i < C; ++i) serval::store16(acc + i * 16, sum[i]);
 }
@@ -431,20 +432,26 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
     const int64_t key_tiles = (ctx_max + kKeys - 1) / kKeys;
     const int64_t tile_min = first_min / kKeys;  // keys before this tile are no query's
     float* kt = serval::scratch(0, key_tiles * kKeys * head_dim);
-    float* v = serval::scratch(1, ctx_max * head_dim);
+    float* v = serval::scratch(1, ctx_max * head_dim);  // (unused for a float32 cache)
     const int64_t nq = (t1 - t0) * group;  // the tile's query heads
     float* qs = serval::scratch(2, nq * (2 * head_dim + 1));
     float* acc = qs + nq * head_dim;
     float* inv_sums = acc + nq * head_dim;
     float* scores = serval::scratch(3, nq * key_tiles * kKeys);
-    const auto row = [&](const typename Rows::storage* cache, int64_t l) {
-      const int64_t slot = table[l / block_size] * block_size + l % block_size;
-      return cache + (slot * num_kv_heads + kvh) * (head_dim + Rows::extra);
-    };
+    // Each key's row offset, found once: a division by the block size per key and per use cost more than the
+    // arithmetic on the row.
+    int64_t* offsets = serval::scratch_index(ctx_max);
+    for (int64_t l = tile_min * kKeys, block = l / block_size, within = l % block_size; l < ctx_max; ++l) {
+      offsets[l] = ((table[block] * block_size + within) * num_kv_heads + kvh) * (head_dim + Rows::extra);
+      if (++within == block_size) within = 0, ++block;
+    }
     for (int64_t j = tile_min; j < key_tiles; ++j)
-      transpose_keys<Rows>([&](int64_t i) { return row(kc, j * kKeys + i); },
+      transpose_keys<Rows>([&](int64_t i) { return kc + offsets[j * kKeys + i]; },
                            std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim, kt + j * kKeys * head_dim);
-    for (int64_t l = tile_min * kKeys; l < ctx_max; ++l) row_to_float<Rows>(row(vc, l), v + l * head_dim, head_dim);
+    // A float32 cache's values are read where they are; other rows are converted once for all the tile's heads.
+    constexpr bool kFloatRows = std::is_same_v<typename Rows::storage, float> && Rows::extra == 0;
+    if constexpr (!kFloatRows)
+      for (int64_t l = tile_min * kKeys; l < ctx_max; ++l) row_to_float<Rows>(vc + offsets[l], v + l * head_dim, head_dim);
     // Every query head of the tile (tokens t0 .. t1, the group's heads) goes over the keys a block at a time, so a
     // block's keys and values are read from cache by all of them (a whole 8k context is 2 MB a head, past L2).
     const int64_t stride = key_tiles * kKeys;
@@ -468,8 +475,13 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
     for (int64_t l0 = tile_min * kKeys; l0 < ctx_max; l0 += kBlockKeys)
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t from = std::max(l0, first_of(i)), l1 = std::min(l0 + kBlockKeys, ctx_of(i));
-        for (int c = 0; from < l1 && c < DV; c += C)
-          weighted_values<C>(scores + i * stride, v + c * 16, head_dim, from, l1, acc + i * head_dim + c * 16);
+        for (int c = 0; from < l1 && c < DV; c += C) {
+          float* out = acc + i * head_dim + c * 16;
+          if constexpr (kFloatRows)
+            weighted_values<C>(scores + i * stride, [&](int64_t l) { return vc + offsets[l] + c * 16; }, from, l1, out);
+          else
+            weighted_values<C>(scores + i * stride, [&](int64_t l) { return v + l * head_dim + c * 16; }, from, l1, out);
+        }
       }
     for (int64_t i = 0; i < nq; ++i) {
       scalar_t* dst = o + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim;

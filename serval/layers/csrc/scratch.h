@@ -1,6 +1,7 @@
 // Per-thread scratch memory for the CPU kernels.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace serval {
@@ -11,6 +12,13 @@ namespace serval {
 inline float* scratch(int slot, size_t n) {
   thread_local std::vector<float> buffers[4];
   std::vector<float>& buffer = buffers[slot];
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
+// The same for int64 indices (one buffer per thread).
+inline int64_t* scratch_index(size_t n) {
+  thread_local std::vector<int64_t> buffer;
   if (buffer.size() < n) buffer.resize(n);
   return buffer.data();
 }
