@@ -23,8 +23,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "it natively, else float32 (float16 on a GPU)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=128,  # SchedulerConfig's default
-                        help="tokens computed per engine step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens computed per engine step (default: 128 on a CPU with AVX-512, else 96)")
     parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -103,9 +103,10 @@ def _engine_config(args: argparse.Namespace):
                           session_cache_fraction=args.session_cache_fraction,
                           kv_offload_size=args.kv_offload_size, kv_offload_path=args.kv_offload_path,
                           kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  enable_chunked_prefill=args.enable_chunked_prefill,
-                                  preemption_mode=args.preemption_mode),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
+                                  preemption_mode=args.preemption_mode,
+                                  **({} if args.max_num_batched_tokens is None
+                                     else {"max_num_batched_tokens": args.max_num_batched_tokens})),
         speculative=SpeculativeConfig(method=None if args.speculative_model == "none" else args.speculative_model,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_max=args.ngram_prompt_lookup_max,

@@ -107,13 +107,21 @@ class CacheConfig:
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
+def default_token_budget() -> int:
+    """Tokens computed per engine step by default, for the CPU this runs on.
+
+    A step's prefill chunk delays every decode in it, so the budget bounds inter-token latency under a mixed load.
+    Measured through the server on the mixed workload (benchmarks/README.md): with AVX-512 a budget of 128 gave an ITL
+    p99 of 235 ms (304 at 192, 372 at 256) for 11% more wall time than 256; held to AVX2 (8-lane float32 FMAs, half
+    the arithmetic rate) 128 gave 310 ms, 112 269 ms and 96 246 ms at the same wall time (58-59 s)."""
+    return 128 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 96
+
+
 @dataclass
 class SchedulerConfig:
     """Continuous batching limits: tokens per step and sequences per step."""
 
-    # 128, measured through the server (benchmarks/README.md): the mixed workload's ITL p99 235 ms against 304 at 192
-    # and 372 at 256, for 11% more wall time than at 256 (one step's prefill chunk delays every decode in it)
-    max_num_batched_tokens: int = 128
+    max_num_batched_tokens: int = field(default_factory=default_token_budget)  # 128 with AVX-512, else 96
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     # What a preempted request's KV becomes: dropped and recomputed, swapped to the KV cache's second tier and back

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -24,6 +28,17 @@ def test_an_explicit_dtype_is_kept():
 def test_a_bad_dtype_names_the_field():
     with pytest.raises(ValueError, match="EngineConfig.dtype"):
         EngineConfig(dtype="int3")
+
+
+def test_the_default_token_budget_follows_the_cpu_and_an_explicit_one_is_kept():
+    expected = 128 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 96
+    assert SchedulerConfig().max_num_batched_tokens == expected
+    assert SchedulerConfig(max_num_batched_tokens=200).max_num_batched_tokens == 200
+    # An AVX2-only CPU (what ATEN_CPU_CAPABILITY=avx2 makes this one look like): the smaller budget.
+    code = "from serval.config import SchedulerConfig; print(SchedulerConfig().max_num_batched_tokens)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["96"]
 
 
 def test_the_hardware_line_names_the_cpu_capability_and_bf16_support():

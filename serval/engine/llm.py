@@ -23,7 +23,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  enable_chunked_prefill: bool = True,
                  kv_cache_memory: float = 1.0, num_blocks: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
@@ -34,8 +34,9 @@ class LLM:
             quantization=quantization,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      enable_chunked_prefill=enable_chunked_prefill),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+                                      **({} if max_num_batched_tokens is None
+                                         else {"max_num_batched_tokens": max_num_batched_tokens})),
             speculative=SpeculativeConfig(method=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                           max_batch_size=speculative_max_batch_size),
         )
