@@ -124,9 +124,14 @@ def paged_attention(
     window: int | None = None,  # attend to each query's last ``window`` keys only (a sliding-window layer)
 ) -> torch.Tensor:
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[2]
-    write_kv(k_cache, k, meta.slot_mapping)
-    write_kv(v_cache, v, meta.slot_mapping)
-    if meta.token_table is not None and q.device.type == "cpu" and (kernels := cpu_kernels.load()) is not None:
+    kernels = cpu_kernels.load() if q.device.type == "cpu" else None
+    if kernels is not None and not is_quantized(k_cache) and k.stride(-1) == 1 and k.stride(-2) == head_dim \
+            and v.stride(-1) == 1 and v.stride(-2) == head_dim:
+        kernels.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)  # both in one call
+    else:
+        write_kv(k_cache, k, meta.slot_mapping)
+        write_kv(v_cache, v, meta.slot_mapping)
+    if meta.token_table is not None and kernels is not None:
         return kernels.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.token_table,
                                        meta.context_lens, scale, window or 0)
 

@@ -167,3 +167,25 @@ def test_a_sliding_window_row_equals_its_decode_and_a_float64_softmax_over_its_w
     meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, 70, 600, table[0], mask)])
     fallback = paged_attention(queries, flat_k[slots], flat_v[slots], k_cache, v_cache, meta, scale, window)
     assert (fallback.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_and_values_from_the_fused_projection_land_in_their_slots(dtype):
+    """The kernel that writes a step's keys and values in one call stores what index_copy_ stores, from the views of
+    the fused q/k/v output the model passes it, and refuses a slot outside the cache."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("CPU kernels not built")
+    tokens, heads, kv_heads, head_dim, blocks, block_size = 5, 6, 2, 64, 4, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([3, 17, 0, 63, 40])
+    k_cache, v_cache = (torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    kernels.write_kv_(k_cache, v_cache, k, v, slots)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        expected = torch.zeros_like(cache)
+        expected.view(-1, kv_heads, head_dim).index_copy_(0, slots, x)
+        assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.write_kv_(k_cache, v_cache, k, v, torch.tensor([0, 1, 2, 3, 64]))

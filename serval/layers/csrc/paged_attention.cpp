@@ -550,6 +550,36 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   return out;
 }
 
+// Writes each token's keys k [T, KVH, D] and values v into the float rows of k_cache and v_cache
+// [num_blocks, block_size, KVH, D] (the same dtype) at the slots slot_mapping [T]: one call for both, where two
+// index_copy_ calls cost more than the copying at a few tokens a step. A token's KVH x D values must be contiguous
+// (k and v may be views of the fused q/k/v projection, tokens apart by its width).
+void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong, "inputs");
+  const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
+  for (const at::Tensor* x : {&k, &v}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == tokens && x->size(1) * x->size(2) == width && x->stride(2) == 1 &&
+                    x->stride(1) == x->size(2) && x->scalar_type() == k_cache.scalar_type(),
+                "keys and values [T, KVH, D] in the cache's dtype, each token's rows contiguous");
+  }
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(2) * k_cache.size(3) == width &&
+                  v_cache.sizes() == k_cache.sizes() && slot_mapping.numel() == tokens, "caches [.., KVH, D]");
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), bytes = width * k.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache");
+    std::memcpy(kc + slot[t] * bytes, ks + t * k_stride, bytes);
+    std::memcpy(vc + slot[t] * bytes, vs + t * v_stride, bytes);
+  }
+}
+
 // Writes x [T, KVH, D] (each token's keys or values) into the 8-bit rows [num_blocks, block_size, KVH, D + 4] of
 // cache at the slots slot_mapping [T]: per row, scale = max |x| / the code's largest value, codes = x / scale
 // (rounded to nearest even), then the scale.
