@@ -248,8 +248,8 @@ inline float softmax_numerators(float* scores, int64_t j0, int64_t ctx) {
   return 1.f / serval::reduce_add16(sums);
 }
 
-// acc[0 .. C * 16) += sum over keys l0 <= l < l1, in order, of p[l] * v[l] (value_row(l): key l's float32 values,
-// from column c0). The sums are float32 in memory between calls: cutting the keys into ranges changes no bit.
+// acc[0 .. C * 16) += sum over keys l0 <= l < l1, in order, of p[l] * v[l] (value_row(l): where key l's C * 16
+// float32 values start). The sums are float32 in memory between calls: cutting the keys into ranges changes no bit.
 template <int C, typename ValueRow>
 inline void weighted_values(const float* p, ValueRow value_row, int64_t l0, int64_t l1, float* acc) {
   V16 sum[C];
