@@ -103,10 +103,9 @@ def _engine_config(args: argparse.Namespace):
                           session_cache_fraction=args.session_cache_fraction,
                           kv_offload_size=args.kv_offload_size, kv_offload_path=args.kv_offload_path,
                           kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
-                                  preemption_mode=args.preemption_mode,
-                                  **({} if args.max_num_batched_tokens is None
-                                     else {"max_num_batched_tokens": args.max_num_batched_tokens})),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  preemption_mode=args.preemption_mode),
         speculative=SpeculativeConfig(method=None if args.speculative_model == "none" else args.speculative_model,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_max=args.ngram_prompt_lookup_max,

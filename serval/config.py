@@ -121,7 +121,7 @@ def default_token_budget() -> int:
 class SchedulerConfig:
     """Continuous batching limits: tokens per step and sequences per step."""
 
-    max_num_batched_tokens: int = field(default_factory=default_token_budget)  # 128 with AVX-512, else 96
+    max_num_batched_tokens: int | None = None  # None: default_token_budget(), 128 with AVX-512, else 96
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     # What a preempted request's KV becomes: dropped and recomputed, swapped to the KV cache's second tier and back
@@ -132,6 +132,8 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"SchedulerConfig.preemption_mode must be one of {list(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_token_budget()
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError("SchedulerConfig.max_num_batched_tokens must be a positive integer, "
                              f"got {self.max_num_batched_tokens!r}")

@@ -246,7 +246,7 @@ def test_the_engine_flags_default_to_the_configs_defaults():
 
     for verb in (["serve"], ["generate", "hi"], ["chat"]):
         args = build_parser().parse_args(verb)
-        assert args.max_num_batched_tokens is None, verb  # SchedulerConfig picks it for the CPU
+        assert args.max_num_batched_tokens == SchedulerConfig.max_num_batched_tokens, verb  # None: for the CPU
         assert (args.session_ttl, args.session_cache_fraction) == (CacheConfig().session_ttl,
                                                                    CacheConfig().session_cache_fraction), verb
         cache = CacheConfig()

@@ -33,6 +33,7 @@ def test_a_bad_dtype_names_the_field():
 def test_the_default_token_budget_follows_the_cpu_and_an_explicit_one_is_kept():
     expected = 128 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 96
     assert SchedulerConfig().max_num_batched_tokens == expected
+    assert SchedulerConfig(max_num_batched_tokens=None).max_num_batched_tokens == expected
     assert SchedulerConfig(max_num_batched_tokens=200).max_num_batched_tokens == 200
     # An AVX2-only CPU (what ATEN_CPU_CAPABILITY=avx2 makes this one look like): the smaller budget.
     code = "from serval.config import SchedulerConfig; print(SchedulerConfig().max_num_batched_tokens)"

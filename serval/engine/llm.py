@@ -34,9 +34,8 @@ class LLM:
             quantization=quantization,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
-                                      **({} if max_num_batched_tokens is None
-                                         else {"max_num_batched_tokens": max_num_batched_tokens})),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      enable_chunked_prefill=enable_chunked_prefill),
             speculative=SpeculativeConfig(method=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                           max_batch_size=speculative_max_batch_size),
         )
