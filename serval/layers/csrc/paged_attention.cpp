@@ -432,7 +432,9 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
     const int64_t key_tiles = (ctx_max + kKeys - 1) / kKeys;
     const int64_t tile_min = first_min / kKeys;  // keys before this tile are no query's
     float* kt = serval::scratch(0, key_tiles * kKeys * head_dim);
-    float* v = serval::scratch(1, ctx_max * head_dim);  // (unused for a float32 cache)
+    // A float32 cache's values are read where they are; other rows are converted once for all the tile's heads.
+    constexpr bool kFloatRows = std::is_same_v<typename Rows::storage, float> && Rows::extra == 0;
+    float* v = kFloatRows ? nullptr : serval::scratch(1, ctx_max * head_dim);
     const int64_t nq = (t1 - t0) * group;  // the tile's query heads
     float* qs = serval::scratch(2, nq * (2 * head_dim + 1));
     float* acc = qs + nq * head_dim;
@@ -448,8 +450,6 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
     for (int64_t j = tile_min; j < key_tiles; ++j)
       transpose_keys<Rows>([&](int64_t i) { return kc + offsets[j * kKeys + i]; },
                            std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim, kt + j * kKeys * head_dim);
-    // A float32 cache's values are read where they are; other rows are converted once for all the tile's heads.
-    constexpr bool kFloatRows = std::is_same_v<typename Rows::storage, float> && Rows::extra == 0;
     if constexpr (!kFloatRows)
       for (int64_t l = tile_min * kKeys; l < ctx_max; ++l) row_to_float<Rows>(vc + offsets[l], v + l * head_dim, head_dim);
     // Every query head of the tile (tokens t0 .. t1, the group's heads) goes over the keys a block at a time, so a
