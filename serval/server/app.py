@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import serval
@@ -138,55 +139,74 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         return error_response(OpenAIError(message, param=".".join(loc) or None, code="invalid_value"))
 
     # -- front door: request id, body size, auth, draining ---------------------------------------------------------
-    @app.middleware("http")
-    async def front_door(request: Request, call_next):
-        started = time.monotonic()
-        request_id = request.headers.get("x-request-id") or new_id("req")
-        request.state.request_id = request_id
-        path = request.url.path
-        # The request's log line, filled in on the way (a streamed generation logs it when the stream ends).
-        log = request.state.log = {"request_id": request_id, "method": request.method, "path": path,
-                                   "status": None}
-        request.state.started = started
-        if config.tracing is not None and request.method == "POST" and path.startswith("/v1/"):
-            # Ended with the request's log line (a stream's at its end), with its queue/prefill/decode phases.
-            log["_trace"] = (config.tracing, config.tracing.start_span(f"POST {path}", request.headers,
-                                                                       start_monotonic=started))
-        try:
+    def refuse(request: Request, path: str) -> OpenAIError | None:
+        """Why the front door turns this request away, if it does (the body's size was checked before)."""
+        protected = path.startswith(("/v1", "/debug")) or path in ("/tokenize", "/detokenize") or (
+            path == "/health" and config.protect_health) or (path == "/metrics" and config.protect_metrics)
+        if config.api_keys and protected:
+            auth = request.headers.get("authorization", "")
+            key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
+            if key not in config.api_keys:
+                return OpenAIError("invalid or missing API key (send Authorization: Bearer KEY)", status=401,
+                                   type="authentication_error", code="invalid_api_key")
+        if state["draining"] and path.startswith("/v1") and request.method == "POST":
+            return OpenAIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
+        return None
+
+    def front_door(inner):
+        """A plain ASGI middleware, not Starlette's BaseHTTPMiddleware: that one runs the route in a task of its own
+        and hands every body chunk across a memory stream, a hop per SSE chunk of every stream."""
+
+        async def door(scope, receive, send):
+            if scope["type"] != "http":
+                return await inner(scope, receive, send)
+            started = time.monotonic()
+            request = Request(scope, receive)
+            request_id = request.headers.get("x-request-id") or new_id("req")
+            request.state.request_id = request_id
+            path = request.url.path
+            # The request's log line, filled in on the way (a streamed generation logs it when the stream ends).
+            log = request.state.log = {"request_id": request_id, "method": request.method, "path": path,
+                                       "status": None}
+            request.state.started = started
+            if config.tracing is not None and request.method == "POST" and path.startswith("/v1/"):
+                # Ended with the request's log line (a stream's at its end), with its queue/prefill/decode phases.
+                log["_trace"] = (config.tracing, config.tracing.start_span(f"POST {path}", request.headers,
+                                                                           start_monotonic=started))
+
+            async def send_marked(message) -> None:
+                if message["type"] == "http.response.start":
+                    log["status"] = message["status"]
+                    headers = MutableHeaders(scope=message)
+                    headers["X-Request-Id"] = request_id
+                    dropped = scope["state"].get("dropped_messages", 0)
+                    if dropped:
+                        headers["X-Serval-Dropped-Messages"] = str(dropped)
+                await send(message)
+
             length = int(request.headers.get("content-length") or 0)
             if "content-length" not in request.headers and request.method in ("POST", "PUT", "PATCH"):
-                length = await _read_chunked_body(request, config.max_body_bytes)
+                length, receive = await _read_chunked_body(request, config.max_body_bytes)
+            refusal = None
             if length > config.max_body_bytes:
-                raise OpenAIError(f"request body is {length} bytes; the limit is {config.max_body_bytes}",
-                                  status=413, code="request_too_large")
-            protected = path.startswith(("/v1", "/debug")) or path in ("/tokenize", "/detokenize") or (
-                path == "/health" and config.protect_health) or (path == "/metrics" and config.protect_metrics)
-            if config.api_keys and protected:
-                auth = request.headers.get("authorization", "")
-                key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
-                if key not in config.api_keys:
-                    raise OpenAIError("invalid or missing API key (send Authorization: Bearer KEY)", status=401,
-                                      type="authentication_error", code="invalid_api_key")
-            if state["draining"] and path.startswith("/v1") and request.method == "POST":
-                raise OpenAIError("the server is shutting down", status=503, type="server_error",
-                                  code="shutting_down")
-        except OpenAIError as err:
-            response = error_response(err)
-        else:
+                refusal = OpenAIError(f"request body is {length} bytes; the limit is {config.max_body_bytes}",
+                                      status=413, code="request_too_large")
+            refusal = refusal or refuse(request, path)
             try:
-                response = await call_next(request)
+                if refusal is not None:
+                    await error_response(refusal)(scope, receive, send_marked)
+                else:
+                    await inner(scope, receive, send_marked)
             except Exception:
                 log["status"] = 500
                 _log_request(log, started)
                 raise
-        log["status"] = response.status_code
-        if not getattr(request.state, "logged_by_stream", False):
-            _log_request(log, started, logging.DEBUG if path in POLLED_PATHS else logging.INFO)
-        response.headers["X-Request-Id"] = request_id
-        dropped = getattr(request.state, "dropped_messages", 0)
-        if dropped:
-            response.headers["X-Serval-Dropped-Messages"] = str(dropped)
-        return response
+            if not scope["state"].get("logged_by_stream", False):
+                _log_request(log, started, logging.DEBUG if path in POLLED_PATHS else logging.INFO)
+
+        return door
+
+    app.add_middleware(front_door)
 
     # -- plain endpoints ---------------------------------------------------------------------------------------
     @app.api_route("/health", methods=READ_METHODS)
@@ -675,6 +695,16 @@ async def anext_or_none(stream):
 
 async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleaves several request streams (a completions call with many prompts), tagging each output."""
+    if len(streams) == 1:  # the common case: no read task per token
+        try:
+            if firsts[0] is not None:
+                yield 0, firsts[0]
+                if not firsts[0].finished:
+                    async for output in streams[0]:
+                        yield 0, output
+        finally:
+            await streams[0].aclose()  # aborts the request if it is still running (client gone)
+        return
     for i, first in enumerate(firsts):
         if first is not None:
             yield i, first
@@ -703,17 +733,22 @@ async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, Reques
             await s.aclose()  # aborts whatever is still running (client gone)
 
 
-async def _read_chunked_body(request: Request, limit: int) -> int:
-    """Reads a body sent without a Content-Length (chunked), stopping past ``limit`` bytes; returns its size.
-    What was read is kept as the request's body, which Starlette hands on to the route."""
+async def _read_chunked_body(request: Request, limit: int):
+    """Reads a body sent without a Content-Length (chunked), stopping past ``limit`` bytes. Returns its size and
+    the receive callable the route reads instead: it hands over what was read, then the connection's own events."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            return size
+            break
         chunks.append(chunk)
-    request._body = b"".join(chunks)  # Request.body()'s own cache
-    return size
+    pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+    receive = request.receive
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return size, replay
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
