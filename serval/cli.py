@@ -10,7 +10,7 @@ import sys
 import time
 
 from serval.benchmark import quality as quality_benchmark
-from serval.benchmark import serve as serve_benchmark  # light: the flags; torch and openai load when a run starts
+from serval.benchmark import serve as serve_benchmark  # light: the flags; torch and aiohttp load when a run starts
 from serval.benchmark import throughput as throughput_benchmark
 from serval.sampling_params import SamplingParams
 

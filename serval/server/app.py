@@ -570,12 +570,15 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         prompt_tokens = completion_tokens = cached = 0
         latest: dict[int, RequestOutput] = {}  # each prompt's last output, for the log of a stream cut short
 
+        # Every chunk starts with the same fields: encoded once, not once a token.
+        head = json.dumps({"id": response_id, "object": obj, "created": created, "model": model},
+                          ensure_ascii=False)[:-1]
+
         def chunk(choice_list, usage=None) -> str:
-            payload = {"id": response_id, "object": obj, "created": created, "model": model,
-                       "choices": choice_list}
+            body = f'{head}, "choices": {json.dumps(choice_list, ensure_ascii=False)}'
             if include_usage:
-                payload["usage"] = usage
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+                body += f', "usage": {json.dumps(usage)}'
+            return f"data: {body}}}\n\n"
 
         try:
             if chat:

@@ -88,5 +88,16 @@ def test_bench_serve_counts_failed_requests_when_nothing_answers(tmp_path, capsy
     assert code == 1  # nothing completed
     summary = json.loads(out.read_text())["summary"]
     assert (summary["completed"], summary["failed"]) == (0, 2)
-    assert summary["errors"] and "APIConnectionError" in summary["errors"][0]
+    assert summary["errors"] and "ClientConnectorError" in summary["errors"][0]
     assert "2 failed" in capsys.readouterr().out
+
+
+def test_bench_serve_counts_a_refused_request_as_failed_with_the_servers_message(served, tmp_path, capsys):
+    base_url, _ = served
+    out = tmp_path / "run.json"
+    code = main(["bench", "serve", "--base-url", base_url, "--model", "no-such-model", "--num-requests", "2",
+                 "--output-tokens", "4", "--warmup", "0", "--no-progress", "--output", str(out)])
+    assert code == 1
+    summary = json.loads(out.read_text())["summary"]
+    assert (summary["completed"], summary["failed"]) == (0, 2)
+    assert summary["errors"][0].startswith("StreamError: HTTP 404: The model `no-such-model` does not exist.")
