@@ -148,8 +148,10 @@ async def run_load(endpoint: Endpoint, requests: list[BenchRequest], load: LoadC
     offsets = arrival_offsets(len(requests), load.request_rate, load.seed)
     limit = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     bar = tqdm(total=len(requests), unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
-    # No connection cap but the load's own; no retries (a benchmark counts failures).
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    # No connection cap but the load's own; no retries (a benchmark counts failures). A connection a request: one
+    # kept alive between requests may be one the server has just closed (llama-server does), and a request sent on
+    # it fails for the client's reason, not the server's.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                      timeout=aiohttp.ClientTimeout(total=endpoint.timeout_s)) as client:
         run_start = time.perf_counter()
 
