@@ -17,14 +17,16 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
+from pathlib import Path
+
+from run_peers import Server, free_port, start, stop  # this folder's: started and waited for as the peers are
 
 from serval.benchmark.client import Endpoint, send_one
 from serval.benchmark.workloads import BenchRequest
-from serval.config import EngineConfig, SpeculativeConfig
+from serval.cli import _engine_config, build_parser
 from serval.engine.engine import LLMEngine
 from serval.platform_info import describe_hardware
 from serval.sampling_params import SamplingParams
@@ -60,39 +62,22 @@ def server_tpot_ms(endpoint: Endpoint, max_tokens: int) -> float:
     return 1000 * (result.e2e - result.ttft) / (result.output_tokens - 1)
 
 
-def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"serval serve exited with code {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("serval serve did not become healthy")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--output-tokens", type=int, default=256)
-    parser.add_argument("--port", type=int, default=8311)
-    parser.add_argument("serve_flags", nargs="*", help="after --: flags for serval serve")
+    parser.add_argument("serve_flags", nargs="*", help="after --: flags for serval serve (and the offline engine)")
     args = parser.parse_args()
     serve_flags = args.serve_flags or ["--speculative-model", "none"]
     print(f"machine: {describe_hardware()}", flush=True)
-    url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "serval.cli", "serve", "--port", str(args.port), *serve_flags],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = free_port()
+    command = [sys.executable, "-m", "serval.cli", "serve", "--port", str(port), *serve_flags]
+    print("starting serval serve", *serve_flags, flush=True)
+    server = start(Server("serval", command), port, Path(tempfile.mkdtemp()) / "serve.log", timeout_s=600)
     try:
-        print("starting serval serve", *serve_flags, flush=True)
-        wait_healthy(url, server)
-        speculative = SpeculativeConfig(method=None) if "none" in serve_flags else SpeculativeConfig()
-        engine = LLMEngine(EngineConfig(speculative=speculative))
-        endpoint = Endpoint(f"{url}/v1", "smollm2-135m-instruct", ignore_eos=True)
+        # The offline engine from the same flags, as `serval serve` builds its own.
+        engine = LLMEngine(_engine_config(build_parser().parse_args(["serve", *serve_flags])))
+        endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", "smollm2-135m-instruct", ignore_eos=True)
         offline_tpot_ms(engine, 16, "warm-up")
         server_tpot_ms(endpoint, 16)
         offline, served, client_cpu, front_cpu = [], [], 0.0, 0.0
@@ -113,8 +98,7 @@ def main() -> None:
               f"{1000 * client_cpu / tokens:.3f} ms")
         engine.shutdown()
     finally:
-        server.terminate()
-        server.wait(30)
+        stop(server)
 
 
 if __name__ == "__main__":

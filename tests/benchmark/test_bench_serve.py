@@ -3,6 +3,7 @@ over HTTP on a loopback port), and against no server at all."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -11,6 +12,8 @@ import time
 import pytest
 import uvicorn
 
+from serval.benchmark.client import Endpoint, LoadConfig, run_load
+from serval.benchmark.workloads import BenchRequest
 from serval.cli import main
 from serval.config import CacheConfig, EngineConfig
 from serval.engine.async_engine import AsyncEngine
@@ -101,3 +104,45 @@ def test_bench_serve_counts_a_refused_request_as_failed_with_the_servers_message
     summary = json.loads(out.read_text())["summary"]
     assert (summary["completed"], summary["failed"]) == (0, 2)
     assert summary["errors"][0].startswith("StreamError: HTTP 404: The model `no-such-model` does not exist.")
+
+
+def test_the_client_reads_crlf_events_and_counts_an_error_in_the_stream_as_a_failure():
+    """A server of another make: events ending in CRLF, usage in a chunk without choices, and an error sent after
+    a 200 and a first token (what a server whose engine dies mid-stream sends)."""
+    from aiohttp import web
+
+    def event(data: dict | str) -> bytes:
+        return f"data: {data if isinstance(data, str) else json.dumps(data)}\r\n\r\n".encode()
+
+    async def completions(request):
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if body["prompt"] == "bad":
+            await response.write(event({"choices": [{"index": 0, "text": "a"}]}))
+            await response.write(event({"error": {"message": "the engine died", "code": "engine_dead"}}))
+        else:
+            for text in "abc":
+                await response.write(event({"choices": [{"index": 0, "text": text}]}))
+            await response.write(event({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}))
+        await response.write(event("[DONE]"))
+        return response
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", _free_port())
+        await site.start()
+        try:
+            return await run_load(Endpoint(f"http://{site.name.removeprefix('http://')}/v1", "m"),
+                                  [BenchRequest("good", 3), BenchRequest("bad", 3)], LoadConfig(concurrency=1),
+                                  progress=False)
+        finally:
+            await runner.cleanup()
+
+    (good, bad), _ = asyncio.run(scenario())
+    assert good.ok and good.usage_reported and (good.prompt_tokens, good.output_tokens) == (2, 3)
+    assert len(good.itl) == 2  # a gap between each two of the three text chunks
+    assert not bad.ok and bad.error == "StreamError: HTTP 200: the engine died"
