@@ -320,7 +320,12 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_ray_serve(args: argparse.Namespace) -> int:
     import shlex
 
-    from serval.cluster.ray_serve import RayServeConfig, run
+    try:
+        from serval.cluster.ray_serve import RayServeConfig, run
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray" and not (exc.name or "").startswith("ray."):
+            raise
+        raise ValueError("serval ray-serve needs Ray Serve: .venv/bin/pip install -e '.[ray]'") from None
 
     models = args.model or ["smollm2-135m-instruct"]
     config = RayServeConfig(
