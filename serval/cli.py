@@ -12,7 +12,7 @@ import time
 from serval.benchmark import quality as quality_benchmark
 from serval.benchmark import serve as serve_benchmark  # light: the flags; torch and aiohttp load when a run starts
 from serval.benchmark import throughput as throughput_benchmark
-from serval.sampling_params import SamplingParams
+from serval.sampling_params import GENERATION_CONFIG_DEFAULT, MODEL_DEFAULT_FIELDS, SamplingParams
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -77,16 +77,40 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-ranks", type=int, default=None,
                         help="ranks this machine runs (rank 0 and the next ones; unset: all of them, or 1 with "
                         "--dist-init-method)")
+    parser.add_argument("--generation-config", default=GENERATION_CONFIG_DEFAULT, metavar="auto|vllm|DIR",
+                        help="sampling defaults for requests that leave temperature, top_p, top_k, min_p or "
+                        "repetition_penalty out: auto, the model's own (generation_config.json, GGUF "
+                        "general.sampling.*, or an embedded model's preset); vllm, none (OpenAI's: temperature 1); "
+                        "DIR, that folder's generation_config.json")
+    parser.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                        help='sampling defaults on top of --generation-config, e.g. \'{"temperature": 0.5}\'')
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text}")
+    return value
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens in an answer")
+    # Greedy by default, so that a command's answer is the same every run; the other sampling flags, when unset,
+    # take the model's defaults (--generation-config), as the server does for a request that leaves them out.
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: 1 is off")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens: 0 is off")
-    parser.add_argument("--min-p", type=float, default=0.0,
-                        help="drop tokens less likely than this fraction of the top one: 0 is off")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling: 1 is off (unset: the model's default, else 1)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample from the k most likely tokens: 0 is off (unset: the model's default, else 0)")
+    parser.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than this fraction of "
+                        "the top one: 0 is off (unset: the model's default, else 0)")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="1 is off (unset: the model's default, else 1)")
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -116,6 +140,7 @@ def _engine_config(args: argparse.Namespace):
         kv_transfer=KVTransferConfig(role=getattr(args, "role", "both"), host=getattr(args, "kv_transfer_host",
                                      "127.0.0.1"), port=getattr(args, "kv_transfer_port", 0),
                                      timeout=getattr(args, "kv_transfer_timeout", 30.0)),
+        generation_config=args.generation_config, override_generation_config=args.override_generation_config,
     )
 
 
@@ -126,15 +151,15 @@ def _build_llm(args: argparse.Namespace):
     return LLM.from_engine(LLMEngine(_engine_config(args)))
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=args.stop)
+def _sampling_params(args: argparse.Namespace, defaults: dict) -> SamplingParams:
+    """The sampling flags given, over ``defaults`` (the model's) for those left unset."""
+    given = {name: getattr(args, name) for name in MODEL_DEFAULT_FIELDS if getattr(args, name) is not None}
+    return SamplingParams(**{**defaults, **given}, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
-    params = _sampling_params(args)
+    params = _sampling_params(args, llm.engine.sampling_defaults.values)
     start = time.perf_counter()
     if args.raw:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
@@ -152,7 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
-    return run_chat(llm.engine, _sampling_params(args), args.system)
+    return run_chat(llm.engine, _sampling_params(args, llm.engine.sampling_defaults.values), args.system)
 
 
 def run_chat(engine, params: SamplingParams, system: str | None = None) -> int:
@@ -262,6 +287,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, server_config)
     scheme = "https" if tls.enabled else "http"
     print(f"serval: engine ready in {engine.load_time:.1f} s; serving on {scheme}://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    print(f"serval: sampling defaults {engine.sampling_defaults.describe()}; a request's own values win",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            access_log=False,  # serval.requests has a line per request already

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serval.layers.attention import KV_CODE_DTYPES
+from serval.sampling_params import GENERATION_CONFIG_DEFAULT, check_sampling_defaults
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
@@ -254,8 +255,20 @@ class EngineConfig:
     dist_init_method: str | None = None
     num_local_ranks: int | None = None  # ranks this machine runs (rank 0 first); None: all, or 1 with dist_init_method
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    # The sampling defaults of requests that leave them out (model/sampling_defaults.py), as vLLM's flags: "auto",
+    # the model's own (generation_config.json, GGUF general.sampling.*, else an embedded model's preset); "vllm",
+    # none (OpenAI's: temperature 1.0, top_p 1.0); or a directory with a generation_config.json. The override
+    # ({"temperature": 0.5, ...}) goes on top. A request's explicit values always win.
+    generation_config: str = GENERATION_CONFIG_DEFAULT
+    override_generation_config: dict | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("EngineConfig.generation_config must be 'auto', 'vllm' or a directory, "
+                             f"got {self.generation_config!r}")
+        if self.override_generation_config is not None:
+            self.override_generation_config = check_sampling_defaults(self.override_generation_config,
+                                                                      "EngineConfig.override_generation_config")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

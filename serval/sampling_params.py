@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The fields a model may bring its own defaults for (generation_config.json, GGUF general.sampling.*), as vLLM
+# reads them; a request's explicit value wins over the model's, the model's over SamplingParams' (OpenAI's).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# EngineConfig.generation_config's default (here, where the light CLI reads it too): the model's own defaults.
+GENERATION_CONFIG_DEFAULT = "auto"
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -123,6 +129,31 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_sampling_defaults(values: dict, where: str) -> dict[str, float | int]:
+    """``values`` as a model's sampling defaults: only MODEL_DEFAULT_FIELDS, numbers of the right kind (top_k an
+    integer) in SamplingParams' ranges. ValueError naming ``where`` (a file, a flag) otherwise."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be an object of {', '.join(MODEL_DEFAULT_FIELDS)}, got {values!r}")
+    unknown = sorted(set(values) - set(MODEL_DEFAULT_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {unknown}; known: {', '.join(MODEL_DEFAULT_FIELDS)}")
+    out: dict[str, float | int] = {}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {name} must be a number, got {value!r}")
+        if name == "top_k":
+            if value != int(value):
+                raise ValueError(f"{where}: top_k must be an integer, got {value!r}")
+            out[name] = int(value)
+        else:
+            out[name] = float(value)
+    try:
+        SamplingParams(**out)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return out
 
 
 def _is_number(x: object) -> bool:

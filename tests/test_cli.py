@@ -266,3 +266,28 @@ def test_help_never_prints_the_api_key_from_the_environment(monkeypatch):
     assert "sk-from-the-environment" not in serve.format_help()
     args = serve.parse_args(["--api-key", "sk-flag"])
     assert _api_keys(args.api_key) == ["sk-from-the-environment", "sk-flag"]  # the key still counts
+
+
+def test_the_generation_config_flags_build_the_engine_configs_fields():
+    from serval.config import EngineConfig
+
+    for verb in (["serve"], ["generate", "hi"], ["chat"]):
+        args = build_parser().parse_args(verb)
+        assert (args.generation_config, args.override_generation_config) == (
+            EngineConfig.generation_config, EngineConfig.override_generation_config), verb
+    engine = _engine_config(build_parser().parse_args(
+        ["serve", "--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5, "top_k": 8}']))
+    assert (engine.generation_config, engine.override_generation_config) == ("vllm", {"temperature": 0.5, "top_k": 8})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--override-generation-config", "temperature=0.5"])
+
+
+def test_generate_is_greedy_and_takes_the_models_defaults_for_the_flags_left_unset():
+    from serval.cli import _sampling_params
+
+    model = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+    params = _sampling_params(build_parser().parse_args(["generate", "hi"]), model)
+    assert (params.temperature, params.top_p, params.repetition_penalty, params.top_k) == (0.0, 0.9, 1.1, 0)
+    params = _sampling_params(build_parser().parse_args(["generate", "hi", "--top-p", "1", "--temperature", "1"]),
+                              model)
+    assert (params.temperature, params.top_p) == (1.0, 1.0)

@@ -29,6 +29,7 @@ class AsyncEngine(EngineClient):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.sampling_defaults
         self.vocab_size = engine.core.info.vocab_size
         self.kv_transfer_address = engine.core.info.kv_transfer_address
         self.context_policy = engine.config.context_policy

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from serval.engine.core import EngineCoreStats
+from serval.model.sampling_defaults import SamplingDefaults
 from serval.outputs import RequestOutput
 from serval.sampling_params import SamplingParams
 from serval.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ class EngineClient:
     context_policy: str
     load_time: float
     kv_transfer_address: str | None = None  # a prefill worker's KV server (engine/kv_transfer.py)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # for requests that leave sampling fields out
     error: BaseException | None = None
 
     def __init__(self) -> None:

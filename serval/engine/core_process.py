@@ -42,6 +42,7 @@ from serval.engine.frontend import InputProcessor, OutputProcessor
 from serval.engine.request import RequestStatus
 from serval.layers.sampler import TokenLogprobs
 from serval.model.registry import resolve_model_path
+from serval.model.sampling_defaults import resolve_sampling_defaults
 from serval.sampling_params import SamplingParams
 from serval.tokenizer import Tokenizer
 
@@ -182,6 +183,8 @@ class CoreProcessClient(EngineClient):
         self.config = config
         self.context_policy = config.context_policy
         model_path = resolve_model_path(config.model)
+        self.sampling_defaults = resolve_sampling_defaults(config.model, model_path, config.generation_config,
+                                                           config.override_generation_config)
         self.tokenizer = Tokenizer.load(model_path)
         self._ipc_dir = tempfile.mkdtemp(prefix="serval-core-")
         self._zmq = zmq.Context()

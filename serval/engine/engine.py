@@ -13,6 +13,7 @@ from serval.engine.core import EngineCore, EngineCoreStats
 from serval.engine.frontend import InputProcessor, OutputProcessor
 from serval.engine.request import RequestStatus
 from serval.model.registry import resolve_model_path
+from serval.model.sampling_defaults import resolve_sampling_defaults
 from serval.outputs import RequestOutput
 from serval.sampling_params import SamplingParams
 from serval.tokenizer import Tokenizer
@@ -28,6 +29,8 @@ class LLMEngine:
         start = time.perf_counter()
         path = resolve_model_path(config.model)
         self.model_path = path
+        self.sampling_defaults = resolve_sampling_defaults(config.model, path, config.generation_config,
+                                                           config.override_generation_config)
         self.tokenizer = tokenizer or Tokenizer.load(path)
         self.core = EngineCore(config, path, model)
         info = self.core.info

@@ -28,10 +28,12 @@ class LLM:
                  kv_cache_memory: float = 1.0, num_blocks: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  context_policy: str = "error", quantization: str = "auto", speculative_model: str | None = "ngram",
-                 num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4) -> None:
+                 num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4,
+                 generation_config: str = "auto", override_generation_config: dict | None = None) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, context_policy=context_policy,
-            quantization=quantization,
+            quantization=quantization, generation_config=generation_config,
+            override_generation_config=override_generation_config,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -108,10 +110,14 @@ class LLM:
             bar.close()
         return [results[i] for i in ids]
 
-    @staticmethod
-    def _params_list(sampling_params, count: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params gets: the model's sampling defaults (EngineConfig.generation_config),
+        else SamplingParams' own, as vLLM's LLM does."""
+        return SamplingParams(**self.engine.sampling_defaults.values)
+
+    def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         params_list = list(sampling_params)

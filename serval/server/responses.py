@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from serval.sampling_params import SamplingParams
 from serval.server.protocol import ChatCompletionRequest, OpenAIError, StreamOptions
 
 # Chat completions' names for the request fields, mapped back to this API's in error messages.
@@ -46,8 +47,8 @@ class ResponsesRequest(BaseModel):
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)  # None: the model's default (as chat's)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -177,14 +178,18 @@ def rename_param(error: OpenAIError) -> OpenAIError:
 
 
 # -- result out ------------------------------------------------------------------------------------------------
-def new_response(body: ResponsesRequest, response_id: str, created_at: int) -> dict:
-    """A Response with no output yet (status in_progress)."""
+def new_response(body: ResponsesRequest, response_id: str, created_at: int,
+                 sampling_defaults: dict | None = None) -> dict:
+    """A Response with no output yet (status in_progress); its temperature and top_p are those in force: the
+    request's, else ``sampling_defaults`` (the model's), else OpenAI's."""
+    given = {"temperature": body.temperature, "top_p": body.top_p}
+    sampling = SamplingParams(**{**(sampling_defaults or {}), **{k: v for k, v in given.items() if v is not None}})
     text_format = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text else {"type": "text"}
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": "in_progress",
         "model": body.model, "output": [], "error": None, "incomplete_details": None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "parallel_tool_calls": body.parallel_tool_calls,
         "tool_choice": body.tool_choice or ("auto" if body.tools else "none"), "tools": body.tools or [],
         "text": {"format": text_format}, "previous_response_id": body.previous_response_id, "store": body.store,
         "metadata": body.metadata or {}, "usage": None,
