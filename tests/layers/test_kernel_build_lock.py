@@ -1,7 +1,10 @@
 """A CPU kernel build that was killed leaves torch's "lock" file behind; the next load must not wait on it forever."""
 
+import fcntl
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,3 +37,40 @@ def test_two_processes_loading_at_once_both_get_the_kernels(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
     assert {out.strip() for out, _ in outs} == {cpu_kernels.load().__name__}
+
+
+LOAD_LOGGED = "import logging; logging.basicConfig(level=logging.INFO); " + LOAD
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no compiler for the CPU kernels here")
+def test_a_cached_build_says_loading_not_building():
+    done = subprocess.run([sys.executable, "-c", LOAD_LOGGED], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "loading the CPU kernels (cached" in done.stderr
+    assert "building the CPU kernels" not in done.stderr
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no compiler for the CPU kernels here")
+def test_a_start_that_waits_for_another_build_names_its_pid(tmp_path):
+    # This test plays the other builder: it holds serval.lock with a pid in it, as a building process does.
+    lock_path = cpu_kernels.build_directory(cpu_kernels.load().__name__) / "serval.lock"
+    holder_pid = os.getpid()
+    log = tmp_path / "stderr"
+    with open(lock_path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.truncate(0)
+        lock.write(str(holder_pid))
+        lock.flush()
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-c", LOAD_LOGGED], stdout=subprocess.PIPE, stderr=err, text=True)
+        deadline = time.monotonic() + 120
+        while "waiting for another build" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()  # it must wait while the lock is held
+            time.sleep(0.2)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    out, _ = proc.communicate(timeout=300)
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr
+    assert out.strip() == cpu_kernels.load().__name__
+    assert f"waiting for another build of the CPU kernels (pid {holder_pid})" in stderr
+    assert "loading the CPU kernels (cached" in stderr  # the other build was done: nothing to build after the wait
