@@ -1,22 +1,27 @@
-"""docs/architecture.md stays true: the files and tests it names exist, the layers import downwards only, and
-nothing in the repository points outside it (a clone has nothing beside it)."""
+"""docs/architecture.md stays true: the files and tests it names exist, it names every source file, config class,
+command and core message, tensors stay where it says, the layers import downwards only, and nothing in the
+repository points outside it (a clone has nothing beside it)."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 DOCS = [REPO / "docs" / "architecture.md", REPO / "README.md"]
 # Lower layers first: a module may import its own layer and the ones below, never one above.
-# benchmark/ sits beside the CLI: `serval bench throughput` drives the engine (`bench serve` is an HTTP client).
+# benchmark/ sits beside the CLI: `serval bench throughput` and `bench quality` drive the engine (`bench serve` is an
+# HTTP client).
 # cluster/ (the router over replicas) talks to servers over HTTP and sits beside the CLI too.
 LAYER_RANK = {"layers": 0, "model": 1, "engine": 2, "server": 3, "cli": 4, "benchmark": 4, "cluster": 4}
 # The package root re-exports the engine (LLM, LLMEngine), so it ranks as the engine.
 ROOT_RANK = LAYER_RANK["engine"]
 SKIPPED_DIRS = {"__pycache__", "build", "dist", "results", "node_modules"}
+SOURCE_SUFFIXES = {".py", ".cpp", ".h"}
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".html", ".txt", ".cfg", ".ini", ".yml", ".yaml", ".json"}
 
 
@@ -28,15 +33,31 @@ def _rank(module: str) -> float | None:
     return LAYER_RANK.get(parts[1]) if len(parts) > 1 else None
 
 
-def _imports(path: Path) -> list[str]:
-    """The serval modules a file imports, at top level or inside functions."""
+def _all_imports(path: Path) -> list[str]:
+    """The modules a file imports, at top level or inside functions."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append(node.module)
         elif isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
-    return [m for m in found if m == "serval" or m.startswith("serval.")]
+    return found
+
+
+def _imports(path: Path) -> list[str]:
+    """The serval modules a file imports, at top level or inside functions."""
+    return [m for m in _all_imports(path) if m == "serval" or m.startswith("serval.")]
+
+
+def _source_files() -> list[Path]:
+    """The package's Python modules and C++ sources (``__init__.py`` files aside)."""
+    return sorted(p for p in (REPO / "serval").rglob("*") if p.suffix in SOURCE_SUFFIXES
+                  and p.name != "__init__.py" and not SKIPPED_DIRS & set(p.parts))
+
+
+def _named_source_files(text: str) -> set[str]:
+    """Source files a text names in backticks: ``serval/engine/core.py``, ``engine/core.py`` or ``core.py``."""
+    return set(re.findall(r"`([\w./-]+\.(?:py|cpp|h))`", text))
 
 
 def test_layers_import_downwards_only():
@@ -58,7 +79,7 @@ def test_layers_import_downwards_only():
 
 
 def test_the_architecture_document_names_only_files_and_tests_that_exist():
-    text = (REPO / "docs" / "architecture.md").read_text()
+    text = ARCHITECTURE.read_text()
     current_file = None
     num_tests = 0
     for match in re.finditer(r"`((?:serval|tests|scripts|docs)/[\w./-]+)`|`(test_\w+)`", text):
@@ -72,6 +93,65 @@ def test_the_architecture_document_names_only_files_and_tests_that_exist():
                 f"docs/architecture.md says {current_file.relative_to(REPO)} has {test_name}")
             num_tests += 1
     assert num_tests >= 15
+    # A short name (`runner.py`, `layers/csrc/panel_linear.cpp`) is the end of a path in the package.
+    sources = [p.relative_to(REPO).as_posix() for p in _source_files()]
+    for name in _named_source_files(text):
+        assert any(s == name or s.endswith("/" + name) for s in sources) or (REPO / name).exists(), (
+            f"docs/architecture.md names {name}, which is no file of the package")
+
+
+def test_the_architecture_document_names_every_source_file_of_the_package():
+    named = _named_source_files(ARCHITECTURE.read_text())
+    unnamed = [p.relative_to(REPO).as_posix() for p in _source_files()]
+    unnamed = [s for s in unnamed if not any(s == n or s.endswith("/" + n) for n in named)]
+    assert unnamed == []
+
+
+def test_the_architecture_document_lists_every_config_class():
+    tree = ast.parse((REPO / "serval" / "config.py").read_text())
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)
+               and any(getattr(d, "id", None) == "dataclass" for d in node.decorator_list)}
+    listed = re.search(r"`config\.py` \(([^)]*)\)", ARCHITECTURE.read_text())
+    assert listed is not None, "docs/architecture.md lists config.py's classes as `config.py` (`...`, ...)"
+    assert "EngineConfig" in classes and classes <= set(re.findall(r"`(\w+)`", listed.group(1)))
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def test_the_architecture_document_lists_every_command():
+    from serval.cli import build_parser
+
+    text = ARCHITECTURE.read_text()
+    commands = _subcommands(build_parser())
+    listed = re.search(r"`serval ([\w-]+(?: \| [\w-]+)+)`", text)
+    assert listed is not None, "docs/architecture.md lists the commands as `serval serve | router | ...`"
+    assert sorted(listed.group(1).split(" | ")) == sorted(commands)
+    bench_commands = sorted(_subcommands(commands["bench"]))
+    assert [c for c in bench_commands if f"`serval bench {c}`" not in text] == []
+
+
+def test_tensors_stay_where_the_architecture_document_says():
+    # The scheduler, the block pool and Request deal in ints (their modules import no torch themselves); every engine
+    # module that does import torch is named in the document's paragraph on where tensors live (it says so).
+    engine = REPO / "serval" / "engine"
+    for name in ("scheduler.py", "kv_cache.py", "request.py"):
+        assert "torch" not in {m.split(".")[0] for m in _all_imports(engine / name)}, f"{name} imports torch"
+    paragraph = next(p for p in ARCHITECTURE.read_text().split("\n\n") if "import no torch" in p)
+    with_torch = [p.name for p in sorted(engine.glob("*.py"))
+                  if "torch" in {m.split(".")[0] for m in _all_imports(p)}]
+    assert "runner.py" in with_torch
+    assert [name for name in with_torch if f"`{name}`" not in paragraph] == []
+
+
+def test_the_architecture_document_names_every_message_between_front_end_and_core():
+    source = (REPO / "serval" / "engine" / "core_process.py").read_text()
+    kinds = {k for ks in re.findall(r'kind == "(\w+)"|(?:pack|_send)\(\["(\w+)"|return \["(\w+)"', source)
+             for k in ks if k}
+    assert {"add", "finish", "outputs"} <= kinds
+    text = ARCHITECTURE.read_text()
+    assert sorted(k for k in kinds if f'`["{k}"' not in text) == []  # named as frames: `["add", ...]`
 
 
 def test_readme_and_docs_link_only_inside_the_repository():

@@ -175,13 +175,13 @@ class AsyncEngine(EngineClient):
                         raise ValueError(f"request id {request_id!r} is already in use")
                     self.engine.add_request(request_id, prompt, params, priority, session_id, end_session)
                 except Exception as exc:
-                    stream.loop.call_soon_threadsafe(_settle, accepted, exc)
+                    stream.loop.call_soon_threadsafe(settle, accepted, None, exc)
                     continue
                 finally:
                     with self._pending_lock:
                         self._num_pending_adds -= 1
                 self._streams[request_id] = stream
-                stream.loop.call_soon_threadsafe(_settle, accepted, None)
+                stream.loop.call_soon_threadsafe(settle, accepted, None)
             elif command[0] == "abort":
                 if command[1] in self._streams:
                     self.engine.abort_request(command[1])
@@ -190,12 +190,3 @@ class AsyncEngine(EngineClient):
             elif command[0] == "kv_state":
                 _, loop, answer = command
                 loop.call_soon_threadsafe(settle, answer, self.engine.kv_state())
-
-
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)

@@ -20,10 +20,15 @@ from serval.tokenizer import Tokenizer
 KV_STATE_TIMEOUT_S = 10.0  # how long GET /debug/kv waits for the engine (a step takes well under a second)
 
 
-def settle(future: asyncio.Future, value) -> None:
-    """Sets a future's result unless it is done (its waiter timed out); call it on the future's loop."""
-    if not future.done():
+def settle(future: asyncio.Future, value, error: BaseException | None = None) -> None:
+    """Sets a future's result, or ``error`` as its exception, unless it is done (its waiter timed out or was
+    cancelled); call it on the future's loop."""
+    if future.done():
+        return
+    if error is None:
         future.set_result(value)
+    else:
+        future.set_exception(error)
 
 
 class EngineDeadError(RuntimeError):

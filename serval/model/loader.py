@@ -25,16 +25,11 @@ logger = logging.getLogger(__name__)
 _ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM, "llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
 
 
-def load_model_config(path: Path) -> ModelConfig:
-    if path.suffix == ".gguf":
-        return GGUFModelFile(path).model_config()
-    return _hf_model_config(path)
-
-
-def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-               quantization: str = "auto", group: ParallelGroup | None = None) -> LlamaForCausalLM:
+def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu", quantization: str = "auto",
+               group: ParallelGroup | None = None) -> LlamaForCausalLM | Gemma3ForCausalLM | PipelineStage:
     """The model in ``dtype`` on ``device``; ``quantization`` as EngineConfig.quantization describes. With a
-    ``group`` of several ranks: this rank's tensor-parallel shard of its pipeline stage (model/parallel.py)."""
+    ``group`` of several ranks: this rank's tensor-parallel shard of its pipeline stage (model/parallel.py), wrapped
+    in a PipelineStage when there are several stages."""
     start = time.perf_counter()
     parallel = group is not None and group.tensor_size > 1
     quantization = resolve_quantization(path, device, dtype, quantization)

@@ -1,5 +1,6 @@
 """AsyncEngine.from_config: the thread that loads the model is the thread that steps it (one OpenMP worker pool in
-the process, not two side by side), and a failed load is raised to the caller."""
+the process, not two side by side), and a failed load is raised to the caller. Bad input is raised to the caller of
+generate through the engine thread's answer (client.settle)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig
 from serval.engine import async_engine
 from serval.engine.async_engine import AsyncEngine
+from serval.engine.client import settle
 
 
 @pytest.mark.slow
@@ -89,3 +91,38 @@ def test_sessions_and_the_kv_state_through_the_engine_thread():
     assert kept["sessions"]["kept"][0]["blocks"] == tier["owned_by_sessions"] == tier["owned"] >= 1
     assert ended["sessions"]["kept"] == [] and ended["tiers"][0]["owned"] == 0
     assert ended["tiers"][0]["cached_free"] == tier["owned"] + tier["cached_free"]  # still in the prefix cache
+
+
+def test_settle_sets_a_result_or_an_error_once_and_leaves_a_done_future_alone():
+    async def settled() -> tuple:
+        loop = asyncio.get_running_loop()
+        answered, failed, cancelled = loop.create_future(), loop.create_future(), loop.create_future()
+        settle(answered, {"blocks": 1})
+        settle(answered, {"blocks": 2})  # a second answer is dropped
+        settle(failed, None, ValueError("bad input"))
+        cancelled.cancel()  # its waiter left
+        settle(cancelled, None, ValueError("too late"))
+        with pytest.raises(ValueError, match="bad input"):
+            await failed
+        return await answered, cancelled.cancelled()
+
+    assert asyncio.run(settled()) == ({"blocks": 1}, True)
+
+
+@pytest.mark.slow
+@requires_model
+def test_bad_input_is_raised_to_the_caller_and_the_engine_serves_on():
+    engine = AsyncEngine.from_config(EngineConfig(dtype="float32", max_model_len=256, cache=CacheConfig(num_blocks=32)))
+    engine.start()
+    try:
+        async def bad_then_good() -> str:
+            params = SamplingParams(temperature=0, max_tokens=4)
+            with pytest.raises(ValueError, match="context"):
+                async for _ in engine.generate("long", list(range(1, 300)), params):
+                    pass
+            return [out async for out in engine.generate("r", "The capital of France is", params)][-1].outputs[0].text
+
+        assert asyncio.run(bad_then_good())
+        assert engine.is_alive and engine.num_active_requests == 0
+    finally:
+        engine.shutdown()
