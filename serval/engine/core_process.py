@@ -278,6 +278,10 @@ class CoreProcessClient(EngineClient):
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
                                                           end_session)  # ValueError
+        try:  # before anything is registered: a request that cannot cross to the core leaves no trace
+            frame = pack(["add", [encode_request(r) for r in core_requests]])
+        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer past 64 bits, a lone surrogate
+            raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
         if core_requests[0].params.structured_outputs is not None and not self._grammar_sent:
             self._send(["grammar_setup", self._inputs.grammar_compiler().to_json()])  # once, before its first use
             self._grammar_sent = True
@@ -286,7 +290,7 @@ class CoreProcessClient(EngineClient):
             self._outputs.add(request_id, prompt_text, core_requests)
             self._streams[request_id] = stream
             self._num_sent += len(core_requests)
-        self._send(["add", [encode_request(r) for r in core_requests]])
+        self._send_frame(frame)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -322,7 +326,9 @@ class CoreProcessClient(EngineClient):
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending)
 
     def _send(self, message) -> None:
-        frame = pack(message)
+        self._send_frame(pack(message))
+
+    def _send_frame(self, frame: bytes) -> None:
         with self._send_lock:
             if not self._commands.closed:
                 self._commands.send(frame)

@@ -44,8 +44,17 @@ class InputProcessor:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not (isinstance(priority, int) and -(2**63) <= priority < 2**63):
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            outside = sorted(t for t in ids if t >= self.vocab_size)
+            if outside:  # the sampler indexes the logits with them
+                raise ValueError(f"{name}: token ids {outside} are not in the vocabulary [0, {self.vocab_size})")
         prompt_text, prompt_ids = self._prompt_token_ids(prompt)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
+        if params.min_tokens > max_tokens:  # max_tokens left out: the context's room bounds min_tokens too
+            raise ValueError(f"min_tokens={params.min_tokens} is more than the {max_tokens} tokens this request may "
+                             "generate")
         self._check_kv_transfer(params)
         if params.structured_outputs is not None:
             self.grammar_compiler().compile(params.structured_outputs)  # a bad grammar is the caller's error

@@ -16,7 +16,6 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,6 +36,7 @@ from serval.server.protocol import (
     TokenizeRequest,
     new_id,
     now,
+    reported_error,
 )
 from serval.server.responses import ResponsesRequest, ResponseStore
 from serval.server.tools import (
@@ -129,15 +129,15 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        path, first = reported_error(list(exc.errors()), exc.body)
+        param = ".".join(map(str, path))
         if first.get("type") == "json_invalid":
             return error_response(OpenAIError(f"invalid JSON body: {first.get('msg')}", code="invalid_json"))
         if first.get("type") == "extra_forbidden":
-            message = f"Unrecognized request argument supplied: {'.'.join(loc)}"
+            message = f"Unrecognized request argument supplied: {param}"
         else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return error_response(OpenAIError(message, param=".".join(loc) or None, code="invalid_value"))
+            message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        return error_response(OpenAIError(message, param=param or None, code="invalid_value"))
 
     # -- front door: request id, body size, auth, draining ---------------------------------------------------------
     def refuse(request: Request, path: str) -> OpenAIError | None:
@@ -327,11 +327,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         turns = responses_api.input_messages(body)
         try:
             chat_body = responses_api.chat_request(body, history, turns)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ()))
-            raise responses_api.rename_param(OpenAIError(f"{param}: {first.get('msg')}", param=param,
-                                                         code="invalid_value")) from None
+        except OpenAIError as exc:
+            raise responses_api.rename_param(exc) from None
         response = responses_api.new_response(body, f"resp_{uuid.uuid4().hex}", now(),
                                               engine.sampling_defaults.values)
         response["model"] = config.served_model_name
@@ -406,12 +403,17 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         return params
 
     def _check_model_limits(body, params) -> None:
-        """What SamplingParams cannot know: this model's vocabulary, and what this server does not do yet."""
+        """What SamplingParams cannot know: this model's vocabulary and context, and what this server does not do
+        yet. (The engine checks them too, and a prompt's exact room; here the error names the field.)"""
         vocab = engine.vocab_size
-        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
-        if outside:
-            raise OpenAIError(f"logit_bias: token ids {outside} are not in the vocabulary [0, {vocab})",
-                              param="logit_bias", code="invalid_value")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            outside = sorted(t for t in ids if t >= vocab)
+            if outside:
+                raise OpenAIError(f"{name}: token ids {outside} are not in the vocabulary [0, {vocab})",
+                                  param=name, code="invalid_value")
+        if params.min_tokens >= engine.max_model_len:
+            raise OpenAIError(f"min_tokens={params.min_tokens} leaves no room for the prompt in this model's context "
+                              f"of {engine.max_model_len} tokens", param="min_tokens", code="invalid_value")
 
     async def _serve(request: Request, body, prompts: list, params, chat: bool, echo: bool, tools: bool = False):
         snapshot = engine.snapshot()
@@ -419,7 +421,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             raise OpenAIError("the server is overloaded; try again later", status=503, type="server_error",
                               code="overloaded", headers={"Retry-After": "1"})
         if limiter.enabled:
-            key = _client_key(request)
+            key = _client_key(request, config.api_keys)
             cost = sum(len(p) if isinstance(p, list) else len(p) // 4 + 1 for p, _ in prompts)
             cost += (256 if params.max_tokens is None else params.max_tokens) * params.n * len(prompts)
             wait = limiter.acquire(key, cost)
@@ -444,6 +446,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                 await s.aclose()
             message = str(exc)
             param = "max_tokens" if "max_tokens" in message else ("messages" if chat else "prompt")
+            param = next((f for f in ("min_tokens", "stop_token_ids", "priority", "kv_transfer_params")
+                          if message.startswith(f)), param)
             if message.startswith("invalid structured output"):
                 param = _constraint_field(body)
             code = "context_length_exceeded" if "context" in message else "invalid_value"
@@ -763,9 +767,11 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _client_key(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    if auth.startswith("Bearer "):
+def _client_key(request: Request, api_keys: list[str]) -> str:
+    """Whose rate-limit buckets a request spends: its API key once verified (the front door refused any other), and
+    without enforced keys its client's address: a bearer string nobody checks is the client's to change at will."""
+    if api_keys:
+        auth = request.headers.get("authorization", "")
         return "key:" + auth.removeprefix("Bearer ").strip()
     return "ip:" + (request.client.host if request.client else "unknown")
 

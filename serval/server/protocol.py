@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from serval.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
 
@@ -16,6 +17,8 @@ class OpenAIError(Exception):
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        # A message or param that quotes the request may quote a lone surrogate, which no JSON body can encode.
+        message, param = _printable(message), _printable(param)
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
         self.headers = headers or {}
@@ -24,12 +27,149 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+def _printable(text: str | None) -> str | None:
+    return text if text is None or text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# Integer bounds at the edge: what the engine's wire (msgpack: 64 bits) and its tensors (int32 counts) can carry.
+# The model's own limits (its vocabulary, its context) are checked where they are known.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_JSON_DEPTH = 64  # nesting of free JSON (schemas, tools, metadata): far past any real schema's
+
+
+class RequestModel(BaseModel):
+    """A request schema. JSON may carry what no later stage can: a lone UTF-16 surrogate ("\\ud800") is no text to
+    UTF-8, the tokenizer or the engine's wire, and an integer past 64 bits fits no wire or tensor. Every field, free
+    JSON (tools, schemas, metadata) included, is refused here with its name, before anything is queued."""
+
+    @field_validator("*")
+    @classmethod
+    def _wire_safe(cls, value, info: ValidationInfo):
+        _check_wire_safe(value, info.field_name)
+        return value
+
+
+def _check_wire_safe(value, where: str) -> None:
+    """ValueError when a string in ``value`` holds a lone surrogate, an integer needs more than 64 bits, or the
+    JSON nests deeper than MAX_JSON_DEPTH (later stages recurse over it). Models inside were checked themselves."""
+    stack = [(value, (), 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, str):
+            found = _SURROGATE.search(item)
+            if found:
+                raise ValueError(f"{_path_text(where, path)} holds a lone UTF-16 surrogate ({found.group()!a}) at "
+                                 f"character {found.start()}: send valid Unicode text")
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if not INT64_MIN <= item <= 2**64 - 1:
+                raise ValueError(f"{_path_text(where, path)} is an integer past 64 bits")
+        elif isinstance(item, (dict, list, tuple)):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"{_path_text(where, path)} nests more than {MAX_JSON_DEPTH} levels deep")
+            if isinstance(item, dict):
+                for key, inner in item.items():
+                    stack.append((key, (*path, key, "(a key)"), depth + 1))
+                    stack.append((inner, (*path, key), depth + 1))
+            else:
+                stack.extend((inner, (*path, i), depth + 1) for i, inner in enumerate(item))
+
+
+def _path_text(where: str, path: tuple) -> str:
+    steps = [" (a key)" if p == "(a key)" else f"[{p!a}]" for p in path]
+    return where + "".join(steps if len(steps) <= 8 else [*steps[:4], "...", *steps[-3:]])
+
+
+def error_path(error: dict, document) -> list:
+    """Where a pydantic error is in the request's JSON: its ``loc`` less the labels that pydantic adds for the
+    member of a union it tried (``str``, ``list[int]``, a model's name), which are no field of the request."""
+    loc = [p for p in error.get("loc", ()) if p != "body"]
+    if document is None:
+        return loc
+    path, node = [], document
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and type(part) is int and -len(node) <= part < len(node):
+            node = node[part]
+        elif not (i == len(loc) - 1 and error.get("type") == "missing"):  # a field not given is no label
+            continue
+        path.append(part)
+    return path
+
+
+def reported_error(errors: list[dict], document) -> tuple[list, dict]:
+    """(its path in ``document``, the error) of the error to report: the most specific (deepest) one, since each
+    member of a union reports one and the member the value was meant for fails deepest."""
+    if not errors:
+        return [], {"msg": "invalid value", "type": "value_error"}
+    error = max(errors, key=lambda e: len(e.get("loc", ())))  # max keeps the first of equals
+    return error_path(error, document), error
+
+
+def parse_as(model: type[BaseModel], value, param: str) -> BaseModel:
+    """``value`` validated as ``model``, or an OpenAIError naming the field below ``param`` (``input[0].text``)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        path, error = reported_error(exc.errors(), value)
+        where = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+        raise OpenAIError(f"{where}: {error.get('msg')}", param=where, code="invalid_value") from None
+
+
+# Content parts of a message: text only (the models served read text); image, audio and file parts are refused.
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+class TextPart(RequestModel):
+    model_config = ConfigDict(extra="allow")  # e.g. the annotations of an output_text part
+    type: str
+    text: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value not in TEXT_PART_TYPES:
+            raise ValueError(f"{value!r} parts are not supported: the model reads text only "
+                             f"(give parts of type {', '.join(TEXT_PART_TYPES)})")
+        return value
+
+
+class FunctionCall(RequestModel):
+    """A call an assistant turn made: its function's name and arguments (JSON text, as OpenAI sends it)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict = "{}"
+
+
+class MessageToolCall(RequestModel):
+    model_config = ConfigDict(extra="allow")  # e.g. the index a streamed delta carried
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionName(RequestModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    """``{"type": "function", "function": {"name": ...}}``: the model must call this function."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class StreamOptions(RequestModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
@@ -37,7 +177,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # the schema is always enforced, strict or not
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -48,13 +188,13 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(RequestModel):
     """Fields both endpoints share; unknown fields are rejected, as OpenAI does."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     # None: not given; the model's default then (EngineClient.sampling_defaults), else OpenAI's.
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -69,14 +209,14 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64: more overflows the generator
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # past the vocabulary: off, as 0
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)  # past the context: the engine refuses it
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None  # in the vocabulary: app.py
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     # Serval's: the conversation this request is a turn of (chat requests fall back on ``user``): its KV is kept
     # after the request for the next turn; ``end_session``: the last turn, let it go.
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
@@ -128,31 +268,54 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: score the prompt, generate nothing
+    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)  # 0 only with echo: score the prompt
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)  # only best_of == n (every sample returned): see _best_of
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        """As vLLM (V1): best_of is not supported; best_of == n asks for nothing more than n, so it passes."""
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"best_of={best_of} is not supported (ranking extra samples by their logprob): leave it "
+                             f"out, or set it equal to n ({n})")
+        return best_of
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | None = None
+    content: str | list[TextPart] | None = None  # parts (as LangChain and the Agents SDK send) become one text
     name: str | None = None
-    tool_calls: list[dict] | None = None  # an assistant turn's calls, as this API returned them
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls, as this API returned them
     tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @field_validator("content")
+    @classmethod
+    def _join_parts(cls, content):
+        """Text parts joined by newlines, as vLLM joins them."""
+        return "\n".join(part.text for part in content) if isinstance(content, list) else content
+
+    @model_validator(mode="after")
+    def _extra_wire_safe(self):
+        for name, value in (self.model_extra or {}).items():
+            _check_wire_safe(value, name)
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
+    tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
@@ -160,7 +323,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]

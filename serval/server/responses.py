@@ -14,19 +14,31 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from serval.sampling_params import SamplingParams
-from serval.server.protocol import ChatCompletionRequest, OpenAIError, StreamOptions
+from serval.server.protocol import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    ChatCompletionRequest,
+    FunctionName,
+    OpenAIError,
+    RequestModel,
+    StreamOptions,
+    TextPart,
+    parse_as,
+    reported_error,
+)
 
 # Chat completions' names for the request fields, mapped back to this API's in error messages.
 PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                "response_format": "text.format"}
 
 
-class TextFormat(BaseModel):
+class TextFormat(RequestModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
@@ -35,18 +47,37 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextConfig(BaseModel):
+class TextConfig(RequestModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesToolChoice(RequestModel):
+    """A named function: ``{"type": "function", "name": ...}`` (this API's form) or chat's ``"function": {...}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    name: str | None = None
+    function: FunctionName | None = None
+
+    @model_validator(mode="after")
+    def _one_name(self):
+        if (self.name is None) == (self.function is None):
+            raise ValueError('a named tool_choice is {"type": "function", "name": ...}')
+        return self
+
+    @property
+    def function_name(self) -> str:
+        return self.name if self.name is not None else self.function.name
+
+
+class ResponsesRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)  # None: the model's default (as chat's)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
@@ -54,11 +85,38 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     text: TextConfig | None = None
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: str | ResponsesToolChoice | None = None
     parallel_tool_calls: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
-    seed: int | None = None  # vLLM's extra, as in chat completions
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)  # vLLM's extra, as in chat completions
+
+
+# The input items this API takes, one model each (by their "type"; a message may leave it out).
+class InputMessage(RequestModel):
+    model_config = ConfigDict(extra="allow")  # e.g. the id and status of an output message given back
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextPart]
+
+
+class FunctionCallItem(RequestModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = "{}"
+
+
+class FunctionCallOutputItem(RequestModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Any  # text, or JSON that is passed on as its text
+
+
+INPUT_ITEMS = {"message": InputMessage, "function_call": FunctionCallItem,
+               "function_call_output": FunctionCallOutputItem}
 
 
 class ResponseStore:
@@ -94,42 +152,27 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     messages: list[dict] = []
-    for i, item in enumerate(body.input):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise OpenAIError(f"input[{i}].role must be user, assistant, system or developer, got {role!r}",
-                                  param=f"input[{i}].role", code="invalid_value")
-            messages.append({"role": role, "content": _text_of(item.get("content"), i)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+    for i, raw in enumerate(body.input):
+        kind = raw.get("type", "message")
+        if kind not in INPUT_ITEMS:
+            raise OpenAIError(f"input[{i}].type {kind!r} is not supported (message, function_call, "
+                              "function_call_output are)", param=f"input[{i}].type", code="invalid_value")
+        item = parse_as(INPUT_ITEMS[kind], raw, f"input[{i}]")
+        if isinstance(item, InputMessage):
+            content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            messages.append({"role": item.role, "content": content})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else json.dumps(output)})
         else:
-            raise OpenAIError(f"input[{i}].type {kind!r} is not supported (message, function_call, "
-                              "function_call_output are)", param=f"input[{i}].type", code="invalid_value")
+            output = item.output
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": output if isinstance(output, str) else json.dumps(output)})
     return messages
-
-
-def _text_of(content, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        kinds = {p.get("type") for p in content} - {"input_text", "output_text", "text"}
-        if not kinds:
-            return "".join(p.get("text", "") for p in content)
-        raise OpenAIError(f"input[{index}].content: only text parts are supported, got {sorted(map(str, kinds))}",
-                          param=f"input[{index}].content", code="invalid_value")
-    raise OpenAIError(f"input[{index}].content must be a string or a list of text parts",
-                      param=f"input[{index}].content", code="invalid_value")
 
 
 def chat_request(body: ResponsesRequest, history: list[dict], turns: list[dict]) -> ChatCompletionRequest:
@@ -154,10 +197,15 @@ def chat_request(body: ResponsesRequest, history: list[dict], turns: list[dict])
         fields["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
     if body.tool_choice is not None:
         choice = body.tool_choice
-        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
-            choice = {"type": "function", "function": {"name": choice["name"]}}
+        if isinstance(choice, ResponsesToolChoice):
+            choice = {"type": "function", "function": {"name": choice.function_name}}
         fields["tool_choice"] = choice
-    return ChatCompletionRequest(**fields)
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as exc:  # in chat's names, which rename_param maps back to this API's
+        path, error = reported_error(exc.errors(), fields)
+        param = ".".join(map(str, path)) or None
+        raise OpenAIError(f"{param}: {error.get('msg')}", param=param, code="invalid_value") from None
 
 
 def _chat_tool(tool: dict, index: int) -> dict:
@@ -190,10 +238,17 @@ def new_response(body: ResponsesRequest, response_id: str, created_at: int,
         "model": body.model, "output": [], "error": None, "incomplete_details": None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "temperature": sampling.temperature, "top_p": sampling.top_p, "parallel_tool_calls": body.parallel_tool_calls,
-        "tool_choice": body.tool_choice or ("auto" if body.tools else "none"), "tools": body.tools or [],
+        "tool_choice": _tool_choice_out(body.tool_choice) or ("auto" if body.tools else "none"),
+        "tools": body.tools or [],
         "text": {"format": text_format}, "previous_response_id": body.previous_response_id, "store": body.store,
         "metadata": body.metadata or {}, "usage": None,
     }
+
+
+def _tool_choice_out(choice: str | ResponsesToolChoice | None) -> str | dict | None:
+    if isinstance(choice, ResponsesToolChoice):
+        return {"type": "function", "name": choice.function_name}
+    return choice
 
 
 def message_item(text: str, status: str = "completed") -> dict:

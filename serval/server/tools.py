@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from serval.sampling_params import StructuredOutputsParams
+from serval.server.protocol import NamedToolChoice
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
@@ -38,8 +39,9 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-def resolve_tool_choice(tools: list[dict] | None, tool_choice) -> str | dict:
-    """"none", "auto", "required" or a named function ({"name": ...}); checks it against the tools."""
+def resolve_tool_choice(tools: list[dict] | None, tool_choice: str | NamedToolChoice | dict | None) -> str | dict:
+    """"none", "auto", "required" or a named function ({"name": ...}); checks it against the tools. A dict is
+    read as a NamedToolChoice (the request schema's)."""
     functions = {t["function"]["name"] for t in tools or []}
     if tool_choice is None:
         return "auto" if tools else "none"
@@ -50,9 +52,11 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice) -> str | dict:
         if tool_choice != "none" and not tools:
             raise ToolError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
         return tool_choice
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
-    if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
-        raise ToolError('a named tool_choice is {"type": "function", "function": {"name": ...}}', "tool_choice")
+    try:
+        name = NamedToolChoice.model_validate(tool_choice).function.name
+    except ValueError:
+        raise ToolError('a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                        "tool_choice") from None
     if name not in functions:
         raise ToolError(f"tool_choice names function {name!r}, which is not among the tools "
                         f"({', '.join(sorted(functions)) or 'none'})", "tool_choice")

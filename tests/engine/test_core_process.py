@@ -112,6 +112,27 @@ def test_an_abort_and_a_bad_request_touch_nothing_else(client):
     assert stats.num_running == 0 and stats.num_waiting == 0
 
 
+@pytest.mark.slow
+@requires_model
+def test_a_request_the_core_cannot_take_is_refused_before_it_is_counted(client):
+    """A ValueError, and no trace: not waiting, not registered. (An integer past 64 bits or a lone surrogate once
+    failed in msgpack after the request was counted as sent: a queue slot taken for good.)"""
+    bad = [SamplingParams(top_k=2**64, max_tokens=4), SamplingParams(stop=["\ud800"], max_tokens=4),
+           SamplingParams(stop_token_ids=[10**6], max_tokens=4), SamplingParams(min_tokens=10**6, max_tokens=None),
+           SamplingParams(logit_bias={2**70: 1.0}, max_tokens=4)]
+
+    async def send_all():
+        for i, params in enumerate(bad):
+            with pytest.raises(ValueError):
+                await client.add_request(f"unsendable-{i}", PROMPTS[0], params)
+        with pytest.raises(ValueError, match="priority"):
+            await client.add_request("unsendable-priority", PROMPTS[0], SamplingParams(max_tokens=4), priority=2**64)
+
+    asyncio.run(send_all())
+    assert client.snapshot().num_waiting == 0 and client.num_active_requests == 0
+    assert not client._outputs.groups  # noqa: SLF001 - nothing registered on the front end's side either
+
+
 def _wait_all_blocks_free(client, timeout: float = 10.0) -> EngineCoreStats:
     """The core frees a request's blocks when its finish arrives and sends its counters after."""
     deadline = time.monotonic() + timeout

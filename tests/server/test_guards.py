@@ -45,6 +45,23 @@ def test_tokens_per_minute_bucket_charges_tokens():
     assert limiter.acquire("k", 601) == 60  # more than a minute's worth can never pass
 
 
+def test_rate_limiter_forgets_idle_keys_and_stays_bounded():
+    """Keys a client invents (an address, a key) cannot grow the map without bound: a key idle for a minute is
+    forgotten (its buckets would be full again anyway), and at most max_keys are kept."""
+    clock = Clock()
+    limiter = RateLimiter(requests_per_minute=2, tokens_per_minute=1000, clock=clock, max_keys=100)
+    for i in range(1000):
+        assert limiter.acquire(f"ip:10.0.{i // 256}.{i % 256}", 1) is None
+    assert limiter.num_keys == 100
+    assert [limiter.acquire("busy", 1), limiter.acquire("busy", 1)] == [None, None]
+    assert limiter.acquire("busy", 1) is not None  # the budget holds for a key in use
+    clock.now += 59
+    assert limiter.acquire("busy", 1) is None  # refilled (20 s a request), and it is used again
+    clock.now += 1
+    limiter.acquire("late", 1)
+    assert limiter.num_keys == 2  # "busy" and "late": the others were idle for a minute, forgotten
+
+
 def test_blocklist_finds_whole_words_only():
     f = BlocklistFilter(["Seoul", "bad phrase"])
     assert f.find("The capital is Seoul.") == len("The capital is ")
