@@ -148,8 +148,24 @@ class Streams:
         assert not any(t.is_alive() for t in self.threads), "a response never ended"
 
 
-def start(tmp_path: Path, name: str, *args: str) -> Server:
-    return Server([*args], tmp_path / f"{name}.log").start()
+_started: list[Server] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_what_a_test_started():
+    """A failed test still leaves no server behind (each test ends its own; this is for the failures)."""
+    yield
+    while _started:
+        server = _started.pop()
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(10)
+
+
+def start(tmp_path: Path, name: str, *args: str, port: int | None = None) -> Server:
+    server = Server([*args], tmp_path / f"{name}.log", **({"port": port} if port else {}))
+    _started.append(server)
+    return server.start()
 
 
 # -- the engine dies ------------------------------------------------------------------------------------------------
@@ -281,13 +297,10 @@ def test_a_port_in_use_fails_at_once_without_loading(tmp_path):
 def test_the_port_is_taken_before_the_model_loads(tmp_path):
     """A second server on the port of one that is still loading fails at once; the first serves once ready."""
     port = free_port()
-    server = Server([], tmp_path / "first.log", port=port).start()
-    try:
-        assert wait_for(lambda: core_pid(server), timeout=120)
-        second = subprocess.run([str(SERVAL), "serve", "--port", str(port)], capture_output=True, text=True,
-                                timeout=60)
-        assert second.returncode != 0 and f":{port}" in second.stderr and "loading" not in second.stderr
-        assert server.proc.poll() is None
-        server.wait_ready()
-    finally:
-        server.stop()
+    server = start(tmp_path, "first", port=port)
+    assert wait_for(lambda: core_pid(server), timeout=120)
+    second = subprocess.run([str(SERVAL), "serve", "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert second.returncode != 0 and f":{port}" in second.stderr and "loading" not in second.stderr
+    assert server.proc.poll() is None
+    server.wait_ready()
+    server.stop()
