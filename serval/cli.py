@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 from serval.benchmark import quality as quality_benchmark
@@ -257,6 +258,59 @@ class _InterruptFlag:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # The port first: taken, the start fails in a second with one line, before the model loads (uvicorn listens on
+    # this very socket once the engine is ready, so no other process can take the port in between).
+    try:
+        listener = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"serval: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    # SIGTERM while loading stops the load: the engine core is killed and its folder removed (CoreProcessClient).
+    signal.signal(signal.SIGTERM, _stop_loading)
+    engines: list = []  # the engine once loaded, stopped here however the server ends
+    try:
+        _serve(args, listener, engines)
+    except _StopLoading:
+        print("serval: stopped by SIGTERM while loading", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown below is bounded; a second SIGTERM waits for it
+        for engine in engines:
+            engine.shutdown()
+        listener.close()
+    if engines and engines[0].error is not None:
+        print(f"serval: exiting with code 1: the engine died ({engines[0].error}); whatever supervises the server "
+              "should start it again", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+class _StopLoading(BaseException):
+    """SIGTERM before the server runs (BaseException: nothing on the way catches it as an error)."""
+
+
+def _stop_loading(signum: int, frame) -> None:
+    raise _StopLoading
+
+
+def _bind(host: str, port: int):
+    """A TCP socket listening on host:port. Taken before the model loads, the port is this server's alone; until the
+    engine is ready, connections wait in the backlog (a health probe times out) and are answered once it is."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart binds at once
+        sock.bind((host, port))
+        sock.listen(2048)  # as uvicorn's backlog; without it another SO_REUSEADDR socket could bind the port too
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve(args: argparse.Namespace, listener, engines: list) -> None:
+    """Loads the engine (appended to ``engines``) and serves on ``listener`` until a signal or the engine's death."""
     import uvicorn
 
     from serval.engine.async_engine import AsyncEngine
@@ -283,6 +337,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                   else min(logging.INFO, root_level))
     print(f"serval: loading {server_config.served_model_name} ...", file=sys.stderr, flush=True)
     engine = (AsyncEngine if args.engine_in_process else CoreProcessClient).from_config(config)
+    engines.append(engine)
     engine.start()
     app = create_app(engine, server_config)
     scheme = "https" if tls.enabled else "http"
@@ -292,11 +347,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            access_log=False,  # serval.requests has a line per request already
-                                           timeout_graceful_shutdown=args.shutdown_timeout, **tls.uvicorn_kwargs()))
-    _drain_on_sigterm(server, app)
-    server.run()
-    engine.shutdown()
-    return 0
+                                           # a backstop: the drain has aborted what still ran by then
+                                           timeout_graceful_shutdown=args.shutdown_timeout + ABORTED_ANSWER_S,
+                                           **tls.uvicorn_kwargs()))
+    _drain_on_sigterm(server, app, engine, args.shutdown_timeout)
+    _exit_when_engine_dies(server, engine)
+    server.run(sockets=[listener])
 
 
 def cmd_rank(args: argparse.Namespace) -> int:
@@ -398,12 +454,20 @@ def _api_keys(flags: list[str] | None) -> list[str]:
     return [k for k in keys if k]
 
 
-def _drain_on_sigterm(server, app) -> None:
-    """SIGTERM: refuse new generations at once (503), let running ones finish (bounded), then exit."""
+ABORTED_ANSWER_S = 5.0  # after the drain's timeout, how long the aborted requests get to send their last chunks
+
+
+def _drain_on_sigterm(server, app, engine, timeout: float) -> None:
+    """SIGTERM: refuse new generations at once (503), let running ones finish for ``timeout`` seconds, then abort
+    those still running (each stream ends with finish_reason "abort" and [DONE]) and exit."""
     original = server.handle_exit
+    abort_timer = threading.Timer(timeout, engine.abort_all)
+    abort_timer.daemon = True
 
     def handle_exit(sig, frame):
         app.state.flags["draining"] = True
+        if not abort_timer.is_alive() and not abort_timer.finished.is_set():
+            abort_timer.start()
         if sig == signal.SIGTERM:
             # uvicorn's own handler re-raises a captured SIGTERM once it has shut down, which kills the process
             # (exit -15) before the engine stops; a drained SIGTERM is a clean exit.
@@ -412,6 +476,17 @@ def _drain_on_sigterm(server, app) -> None:
             original(sig, frame)
 
     server.handle_exit = handle_exit
+
+
+def _exit_when_engine_dies(server, engine) -> None:
+    """A dead engine serves nothing again: once every open request has had its error, the server exits (non-zero)
+    so that its supervisor (systemd, Kubernetes, Ray) starts a fresh one, as vLLM's does."""
+
+    def watch() -> None:
+        engine.dead.wait()
+        server.should_exit = True  # uvicorn then closes the port and waits for the open responses to end
+
+    threading.Thread(target=watch, name="serval-engine-watch", daemon=True).start()
 
 
 def _model_name(model: str | None) -> str:

@@ -18,7 +18,6 @@
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
 from serval.cluster.router import error_response, sse_error
+from serval.lifetime import ending_with_parent
 
 logger = logging.getLogger("serval.ray_serve")
 PASSED_HEADERS = ("content-type", "retry-after", "x-serval-dropped-messages", "cache-control")
@@ -74,12 +74,6 @@ class RayServeConfig:
             raise ValueError("num_replicas must be >= 1 and autoscale_max_replicas, when set, >= num_replicas")
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the replica actor that started it dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class ServalReplica:
     """A Ray Serve replica: one `serval serve` process, and the calls that reach it."""
 
@@ -93,7 +87,8 @@ class ServalReplica:
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         self.proc = subprocess.Popen([sys.executable, "-m", "serval.cli", "serve", "--port", str(self.port),
-                                      *serve_args], env=env, preexec_fn=_die_with_parent)
+                                      *serve_args], env=env,
+                                     preexec_fn=ending_with_parent(signal.SIGTERM))  # it ends with this actor
         deadline = time.monotonic() + start_timeout
         while True:  # Ray Serve counts the replica as starting until this returns
             if self.proc.poll() is not None:

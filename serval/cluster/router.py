@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import serval
 from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
+from serval.lifetime import ending_with_parent
 from serval.tracing import Tracing
 
 logger = logging.getLogger("serval.router")
@@ -433,7 +435,7 @@ def spawn_replicas(count: int, serve_args: list[str],
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         procs.append(subprocess.Popen([sys.executable, "-m", "serval.cli", "serve", "--port", str(port),
-                                       *serve_args], env=env))
+                                       *serve_args], env=env, preexec_fn=ending_with_parent(signal.SIGTERM)))
         urls.append(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + timeout
     for proc, url in zip(procs, urls):

@@ -8,6 +8,7 @@ get outputs through one asyncio queue per request. The model's matmuls release t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -113,6 +114,8 @@ class AsyncEngine(EngineClient):
         self._commands.put(("add", request_id, prompt, params, (priority, session_id, end_session), stream,
                             accepted))
         self._wake.set()
+        if self.error is not None:  # the loop died since the check above: nobody else will answer this add
+            self._refuse_pending_adds()
         try:
             await accepted  # raises the engine's ValueError for bad input
         except asyncio.CancelledError:  # the caller left before the engine took the request
@@ -158,9 +161,25 @@ class AsyncEngine(EngineClient):
         except BaseException as exc:  # the loop is dead: every waiting caller must hear it
             logger.exception("engine loop died")
             self.error = exc
+            self._refuse_pending_adds()
             self._fail_all(EngineDeadError(f"engine loop died: {exc}"))
         else:
             self.engine.shutdown()
+
+    def _refuse_pending_adds(self) -> None:
+        """Once the loop has died: each add still queued hears EngineDeadError (callable from any thread)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                stream, accepted = command[5], command[6]
+                with self._pending_lock:
+                    self._num_pending_adds -= 1
+                error = EngineDeadError("the engine loop is not running")
+                with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+                    stream.loop.call_soon_threadsafe(_settle, accepted, error)
 
     def _drain_commands(self) -> None:
         while True:

@@ -8,6 +8,7 @@ stream RequestOutputs into one asyncio queue per request; this base class owns t
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class EngineClient:
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
+        self.dead = threading.Event()  # set once the engine has died and every open stream has heard it
 
     # -- what each implementation provides -----------------------------------------------------------------------
     def start(self) -> None:
@@ -125,6 +127,13 @@ class EngineClient:
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass
 
+    def abort_all(self) -> None:
+        """Aborts every open request: each stream ends with its final output (finish_reason "abort")."""
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
     def _fail_all(self, error: BaseException) -> None:
+        """The engine died: every open stream ends with ``error``, and ``dead`` is set (the server then exits)."""
         for request_id in list(self._streams):
             self._deliver(request_id, error, True)
+        self.dead.set()

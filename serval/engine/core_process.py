@@ -41,6 +41,7 @@ from serval.engine.core import (
 from serval.engine.frontend import InputProcessor, OutputProcessor
 from serval.engine.request import RequestStatus
 from serval.layers.sampler import TokenLogprobs
+from serval.lifetime import end_with_parent
 from serval.model.registry import resolve_model_path
 from serval.model.sampling_defaults import resolve_sampling_defaults
 from serval.sampling_params import SamplingParams
@@ -110,6 +111,11 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
                     parent_pid: int) -> None:
     """The core process's main: load, say ready (or why not), then take commands and step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops us in order
+    # The server gone (a SIGKILL too) at any phase, loading included: the kernel sends SIGHUP, and the core removes
+    # the sockets' folder, which nobody else is left to remove, and exits. SIGKILL could not clean up.
+    ipc_dir = os.path.dirname(input_address.removeprefix("ipc://"))
+    signal.signal(signal.SIGHUP, lambda signum, frame: _exit_orphaned(ipc_dir))
+    end_with_parent(parent_pid, signal.SIGHUP)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
@@ -135,10 +141,15 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
         context.term()
 
 
+def _exit_orphaned(ipc_dir: str) -> None:
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+    os._exit(1)
+
+
 def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid:  # the server is gone (killed): nobody will read our outputs; checked every
-            return                      # step, since a busy orphan would otherwise compute its requests for nobody
+            return                      # step too, where no parent-death signal exists (not Linux)
         # Holds fetched or expired give their blocks back, even while idle: the front end hears the new counts.
         freed = core.poll_kv_transfers()
         busy = core.has_unfinished_requests()
@@ -186,27 +197,28 @@ class CoreProcessClient(EngineClient):
         self.sampling_defaults = resolve_sampling_defaults(config.model, model_path, config.generation_config,
                                                            config.override_generation_config)
         self.tokenizer = Tokenizer.load(model_path)
-        self._ipc_dir = tempfile.mkdtemp(prefix="serval-core-")
-        self._zmq = zmq.Context()
-        self._commands = self._zmq.socket(zmq.PUSH)
-        self._commands.bind(f"ipc://{self._ipc_dir}/commands")
-        self._results = self._zmq.socket(zmq.PULL)
-        self._results.bind(f"ipc://{self._ipc_dir}/results")
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe: adds, aborts and stops share it
         self._lock = threading.Lock()  # the output processor: the output thread and the callers' aborts
         self._kv_state_waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        # A fresh interpreter (no inherited threads or OpenMP pools, and unlike multiprocessing's spawn it never
-        # re-runs the caller's __main__); the settings go over its stdin.
-        # The child imports this very serval (a checkout run without installing it, a worktree beside another).
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
-        self.process = subprocess.Popen([sys.executable, "-m", "serval.engine.core_process"], stdin=subprocess.PIPE,
-                                        env=env)
-        self.process.stdin.write(pickle.dumps((config, model_path, f"ipc://{self._ipc_dir}/commands",
-                                               f"ipc://{self._ipc_dir}/results", os.getpid())))
-        self.process.stdin.close()
-        try:
+        self.process: subprocess.Popen | None = None
+        self._zmq = zmq.Context()
+        self._commands = self._zmq.socket(zmq.PUSH)
+        self._results = self._zmq.socket(zmq.PULL)
+        self._ipc_dir = tempfile.mkdtemp(prefix="serval-core-")
+        try:  # whatever stops the start (a failed load, a SIGTERM while loading): the core killed, the folder removed
+            self._commands.bind(f"ipc://{self._ipc_dir}/commands")
+            self._results.bind(f"ipc://{self._ipc_dir}/results")
+            # A fresh interpreter (no inherited threads or OpenMP pools, and unlike multiprocessing's spawn it never
+            # re-runs the caller's __main__); the settings go over its stdin.
+            # The child imports this very serval (a checkout run without installing it, a worktree beside another).
+            package_root = str(Path(__file__).resolve().parents[2])
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
+            self.process = subprocess.Popen([sys.executable, "-m", "serval.engine.core_process"],
+                                            stdin=subprocess.PIPE, env=env)
+            self.process.stdin.write(pickle.dumps((config, model_path, f"ipc://{self._ipc_dir}/commands",
+                                                   f"ipc://{self._ipc_dir}/results", os.getpid())))
+            self.process.stdin.close()
             info = self._wait_ready()
         except BaseException:
             self._close(kill=True)
@@ -254,7 +266,7 @@ class CoreProcessClient(EngineClient):
         self._close(kill=True)
 
     def _close(self, kill: bool) -> None:
-        if kill and self.process.poll() is None:
+        if kill and self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(5)
         with self._send_lock:
@@ -287,6 +299,8 @@ class CoreProcessClient(EngineClient):
             self._grammar_sent = True
         stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
+            if self.error is not None:  # the core died since the check above, and its streams were failed already
+                raise EngineDeadError(f"the engine core is not running: {self.error}")
             self._outputs.add(request_id, prompt_text, core_requests)
             self._streams[request_id] = stream
             self._num_sent += len(core_requests)
@@ -361,7 +375,8 @@ class CoreProcessClient(EngineClient):
         except BaseException as exc:  # noqa: BLE001 - every open stream hears it; nothing hangs
             if not self._stop.is_set():
                 logger.error("engine core is gone: %s", exc)
-                self.error = exc
+                with self._lock:  # a request added from now on is refused; those added before are failed here
+                    self.error = exc
                 self._fail_all(exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc)))
         finally:
             self._results.close(linger=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from serval.config import EngineConfig
 from serval.distributed import ParallelGroup, free_init_method, init_group
 from serval.engine.runner import ModelRunner
+from serval.lifetime import ending_with_parent
 from serval.model.loader import load_model
 from serval.model.registry import resolve_model_path
 
@@ -67,7 +69,7 @@ def start_ranks(config: EngineConfig, model_path: str) -> Ranks:
     processes = []
     for rank in range(1, local):
         process = subprocess.Popen([sys.executable, "-c", "from serval.engine.workers import main; main()"],
-                                   stdin=subprocess.PIPE)
+                                   stdin=subprocess.PIPE, preexec_fn=ending_with_parent(signal.SIGKILL))
         process.stdin.write(pickle.dumps((rank, world, init_method, config.device, str(model_path), local)))
         process.stdin.close()
         processes.append(process)

@@ -109,6 +109,15 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     async def _openai_error(request: Request, exc: OpenAIError):
         return error_response(exc)
 
+    def engine_dead(exc: EngineDeadError) -> OpenAIError:
+        return OpenAIError(str(exc), status=503, type="server_error", code="engine_dead")
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError):
+        """The engine died under a request that was not streamed (the server exits once every open one is
+        answered)."""
+        return error_response(engine_dead(exc))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         """Routing's own errors (no such path: 404, wrong method: 405 with its Allow header), in OpenAI's shape."""
@@ -640,7 +649,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                 yield chunk([], usage)
             _log_usage(log, usage)
             _log_request(log, started)
-        except OpenAIError as err:
+        except (OpenAIError, EngineDeadError) as exc:  # the stream ends with an error event, then [DONE]
+            err = exc if isinstance(exc, OpenAIError) else engine_dead(exc)
             log["error"] = err.code
             _log_request(log, started)
             yield f"data: {json.dumps(err.body())}\n\n"
