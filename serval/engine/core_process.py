@@ -216,6 +216,7 @@ class CoreProcessClient(EngineClient):
         self._stats = EngineCoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
         self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
         self._grammar_sent = False  # the grammar compiler's tokenizer table, sent before the first grammar
+        self._grammar_setup_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_outputs, name="serval-core-outputs", daemon=True)
 
@@ -273,11 +274,9 @@ class CoreProcessClient(EngineClient):
                                   "the engine core is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
-                                                          end_session)  # ValueError
-        if core_requests[0].params.structured_outputs is not None and not self._grammar_sent:
-            self._send(["grammar_setup", self._inputs.grammar_compiler().to_json()])  # once, before its first use
-            self._grammar_sent = True
+        # Tokenizing a long prompt and checking a grammar take a while: off the event loop.
+        prompt_text, core_requests = await asyncio.to_thread(self._prepare, request_id, prompt, params, priority,
+                                                             session_id, end_session)  # ValueError
         stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
             self._outputs.add(request_id, prompt_text, core_requests)
@@ -285,6 +284,16 @@ class CoreProcessClient(EngineClient):
             self._num_sent += len(core_requests)
         self._send(["add", [encode_request(r) for r in core_requests]])
         return stream
+
+    def _prepare(self, request_id, prompt, params, priority, session_id, end_session):
+        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
+                                                          end_session)
+        if core_requests[0].params.structured_outputs is not None:
+            with self._grammar_setup_lock:  # once, before the first grammar (the byte table takes a second)
+                if not self._grammar_sent:
+                    self._send(["grammar_setup", self._inputs.grammar_compiler().to_json()])
+                    self._grammar_sent = True
+        return prompt_text, core_requests
 
     def abort(self, request_id: str) -> None:
         with self._lock:
