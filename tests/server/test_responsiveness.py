@@ -69,8 +69,8 @@ def test_health_answers_while_huge_guided_json_and_guided_choice_are_handled(ser
     """The issue's requests: 30,000 optional properties (919 KB) froze /health for over 7 minutes; 90,000 choices
     for 56 s. Both are past the limits: refused at once, naming their field, and /health never waits."""
     huge_json = chat_body(guided_json=optional_properties(30_000))
-    huge_choice = chat_body(guided_choice=[f"option {i}" for i in range(90_000)])
-    assert len(json.dumps(huge_json)) > 900_000
+    huge_choice = chat_body(guided_choice=[f"o{i}" for i in range(90_000)])
+    assert 900_000 < len(json.dumps(huge_json)) < 1 << 20 and len(json.dumps(huge_choice)) < 1 << 20  # body limit
 
     def post_both() -> list[httpx.Response]:
         with httpx.Client(timeout=600) as http:
@@ -107,7 +107,7 @@ def test_an_oversized_grammar_gets_a_400_naming_its_field(server, field, value, 
 
 
 def test_another_clients_stream_keeps_flowing_while_a_big_grammar_compiles(server):
-    """A schema under the limits that takes a second or more to compile (1,800 optional properties): other
+    """A schema under the limits that takes a second or more to compile (800 optional properties): other
     streams keep getting tokens meanwhile, and the request itself is answered."""
     arrivals: list[float] = []
     stop = threading.Event()
@@ -126,7 +126,7 @@ def test_another_clients_stream_keeps_flowing_while_a_big_grammar_compiles(serve
         assert wait_for(lambda: len(arrivals) >= 5, timeout=120)
         started = time.monotonic()
         response = httpx.post(f"{server.url}/v1/chat/completions", timeout=300,
-                              json=chat_body(guided_json=optional_properties(1_800), max_tokens=2))
+                              json=chat_body(guided_json=optional_properties(800), max_tokens=2))
         ended = time.monotonic()
     finally:
         stop.set()
