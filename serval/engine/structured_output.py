@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 # JSON from a schema is written compactly: with free whitespace a small model can loop on newlines forever.
 JSON_SEPARATORS = (", ", ": ")
 COMPILE_THREADS = 2  # a slow grammar (up to the time limit) leaves one thread for the others
+# The compile threads' nice value: on a busy CPU the step loop comes first (xgrammar's own workers, started by a
+# compile, inherit it).
+COMPILE_NICENESS = 10
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
@@ -188,6 +192,10 @@ class StructuredOutputManager:
             threading.Thread(target=self._compile_jobs, name=f"serval-grammar-{index}", daemon=True).start()
 
     def _compile_jobs(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)  # this thread only (Linux)
+        except (AttributeError, OSError):  # elsewhere it stays at the process's priority
+            pass
         while True:
             job = self._jobs.get()
             if not job.future.set_running_or_notify_cancel():

@@ -35,7 +35,7 @@ def server(tmp_path_factory):
 
 
 def optional_properties(n: int) -> dict:
-    return {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(n)}}
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
 
 
 def health_while(server: Server, work) -> tuple[object, list[float]]:
