@@ -217,6 +217,7 @@ class CoreProcessClient(EngineClient):
         self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
         self._grammar_sent = False  # the grammar compiler's tokenizer table, sent before the first grammar
         self._grammar_setup_lock = threading.Lock()
+        self._num_preparing = 0  # adds being tokenized and checked (on the event loop's thread only)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_outputs, name="serval-core-outputs", daemon=True)
 
@@ -274,9 +275,14 @@ class CoreProcessClient(EngineClient):
                                   "the engine core is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # Tokenizing a long prompt and checking a grammar take a while: off the event loop.
-        prompt_text, core_requests = await asyncio.to_thread(self._prepare, request_id, prompt, params, priority,
-                                                             session_id, end_session)  # ValueError
+        # Tokenizing a long prompt and checking a grammar take a while: off the event loop. Counted as waiting
+        # meanwhile, or a burst would all pass the server's load check before any of them was sent.
+        self._num_preparing += 1
+        try:
+            prompt_text, core_requests = await asyncio.to_thread(self._prepare, request_id, prompt, params, priority,
+                                                                 session_id, end_session)  # ValueError
+        finally:
+            self._num_preparing -= 1
         stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
             self._outputs.add(request_id, prompt_text, core_requests)
@@ -325,7 +331,7 @@ class CoreProcessClient(EngineClient):
     def snapshot(self) -> EngineCoreStats:
         stats = self._stats
         pending = max(0, self._num_sent - stats.num_received_requests)  # sent, not yet taken: waiting too
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending + self._num_preparing)
 
     def _send(self, message) -> None:
         frame = pack(message)

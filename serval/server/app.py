@@ -714,6 +714,8 @@ async def anext_or_none(stream):
 async def _first_outputs(streams: list) -> list:
     """Starts every stream at once, so the engine batches their prompts, and returns each one's first output (None
     for a stream that ended without one). An error in any, or cancellation (client gone), ends them all."""
+    if len(streams) == 1:  # awaited in place: its add is counted before the next request's load check
+        return [await anext_or_none(streams[0])]
     tasks = [asyncio.ensure_future(anext_or_none(s)) for s in streams]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
