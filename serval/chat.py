@@ -31,13 +31,20 @@ def build_chat_prompt(tokenizer: Tokenizer, messages: list[dict], max_prompt_tok
                                  "window leaves for the prompt (the sliding_window context policy drops old turns)")
     system = [m for m in messages[:1] if m.get("role") == "system"]
     history = messages[len(system):]
-    for dropped in range(1, len(history)):
-        kept = history[dropped:]
-        # A chat should open with the user's turn: drop an assistant turn left at the front too.
-        if kept[0].get("role") == "assistant":
-            continue
-        ids = tokenizer.apply_chat_template(system + kept, tools=tools)
+    # How many of the oldest turns to drop: at least one, never the last message, and a chat should open with
+    # the user's turn (an assistant turn left at the front is dropped too). Fewer dropped never makes the prompt
+    # shorter, so the least that fits is found by bisection: a dozen renders for thousands of turns, not one each.
+    candidates = [dropped for dropped in range(1, len(history)) if history[dropped].get("role") != "assistant"]
+    best: ChatPrompt | None = None
+    low, high = 0, len(candidates)
+    while low < high:
+        middle = (low + high) // 2
+        ids = tokenizer.apply_chat_template(system + history[candidates[middle]:], tools=tools)
         if len(ids) <= max_prompt_tokens:
-            return ChatPrompt(ids, dropped)
-    raise ContextLengthError(f"the last message alone does not fit in the {max_prompt_tokens} prompt tokens the "
-                             "context window leaves")
+            best, high = ChatPrompt(ids, candidates[middle]), middle
+        else:
+            low = middle + 1
+    if best is None:
+        raise ContextLengthError(f"the last message alone does not fit in the {max_prompt_tokens} prompt tokens "
+                                 "the context window leaves")
+    return best

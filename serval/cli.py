@@ -57,6 +57,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "for a GGUF file with such blocks, else none")
     parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
                         help="a chat longer than the context: reject it, or drop the oldest turns")
+    parser.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request's grammar (guided_json, response_format, ...) that takes longer to compile "
+                        "is refused with a 400 (default: StructuredOutputConfig.compile_timeout_s, 30 s)")
     parser.add_argument("--speculative-model", default="ngram", metavar="ngram|none|self-layers:N|MODEL",
                         help="speculative decoding: ngram guesses the next tokens by prompt lookup, self-layers:N "
                         "with the model's first N layers, MODEL with a draft model sharing the tokenizer; one "
@@ -118,7 +121,14 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace):
     """The engine flags, shared by serve, generate and chat, as one EngineConfig."""
-    from serval.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
+    from serval.config import (
+        CacheConfig,
+        EngineConfig,
+        KVTransferConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        StructuredOutputConfig,
+    )
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -142,6 +152,8 @@ def _engine_config(args: argparse.Namespace):
                                      "127.0.0.1"), port=getattr(args, "kv_transfer_port", 0),
                                      timeout=getattr(args, "kv_transfer_timeout", 30.0)),
         generation_config=args.generation_config, override_generation_config=args.override_generation_config,
+        structured_outputs=StructuredOutputConfig(**({} if getattr(args, "grammar_compile_timeout", None) is None else
+                                                      {"compile_timeout_s": args.grammar_compile_timeout})),
     )
 
 

@@ -179,7 +179,7 @@ class AsyncEngine(EngineClient):
                     self._num_pending_adds -= 1
                 error = EngineDeadError("the engine loop is not running")
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-                    stream.loop.call_soon_threadsafe(_settle, accepted, error)
+                    stream.loop.call_soon_threadsafe(settle, accepted, None, error)
 
     def _drain_commands(self) -> None:
         while True:

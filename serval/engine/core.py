@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Steps of at least this many tokens (a prompt chunk's) time the model per token, for the preemption mode's choice.
 PROMPT_CHUNK_TIMING_TOKENS = 32
+# With nothing to run but grammars compiling, a step waits this long for one (rather than spin) and returns.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass
@@ -180,6 +182,7 @@ class EngineCore:
         self.proposer = self._make_proposer(config)
         self.stats.spec_accepted_per_position = [0] * config.speculative.num_speculative_tokens
         self.structured = None  # StructuredOutputManager, once a front end sets it up (setup_structured_outputs)
+        self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar compiles: not scheduled yet
         self._requests: dict[str, Request] = {}
         self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
         self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
@@ -243,24 +246,38 @@ class EngineCore:
         xgrammar is imported only once a request asks for a grammar)."""
         if self.structured is None:
             from serval.engine.structured_output import StructuredOutputManager
-            self.structured = StructuredOutputManager(compiler)
+            self.structured = StructuredOutputManager(compiler, self.config.structured_outputs.compile_timeout_s)
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request. A duplicate id or a grammar that does not compile fails that request alone (an error
-        output), never the core."""
+        output), never the core. A request with a grammar waits outside the scheduler until its grammar has
+        compiled (on a compile thread: the steps of the others go on)."""
         self.stats.num_received_requests += 1
         request_id = core_request.request_id
         error = None
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._grammar_waiting:
             error = f"request id {request_id!r} is already in use"
-        elif core_request.params.structured_outputs is not None:
-            error = self._add_grammar(request_id, core_request.params)
+        elif core_request.params.structured_outputs is not None and self.structured is None:
+            error = "structured outputs are not set up in this engine core"
         request = Request(request_id, list(core_request.prompt_token_ids), core_request.params,
                           frozenset(core_request.eos_token_ids), core_request.max_tokens, core_request.priority,
                           group_id=core_request.group_id, arrival_time=core_request.arrival_time,
                           session_id=core_request.session_id, keep_session=core_request.keep_session)
-        if error is None and core_request.params.kv_transfer_params:
-            error = self._start_kv_transfer(request, core_request.params.kv_transfer_params)
+        if error is not None:
+            self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
+        elif core_request.params.structured_outputs is not None:
+            self._grammar_waiting[request_id] = request
+            self.structured.submit(request_id, core_request.params.structured_outputs)
+        else:
+            self._schedule(request)
+
+    def _schedule(self, request: Request) -> None:
+        """Hands a request (its grammar, if any, compiled) to the scheduler, or fails it alone."""
+        request_id = request.request_id
+        error = None
+        kv_transfer_params = request.sampling_params.kv_transfer_params
+        if kv_transfer_params:
+            error = self._start_kv_transfer(request, kv_transfer_params)
         if error is not None:
             if request_id in self.structured_ids:
                 self.structured.remove(request_id)
@@ -274,6 +291,10 @@ class EngineCore:
         """Ends requests now and frees their blocks: aborts, and stop strings the front end found. Silent: the front
         end that asked has finished them already. Unknown or finished ids are ignored."""
         for request_id in request_ids:
+            if self._grammar_waiting.pop(request_id, None) is not None:  # ended while its grammar compiled
+                self.structured.remove(request_id)
+                self.stats.num_finished_requests += 1
+                continue
             request = self._requests.get(request_id)
             if request is None:
                 continue
@@ -359,13 +380,17 @@ class EngineCore:
         return self.kv_cache.end_session(session_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._grammar_waiting)
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """One iteration: schedule, run the batch, advance the requests. Returns an output for every request that
         got tokens, prompt logprobs or a finish reason, and the core's counters."""
         self.poll_kv_transfers()
+        if self._grammar_waiting:
+            if not self.scheduler.has_unfinished_requests() and not self._pending:
+                self.structured.wait_compiled(GRAMMAR_WAIT_S)
+            self._take_compiled_grammars()
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs, self.snapshot())
@@ -516,14 +541,14 @@ class EngineCore:
         """The ids of the requests under a grammar (supports ``in`` and ``len``)."""
         return self.structured if self.structured is not None else ()
 
-    def _add_grammar(self, request_id: str, params: SamplingParams) -> str | None:
-        if self.structured is None:
-            return "structured outputs are not set up in this engine core"
-        try:
-            self.structured.add(request_id, params.structured_outputs)
-        except ValueError as exc:
-            return str(exc)
-        return None
+    def _take_compiled_grammars(self) -> None:
+        """Schedules the requests whose grammar has compiled; fails those whose grammar did not."""
+        ready, failed = self.structured.take_compiled()
+        for request_id in ready:
+            self._schedule(self._grammar_waiting.pop(request_id))
+        for request_id, error in failed.items():
+            del self._grammar_waiting[request_id]
+            self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
 
     def _grammar_bitmasks(self, scheduled) -> tuple[dict, dict[str, str]]:
         """Bitmasks for the constrained requests that sample this step (their prompt is computed by its end), and
@@ -575,7 +600,7 @@ class EngineCore:
 
     def snapshot(self) -> EngineCoreStats:
         s, kv, scheduler = self.stats, self.kv_cache, self.scheduler
-        s.num_running, s.num_waiting = len(scheduler.running), len(scheduler.waiting)
+        s.num_running, s.num_waiting = len(scheduler.running), len(scheduler.waiting) + len(self._grammar_waiting)
         s.num_free_blocks, s.kv_cache_usage = kv.pool.num_free_blocks, kv.usage
         s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens = kv.stats.queried_tokens, kv.stats.hit_tokens
         s.session_requests, s.session_hit_tokens = kv.stats.session_requests, kv.stats.session_hit_tokens

@@ -231,6 +231,8 @@ class CoreProcessClient(EngineClient):
         self._stats = EngineCoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
         self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
         self._grammar_sent = False  # the grammar compiler's tokenizer table, sent before the first grammar
+        self._grammar_setup_lock = threading.Lock()
+        self._num_preparing = 0  # adds being tokenized and checked (on the event loop's thread only)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_outputs, name="serval-core-outputs", daemon=True)
 
@@ -288,15 +290,14 @@ class CoreProcessClient(EngineClient):
                                   "the engine core is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
-                                                          end_session)  # ValueError
-        try:  # before anything is registered: a request that cannot cross to the core leaves no trace
-            frame = pack(["add", [encode_request(r) for r in core_requests]])
-        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer past 64 bits, a lone surrogate
-            raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
-        if core_requests[0].params.structured_outputs is not None and not self._grammar_sent:
-            self._send(["grammar_setup", self._inputs.grammar_compiler().to_json()])  # once, before its first use
-            self._grammar_sent = True
+        # Tokenizing a long prompt and checking a grammar take a while: off the event loop. Counted as waiting
+        # meanwhile, or a burst would all pass the server's load check before any of them was sent.
+        self._num_preparing += 1
+        try:
+            prompt_text, core_requests, frame = await asyncio.to_thread(
+                self._prepare, request_id, prompt, params, priority, session_id, end_session)  # ValueError
+        finally:
+            self._num_preparing -= 1
         stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
             if self.error is not None:  # the core died since the check above, and its streams were failed already
@@ -306,6 +307,20 @@ class CoreProcessClient(EngineClient):
             self._num_sent += len(core_requests)
         self._send_frame(frame)
         return stream
+
+    def _prepare(self, request_id, prompt, params, priority, session_id, end_session):
+        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
+                                                          end_session)
+        if core_requests[0].params.structured_outputs is not None:
+            with self._grammar_setup_lock:  # once, before the first grammar (the byte table takes a second)
+                if not self._grammar_sent:
+                    self._send(["grammar_setup", self._inputs.grammar_compiler().to_json()])
+                    self._grammar_sent = True
+        try:  # before anything is registered: a request that cannot cross to the core leaves no trace
+            frame = pack(["add", [encode_request(r) for r in core_requests]])
+        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer past 64 bits, a lone surrogate
+            raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
+        return prompt_text, core_requests, frame
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -337,7 +352,7 @@ class CoreProcessClient(EngineClient):
     def snapshot(self) -> EngineCoreStats:
         stats = self._stats
         pending = max(0, self._num_sent - stats.num_received_requests)  # sent, not yet taken: waiting too
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending + self._num_preparing)
 
     def _send(self, message) -> None:
         self._send_frame(pack(message))

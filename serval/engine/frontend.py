@@ -8,6 +8,7 @@ LLMEngine, or in the server's process while the core steps in its own (engine/co
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -27,20 +28,23 @@ class InputProcessor:
         self.vocab_size = info.vocab_size
         self.eos_token_ids = sorted(tokenizer.eos_token_ids)
         self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()  # process() may run on several threads (the server's)
 
     def grammar_compiler(self):
         """The GrammarCompiler for this tokenizer, built when a request first asks for a grammar (xgrammar and the
-        tokenizer's byte table cost about a second)."""
-        if self._grammar_compiler is None:
-            from serval.engine.structured_output import GrammarCompiler, tokenizer_info
-            self._grammar_compiler = GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size))
-        return self._grammar_compiler
+        tokenizer's byte table cost a second or more)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from serval.engine.structured_output import GrammarCompiler, tokenizer_info
+                self._grammar_compiler = GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size))
+            return self._grammar_compiler
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                 priority: int = 0, session_id: str | None = None,
                 end_session: bool = False) -> tuple[str | None, list[EngineCoreRequest]]:
         """(the prompt's text, one core request per sample). Raises ValueError on bad input. With n > 1 only the
-        first sample continues the session: one answer is the conversation's next turn."""
+        first sample continues the session: one answer is the conversation's next turn. Thread-safe; it tokenizes
+        and checks a grammar, so a server calls it off its event loop."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -56,8 +60,9 @@ class InputProcessor:
             raise ValueError(f"min_tokens={params.min_tokens} is more than the {max_tokens} tokens this request may "
                              "generate")
         self._check_kv_transfer(params)
-        if params.structured_outputs is not None:
-            self.grammar_compiler().compile(params.structured_outputs)  # a bad grammar is the caller's error
+        if params.structured_outputs is not None:  # a bad or oversized grammar is the caller's error
+            from serval.engine.structured_output import check_grammar
+            check_grammar(params.structured_outputs, self.config.structured_outputs)
         arrival = time.monotonic()
         requests = []
         for index in range(params.n):

@@ -3,26 +3,42 @@
 xgrammar was measured against llguidance on this tokenizer (benchmarks/README.md): compile 4-5 ms per schema
 against 1.2-1.4 ms, but a mask per token in 19 us (p50) against 343 us, and masks are paid every step.
 
-The front end compiles each request's grammar once to validate it, so a bad schema or regex is refused before the
-request is queued; the core compiles it again in its own process (both through xgrammar's cache, keyed by the
-grammar) and keeps one matcher per request, advanced by every token the request keeps. Each step the core fills
-one bitmask row per position the request samples (several when it checks guesses); the sampler applies the whole
-batch's mask at once.
+A grammar is compiled once, in the core, on a compile thread: the front end only checks its size against
+StructuredOutputConfig and parses it (milliseconds, no token masks), so a bad schema or regex is refused before the
+request is queued; the core keeps the request out of the scheduler until its grammar is compiled, and steps the
+other requests meanwhile. A compiled grammar cannot cross to the core's process instead: serialized, 1,000
+optional JSON properties took 356 MB. The core keeps one matcher per request, advanced by every token the request
+keeps. Each step it fills one bitmask row per position the request samples (several when it checks guesses); the
+sampler applies the whole batch's mask at once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import queue
 import re
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
 
+from serval.config import StructuredOutputConfig
 from serval.sampling_params import StructuredOutputsParams
 from serval.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 # JSON from a schema is written compactly: with free whitespace a small model can loop on newlines forever.
 JSON_SEPARATORS = (", ", ": ")
+COMPILE_THREADS = 2  # a slow grammar (up to the time limit) leaves one thread for the others
+# The compile threads' nice value: on a busy CPU the step loop comes first (xgrammar's own workers, started by a
+# compile, inherit it).
+COMPILE_NICENESS = 10
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
@@ -63,9 +79,68 @@ class GrammarCompiler:
                 return self._compiler.compile_grammar(f"root ::= {alternatives}")
             return self._compiler.compile_grammar(spec.grammar)
         except RuntimeError as exc:  # xgrammar's C++ errors: keep the message, drop its source location
-            kind = next(name for name in ("json", "json_object", "regex", "choice", "grammar")
-                        if getattr(spec, name) not in (None, False))
-            raise ValueError(f"invalid structured output {kind}: {_clean(str(exc))}") from None
+            raise ValueError(f"invalid structured output {spec_kind(spec)}: {_clean(str(exc))}") from None
+
+
+def spec_kind(spec: StructuredOutputsParams) -> str:
+    return next(name for name in ("json", "json_object", "regex", "choice", "grammar")
+                if getattr(spec, name) not in (None, False))
+
+
+def check_grammar(spec: StructuredOutputsParams, limits: StructuredOutputConfig) -> None:
+    """Refuses a grammar past the size limits, or one that does not parse (ValueError naming what is wrong). Cheap:
+    sizes and a parse, no token masks (the core compiles the grammar)."""
+    kind = spec_kind(spec)
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"invalid structured output {kind}: {what}")
+
+    try:
+        if spec.json is not None:
+            text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            if len(text.encode("utf-8", "surrogatepass")) > limits.max_schema_bytes:
+                raise refuse(f"the schema is {len(text)} characters; the limit is {limits.max_schema_bytes} bytes")
+            try:
+                schema = json.loads(text) if isinstance(spec.json, str) else spec.json
+            except (ValueError, RecursionError):
+                schema = None  # xgrammar's parse below says what is wrong
+            members = _schema_members(schema)
+            if members > limits.max_schema_members:
+                raise refuse(f"the schema has {members} properties, enum values and anyOf/oneOf/allOf branches; "
+                             f"the limit is {limits.max_schema_members}")
+            xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True)
+        elif spec.regex is not None:
+            if len(spec.regex) > limits.max_regex_chars:
+                raise refuse(f"the regex is {len(spec.regex)} characters; the limit is {limits.max_regex_chars}")
+            xgr.Grammar.from_regex(spec.regex)
+        elif spec.choice is not None:
+            if len(spec.choice) > limits.max_choices:
+                raise refuse(f"{len(spec.choice)} choices; the limit is {limits.max_choices}")
+            chars = sum(map(len, spec.choice))
+            if chars > limits.max_choice_chars:
+                raise refuse(f"the choices are {chars} characters together; the limit is {limits.max_choice_chars}")
+        elif spec.grammar is not None:
+            if len(spec.grammar) > limits.max_grammar_chars:
+                raise refuse(f"the grammar is {len(spec.grammar)} characters; the limit is "
+                             f"{limits.max_grammar_chars}")
+            xgr.Grammar.from_ebnf(spec.grammar)
+    except RuntimeError as exc:
+        raise refuse(_clean(str(exc))) from None
+
+
+def _schema_members(schema) -> int:
+    """Properties, enum values and anyOf/oneOf/allOf branches in the whole schema (what its grammar grows with)."""
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in ("properties", "enum", "anyOf", "oneOf", "allOf"):
+                if isinstance(node.get(key), (dict, list)):
+                    count += len(node[key])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
 
 
 def json_schema_ebnf(schema: dict) -> str:
@@ -90,19 +165,89 @@ def _clean(message: str) -> str:
     return message.replace("Check failed: (error.empty()) is false: ", "").strip()
 
 
-class StructuredOutputManager:
-    """The core's matchers, one per constrained request, and the bitmasks they give each step."""
+@dataclass(eq=False)
+class _Compile:
+    """One request's grammar on its way through a compile thread."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    request_id: str
+    spec: StructuredOutputsParams
+    future: Future = field(default_factory=Future)
+    started: float | None = None  # when a compile thread took it
+
+
+class StructuredOutputManager:
+    """The core's matchers, one per constrained request, and the bitmasks they give each step. Grammars compile on
+    compile threads (xgrammar releases the GIL), never on the step loop: submit(), then take_compiled() each step."""
+
+    def __init__(self, compiler: GrammarCompiler, compile_timeout_s: float = StructuredOutputConfig.compile_timeout_s
+                 ) -> None:
         self.compiler = compiler
         self.vocab_size = compiler.vocab_size
+        self.compile_timeout_s = compile_timeout_s
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
+        self._compiling: dict[str, _Compile] = {}
+        self._jobs: queue.SimpleQueue[_Compile] = queue.SimpleQueue()
+        # Daemon threads: a compile cannot be interrupted, and one must never keep the process from exiting.
+        for index in range(COMPILE_THREADS):
+            threading.Thread(target=self._compile_jobs, name=f"serval-grammar-{index}", daemon=True).start()
 
-    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
-        self._matchers[request_id] = xgr.GrammarMatcher(self.compiler.compile(spec))
+    def _compile_jobs(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)  # this thread only (Linux)
+        except (AttributeError, OSError):  # elsewhere it stays at the process's priority
+            pass
+        while True:
+            job = self._jobs.get()
+            if not job.future.set_running_or_notify_cancel():
+                continue  # its request ended while it waited
+            job.started = time.monotonic()
+            try:
+                job.future.set_result(xgr.GrammarMatcher(self.compiler.compile(job.spec)))
+            except BaseException as exc:  # noqa: BLE001 - the request's error, read by take_compiled
+                job.future.set_exception(exc)
+
+    def submit(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        """Starts compiling a request's grammar; take_compiled() says when its matcher is ready."""
+        job = self._compiling[request_id] = _Compile(request_id, spec)
+        self._jobs.put(job)
+
+    def take_compiled(self) -> tuple[list[str], dict[str, str]]:
+        """(the requests whose grammar is now ready, the errors of those whose grammar failed to compile or ran
+        past the time limit)."""
+        ready, failed = [], {}
+        now = time.monotonic()
+        for request_id, job in list(self._compiling.items()):
+            if job.future.done():
+                del self._compiling[request_id]
+                try:
+                    self._matchers[request_id] = job.future.result()
+                    ready.append(request_id)
+                except Exception as exc:  # noqa: BLE001 - a compile error is this request's alone
+                    failed[request_id] = str(exc) if isinstance(exc, ValueError) else f"grammar compile failed: {exc}"
+            elif job.started is not None and now - job.started > self.compile_timeout_s:
+                del self._compiling[request_id]  # its thread runs on to the end; the result is dropped
+                logger.warning("request %s: its grammar took longer than %.0f s to compile; failed", request_id,
+                               self.compile_timeout_s)
+                failed[request_id] = (f"invalid structured output {spec_kind(job.spec)}: the grammar took longer "
+                                      f"than {self.compile_timeout_s:g} s to compile (the server's limit); "
+                                      "simplify it")
+        return ready, failed
+
+    def wait_compiled(self, timeout: float) -> None:
+        """Blocks until a compile ends or ``timeout`` seconds pass (when nothing else is there to run)."""
+        futures = [job.future for job in self._compiling.values()]
+        if futures:
+            wait(futures, timeout, return_when=FIRST_COMPLETED)
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        job = self._compiling.pop(request_id, None)
+        if job is not None:
+            job.future.cancel()  # a compile not yet started is skipped
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers

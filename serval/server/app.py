@@ -269,9 +269,9 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = _chat_ids(body.messages, 1)
+            ids = await _chat_ids(body.messages, 1)
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -310,7 +310,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         except ToolError as exc:
             raise OpenAIError(str(exc), param=exc.param, code="invalid_value") from exc
         tools = body.tools if tool_choice != "none" else None  # "none": the model is not shown them
-        ids = _chat_ids(body.messages, max_tokens or 1, request, tools)
+        ids = await _chat_ids(body.messages, max_tokens or 1, request, tools)
         params = _params(body, max_tokens, logprobs)
         if tool_choice == "required" or isinstance(tool_choice, dict):  # the grammar makes it call
             if params.structured_outputs is not None:
@@ -353,6 +353,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         if isinstance(result, StreamingResponse):
             return StreamingResponse(responses_api.stream_events(result.body_iterator, response, keep),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if isinstance(result, Response):  # the client left before the answer (499): nobody reads it
+            return result
         done, turn = responses_api.from_chat_completion(result, response)
         keep(done, turn)
         return done
@@ -378,8 +380,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             raise OpenAIError("prompt must not be empty", param="prompt", code="invalid_value")
         return prompts
 
-    def _chat_ids(messages, max_tokens: int, request: Request | None = None, tools: list[dict] | None = None
-                  ) -> list[int]:
+    async def _chat_ids(messages, max_tokens: int, request: Request | None = None, tools: list[dict] | None = None
+                        ) -> list[int]:
         as_dicts = [m.model_dump(exclude_none=True) for m in messages]
         for m in as_dicts:
             if m.get("role") == "developer":
@@ -392,7 +394,9 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                               f"{engine.max_model_len} tokens", param="max_tokens",
                               code="context_length_exceeded")
         try:
-            prompt = build_chat_prompt(tokenizer, as_dicts, room, engine.context_policy, tools)
+            # Rendering and tokenizing a long chat (each try of the sliding window's) is off the event loop.
+            prompt = await asyncio.to_thread(build_chat_prompt, tokenizer, as_dicts, room, engine.context_policy,
+                                             tools)
             if request is not None and prompt.num_dropped_messages:  # the sliding-window policy says what it did
                 request.state.dropped_messages = prompt.num_dropped_messages
             return prompt.token_ids
@@ -443,16 +447,27 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         session_id = body.session_id or (body.user if chat else None)
         if len(prompts) != 1:
             session_id = None
-        streams = []
+        streams = [engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt, params,
+                                   priority=body.priority, session_id=session_id, end_session=body.end_session)
+                   for i, (prompt, _) in enumerate(prompts)]
+        firsts: list = []
+
+        async def start() -> None:
+            """Every prompt's first output (ValueError for bad input, before any byte), all prompts added at once."""
+            firsts.extend(await _first_outputs(streams))
+            refused = next((f.error for f in firsts if f is not None and f.error is not None
+                            and f.error.startswith("invalid structured output")), None)
+            if refused is not None:  # the core could not compile the grammar (or not in time): the caller's error
+                for s in streams:
+                    await s.aclose()
+                raise ValueError(refused)
+
         try:
-            for i, (prompt, _) in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(engine.generate(rid, prompt, params, priority=body.priority, session_id=session_id,
-                                               end_session=body.end_session))
-            firsts = [await anext_or_none(s) for s in streams]  # raises ValueError for bad input, before any byte
+            if not await _unless_disconnected(request, start()):  # gone before the first token: all are aborted
+                request.state.log.update(endpoint="chat" if chat else "completions", stream=body.stream)
+                _log_aborted(request.state.log, {})
+                return Response(status_code=499)
         except ValueError as exc:
-            for s in streams:
-                await s.aclose()
             message = str(exc)
             param = "max_tokens" if "max_tokens" in message else ("messages" if chat else "prompt")
             param = next((f for f in ("min_tokens", "stop_token_ids", "priority", "kv_transfer_params")
@@ -712,6 +727,28 @@ async def anext_or_none(stream):
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
+
+
+async def _first_outputs(streams: list) -> list:
+    """Starts every stream at once, so the engine batches their prompts, and returns each one's first output (None
+    for a stream that ended without one). An error in any, or cancellation (client gone), ends them all."""
+    if len(streams) == 1:  # awaited in place: its add is counted before the next request's load check
+        return [await anext_or_none(streams[0])]
+    tasks = [asyncio.ensure_future(anext_or_none(s)) for s in streams]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):  # as in _merge: a read in flight must end before its stream closes
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in streams:
+                await s.aclose()  # aborts the requests already added
+        raise
 
 
 async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -156,7 +156,9 @@ def test_guesses_the_grammar_refuses_are_never_proposed(engines):
     core = spec.engine.core
     core.setup_structured_outputs(spec.engine.inputs.grammar_compiler())
     tokenizer = spec.engine.tokenizer
-    core.structured.add("probe", StructuredOutputsParams(regex=r"ab+c"))
+    core.structured.submit("probe", StructuredOutputsParams(regex=r"ab+c"))  # compiles on a compile thread
+    core.structured.wait_compiled(timeout=60)
+    assert core.structured.take_compiled() == (["probe"], {})
     a, b, c, x = (tokenizer.encode(t, add_special_tokens=False) for t in ("a", "b", "c", "x"))
     assert core.structured.valid_prefix("probe", a + b + b + c) == a + b + b + c
     assert core.structured.valid_prefix("probe", a + b + x + c) == a + b
@@ -215,3 +217,34 @@ def test_a_finished_grammar_ends_a_request_that_ignores_eos(engines):
                             structured_outputs=StructuredOutputsParams(choice=["red", "green"]))
     completion = plain.generate([_chat(plain, "Pick a color.")], params, use_tqdm=False)[0].outputs[0]
     assert completion.finish_reason == "stop" and completion.text in ("red", "green")
+
+
+@pytest.mark.slow
+@requires_model
+def test_a_grammar_compiles_off_the_step_loop_and_one_past_the_time_limit_fails_alone(engines, monkeypatch):
+    """1,500 optional properties take a second or more to compile: the free request beside it runs to its end
+    meanwhile, and with the limit at 50 ms the grammar's request fails alone with an error naming the limit."""
+    plain, _ = engines
+    engine = plain.engine
+    engine.add_request("warm", "Hi", SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(
+        choice=["yes"])))  # sets up the compiler
+    while engine.has_unfinished_requests():
+        engine.step()
+    monkeypatch.setattr(engine.core.structured, "compile_timeout_s", 0.05)
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(1_500)}}
+    engine.add_request("slow", "Hello", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        json=schema)))
+    engine.add_request("free", "The three primary colors are", SamplingParams(temperature=0, max_tokens=8,
+                                                                              ignore_eos=True))
+    assert engine.core.snapshot().num_waiting == 2  # a request whose grammar compiles is waiting
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert finished["slow"].outputs[0].finish_reason == "error"
+    assert "took longer than 0.05 s to compile" in finished["slow"].error
+    assert finished["slow"].error.startswith("invalid structured output json")
+    assert len(finished["free"].outputs[0].token_ids) == 8
+    assert engine.core.snapshot().num_waiting == 0
+    assert engine.kv_cache.pool.num_free_blocks == engine.core.stats.num_blocks
