@@ -97,7 +97,9 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
     response_store = ResponseStore()  # /v1/responses kept with store: true, for previous_response_id
     tokenizer = engine.tokenizer
-    state = {"draining": False}
+    # admitting: requests past the load check whose first output has not come yet. The engine counts a request
+    # only once its add ran (on a task, after a thread hop), so a burst would otherwise all pass the check at once.
+    state = {"draining": False, "admitting": 0}
     app.state.engine, app.state.config, app.state.metrics, app.state.flags = engine, config, metrics, state
 
     # -- errors ---------------------------------------------------------------------------------------------------
@@ -430,7 +432,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
 
     async def _serve(request: Request, body, prompts: list, params, chat: bool, echo: bool, tools: bool = False):
         snapshot = engine.snapshot()
-        if snapshot.num_waiting >= config.max_waiting:
+        if snapshot.num_waiting + state["admitting"] >= config.max_waiting:
             raise OpenAIError("the server is overloaded; try again later", status=503, type="server_error",
                               code="overloaded", headers={"Retry-After": "1"})
         if limiter.enabled:
@@ -462,6 +464,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
                     await s.aclose()
                 raise ValueError(refused)
 
+        state["admitting"] += 1  # until its first output, when the engine has long counted it
         try:
             if not await _unless_disconnected(request, start()):  # gone before the first token: all are aborted
                 request.state.log.update(endpoint="chat" if chat else "completions", stream=body.stream)
@@ -478,6 +481,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             raise OpenAIError(message, param=param, code=code) from exc
         except EngineDeadError as exc:
             raise OpenAIError(str(exc), status=503, type="server_error", code="engine_dead") from exc
+        finally:
+            state["admitting"] -= 1
         model = config.served_model_name
         response_id = new_id("chatcmpl" if chat else "cmpl")
         merged = _merge(streams, firsts)
