@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from serval.layers.attention import KV_CODE_DTYPES
 from serval.sampling_params import GENERATION_CONFIG_DEFAULT, check_sampling_defaults
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *_DTYPES)
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a value needs it, not here: the CLI reads these choices and defaults without paying for it
+# (a `serve` on a port in use fails at once).
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
 
 
 def auto_dtype(device: str) -> str:
     """The dtype that is fast on this hardware: bfloat16 where it computes in it natively (CPUs with AVX-512 bf16,
     most GPUs), else float32 on CPU (without native bf16, a bf16 linear runs 1.6-6x slower than fp32) and float16
     on a GPU without bf16."""
+    import torch
+
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
@@ -115,6 +120,8 @@ def default_token_budget() -> int:
     Measured through the server on the mixed workload (benchmarks/README.md): with AVX-512 a budget of 128 gave an ITL
     p99 of 235 ms (304 at 192, 372 at 256) for 11% more wall time than 256; held to AVX2 (8-lane float32 FMAs, half
     the arithmetic rate) 128 gave 310 ms, 112 269 ms and 96 246 ms at the same wall time (58-59 s)."""
+    import torch
+
     return 128 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 96
 
 
@@ -315,6 +322,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        import torch
+
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no CUDA device")
         if self.dtype == "auto":
@@ -338,9 +347,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """The KV cache's element dtype: the model's, or the 8-bit code dtype of a quantized cache."""
+        from serval.layers.attention import KV_CODE_DTYPES
+
         return KV_CODE_DTYPES.get(self.cache.kv_cache_dtype, self.torch_dtype)

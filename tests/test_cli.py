@@ -291,3 +291,12 @@ def test_generate_is_greedy_and_takes_the_models_defaults_for_the_flags_left_uns
     params = _sampling_params(build_parser().parse_args(["generate", "hi", "--top-p", "1", "--temperature", "1"]),
                               model)
     assert (params.temperature, params.top_p) == (1.0, 1.0)
+
+
+def test_the_command_line_starts_without_importing_torch():
+    """`serve` checks its port before anything heavy loads: importing the CLI (and serval, and its config) must not
+    pull in torch, whose import alone takes over a second here."""
+    code = ("import sys, serval, serval.cli, serval.config; serval.cli.build_parser(); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
