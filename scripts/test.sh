@@ -23,5 +23,5 @@ fi
 step "lint"
 .venv/bin/ruff check serval tests
 step "the test suite"
+# No seconds line after it: pytest's own summary closes the output.
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-step_done
