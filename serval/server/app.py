@@ -256,7 +256,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         try:
             return await engine.kv_state()
         except EngineDeadError as exc:
-            raise OpenAIError(str(exc), status=503, type="server_error", code="engine_dead") from exc
+            raise engine_dead(exc) from exc
         except TimeoutError as exc:
             raise OpenAIError("the engine did not answer in time", status=503, type="server_error",
                               code="engine_busy") from exc
@@ -480,7 +480,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             code = "context_length_exceeded" if "context" in message else "invalid_value"
             raise OpenAIError(message, param=param, code=code) from exc
         except EngineDeadError as exc:
-            raise OpenAIError(str(exc), status=503, type="server_error", code="engine_dead") from exc
+            raise engine_dead(exc) from exc
         finally:
             state["admitting"] -= 1
         model = config.served_model_name
