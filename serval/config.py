@@ -54,6 +54,11 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Options of the Llama decoder that other families turn on (model/hf_config.py): biases on the q/k/v projection
+    # (Qwen2), a per-head RMSNorm of queries and keys before RoPE (Qwen3). A Llama-decoder layer whose
+    # ``layer_types`` entry is "sliding_attention" sees the last ``sliding_window`` keys (Mistral, windowed Qwen).
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

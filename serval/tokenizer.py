@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Gemma 3's chat format, for GGUF files that carry no template: turns of <start_of_turn>{user|model}\n ...
 # <end_of_turn>\n after <bos>, a system message prefixed to the first user turn, and roles that alternate.
@@ -63,6 +66,9 @@ class Tokenizer:
             return cls(hf, eos_ids)
         if path.is_dir():
             hf = _load_hf_tokenizer(path)
+            if not hf.chat_template:
+                logger.warning("%s: the tokenizer config has no chat template, so chat requests are refused (400) and "
+                               "plain completions work", path)
             return cls(hf, _hf_dir_eos_ids(path))
         raise FileNotFoundError(f"tokenizer path {str(path)!r} is neither a .gguf file nor a directory")
 

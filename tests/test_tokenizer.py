@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -176,3 +177,19 @@ def test_load_hugging_face_directory(tok: Tokenizer, tmp_path) -> None:
     text = f"Seoul ({KOREAN}) {EMOJI}"
     assert hf_dir.encode(text) == tok.encode(text)
     assert hf_dir.apply_chat_template(QUESTION) == tok.apply_chat_template(QUESTION)
+
+
+def test_a_directory_without_a_chat_template_says_so_in_the_log(tok: Tokenizer, tmp_path, caplog) -> None:
+    """The fallback where a tokenizer config has no chat template: named at load; chats refused, text still works."""
+    tok.hf_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="serval.tokenizer"):
+        hf_dir = Tokenizer.load(tmp_path)
+    assert hf_dir.chat_template is None
+    assert f"{tmp_path}: the tokenizer config has no chat template, so chat requests are refused" in caplog.text
+    with pytest.raises(ValueError, match="no chat template"):
+        hf_dir.apply_chat_template(QUESTION)
+    assert hf_dir.encode("Seoul") == tok.encode("Seoul")

@@ -1,5 +1,6 @@
-"""Tiny random Llamas built in the test (Hugging Face reference, safetensors and GGUF forms), and helpers that
-drive a model over a paged KV cache through the engine's own ModelRunner, without a scheduler."""
+"""Tiny random Llamas (and Qwen2, Qwen3, Mistral) built in the test (Hugging Face reference, safetensors and GGUF
+forms), and helpers that drive a model over a paged KV cache through the engine's own ModelRunner, without a
+scheduler."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from transformers import LlamaConfig
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers import LlamaForCausalLM as HFLlama
 
 from serval.engine.request import Request
@@ -21,6 +30,8 @@ from serval.sampling_params import SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 # K-quants pack 256 weights per super-block, so every row (hidden or intermediate wide) must be a multiple of 256.
 TINY_K = {**TINY, "hidden_size": 256, "intermediate_size": 512}
 
@@ -29,7 +40,46 @@ def tiny_llama(seed: int = 0, **overrides) -> HFLlama:
     """A random fp32 Hugging Face Llama, with weights at a scale that makes logits O(1) (HF's own init, std 0.02,
     gives near-zero logits that would hide errors) and norm weights away from 1 (so swapped norms show)."""
     torch.manual_seed(seed)
-    model = HFLlama(LlamaConfig(**{**TINY, **overrides})).eval()
+    return _randomized(HFLlama(LlamaConfig(**{**TINY, **overrides})), seed)
+
+
+# The Hugging Face classes of each family model/hf_config.py reads: (config class, model class).
+HF_FAMILIES = {"llama": (LlamaConfig, HFLlama), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+
+
+def tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random fp32 Hugging Face model of ``family`` (a key of HF_FAMILIES), initialised as ``tiny_llama``."""
+    config_cls, model_cls = HF_FAMILIES[family]
+    torch.manual_seed(seed)
+    return _randomized(model_cls(config_cls(**{**TINY, **overrides})), seed)
+
+
+# Each family's tiny model for the end-to-end tests: three layers, SmolLM2's vocabulary (its tokenizer is saved beside
+# the weights), and what sets the family apart switched on where a config may leave it off: Llama 3's RoPE scaling
+# (past 64 positions), Qwen2's sliding window on its layers from 1 on, Mistral's on every layer; windows of 8 keys,
+# shorter than the prompts.
+FAMILY_OVERRIDES = {
+    "llama": {"rope_parameters": LLAMA3_ROPE},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    "qwen3": {"head_dim": 16},
+    "mistral": {"sliding_window": 8},
+}
+
+
+def save_family_dir(directory: Path, family: str, hf_tokenizer) -> torch.nn.Module:
+    """Writes the tiny ``family`` model (FAMILY_OVERRIDES) as a Hugging Face directory (safetensors, config.json,
+    generation_config.json) with ``hf_tokenizer`` (a transformers tokenizer, its chat template included) beside it;
+    returns the Hugging Face model."""
+    hf = tiny_family(family, num_hidden_layers=3, vocab_size=len(hf_tokenizer), bos_token_id=hf_tokenizer.bos_token_id,
+                     eos_token_id=hf_tokenizer.eos_token_id, **FAMILY_OVERRIDES[family])
+    hf.save_pretrained(directory, safe_serialization=True)
+    hf_tokenizer.save_pretrained(directory)
+    return hf
+
+
+def _randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    model.eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -37,6 +87,8 @@ def tiny_llama(seed: int = 0, **overrides) -> HFLlama:
                 param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
             elif "embed_tokens" in name:
                 param.copy_(torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):  # Qwen2's q/k/v biases, large enough to matter
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
             else:  # Linear [out, in]
                 param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
     return model

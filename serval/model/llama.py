@@ -1,4 +1,9 @@
-"""The Llama family (Llama 2/3, SmolLM, ...): RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+"""The Llama decoder (Llama 2/3, SmolLM, ...): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Qwen2/2.5, Qwen3 and Mistral are this decoder with options that their config.json turns on (model/hf_config.py):
+q/k/v biases (``qkv_bias``), a per-head RMSNorm of queries and keys before RoPE (``qk_norm``), and sliding-window
+layers (``layer_types`` and ``sliding_window``).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from serval.layers.rotary import RotaryEmbedding, RotaryStep
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -27,15 +32,32 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, config.hidden_size)
         self.scale = self.head_dim**-0.5
+        # Beside the linear, not in it: a quantized or block-format linear that replaces qkv_proj keeps the bias.
+        self.qkv_proj_bias = (nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size), requires_grad=False)
+                              if config.qkv_bias else None)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.window = window  # attend to the last ``window`` keys only (a sliding-window layer)
 
     def forward(self, rope: RotaryStep, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.qkv_proj_bias is not None:
+            qkv = qkv + self.qkv_proj_bias
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        heads = self.num_heads + self.num_kv_heads
+        if self.q_norm is None:
+            qk = qk.view(-1, heads, self.head_dim)
+        else:  # each head's query and key normed on its own, before RoPE
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(-1, self.num_kv_heads, self.head_dim)
+            qk = torch.cat([q, k], dim=1)
         # Queries and keys rotate in one call, in place: fewer small ops per layer, which batch-1 decode pays for.
-        qk = rope.rotate_(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = rope.rotate_(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
         return self.o_proj(out.flatten(1))
 
 
@@ -51,10 +73,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -73,7 +95,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta, config.rope_scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        kinds = config.layer_types or ["full_attention"] * config.num_layers
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, config.sliding_window if kind == "sliding_attention" else None)
+            for kind in kinds)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
@@ -96,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _merged_name(self, name: str) -> tuple[str, int | None, int | None]:
         """Where a checkpoint tensor goes: (parameter name, row offset, rows) in a fused q/k/v or gate/up
-        matrix, or (name, None, None) for one loaded whole."""
+        matrix (or the fused q/k/v bias), or (name, None, None) for one loaded whole."""
         cfg = self.config
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         shards = {
@@ -108,6 +133,8 @@ class LlamaForCausalLM(nn.Module):
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in shards:
             merged, offset, size = shards[parts[-2]]
+            if parts[-1] == "bias":
+                return ".".join(parts[:-2] + [f"{merged}_bias"]), offset, size
             return ".".join(parts[:-2] + [merged, parts[-1]]), offset, size
         return name, None, None
 
@@ -161,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
             target.copy_(tensor)
             loaded.add(name if offset is None else f"{name}:{offset}")
-        expected = sum(3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1 for n in params
+        expected = sum(3 if ".qkv_proj" in n else 2 if ".gate_up_proj" in n else 1 for n in params
                        if not (n == "lm_head.weight" and cfg.tie_word_embeddings))
         if len(loaded) != expected:
             raise ValueError(f"checkpoint is missing weights: loaded {len(loaded)} of {expected} tensors")

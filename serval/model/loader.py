@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -11,18 +10,20 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from serval.config import ModelConfig
 from serval.distributed import ParallelGroup
 from serval.layers import cpu_kernels
 from serval.layers.linear import probe_row_padding, quantize_linears
 from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
+from serval.model.hf_config import read_hf_config
 from serval.model.llama import LlamaForCausalLM
 from serval.model.parallel import PipelineStage, TensorParallelShard
 
 logger = logging.getLogger(__name__)
 
-_ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM, "llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
+# ModelConfig.architecture (a GGUF file's, or the family model/hf_config.py reads) → its model definition.
+_MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
+                  "qwen3": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu", quantization: str = "auto",
@@ -39,10 +40,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         weights = gguf.weights(config)
         total = len(gguf.reader.tensors)
     else:
-        config = _hf_model_config(path)
+        config = read_hf_config(path)
         weights = _safetensors_weights(path)
         total = None
-    model_cls = _ARCHITECTURES[config.architecture]
+    model_cls = _MODEL_CLASSES[config.architecture]
     shard = TensorParallelShard(config, group.tensor_rank, group.tensor_size) if parallel else None
     if shard is not None:
         weights = shard.shard_weights(weights)
@@ -105,34 +106,6 @@ def _progress(weights: Iterator[tuple[str, torch.Tensor]], label: str,
     from tqdm import tqdm
 
     yield from tqdm(weights, desc=f"loading {label}", total=total, unit="tensor", leave=False, delay=1.0)
-
-
-def _hf_model_config(path: Path) -> ModelConfig:
-    raw = json.loads((path / "config.json").read_text())
-    archs = raw.get("architectures") or [raw.get("model_type", "")]
-    if archs[0] not in _ARCHITECTURES:
-        raise ValueError(f"{path}: architecture {archs[0]!r} is not supported (Llama family only)")
-    heads = raw["num_attention_heads"]
-    rope = raw.get("rope_parameters") or {}
-    eos = raw.get("eos_token_id")
-    return ModelConfig(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads", heads),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        max_position=raw.get("max_position_embeddings", 2048),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-        rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        rope_scaling=raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        architecture="llama",
-        name=path.name,
-    )
 
 
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from tiny_models import (
     K_QUANTS,
+    LLAMA3_ROPE,
     QUANTIZABLE,
     TINY_K,
     SeqStep,
@@ -34,9 +35,6 @@ FP32_REL = 1e-5
 # bf16 keeps 8 bits of mantissa, and our fused matmuls round at other points than HF's: measured 0.7%-0.8% of the
 # scale on tiny models of three seeds (0.71% for the seed tested).
 BF16_REL = 2e-2
-
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def random_ids(n: int, seed: int = 1, vocab: int = 256) -> list[int]:

@@ -10,4 +10,4 @@ from serval.model.parallel import PipelineStage
 
 def test_load_model_is_annotated_with_every_type_it_returns():
     returned = set(typing.get_args(typing.get_type_hints(loader.load_model)["return"]))
-    assert set(loader._ARCHITECTURES.values()) | {PipelineStage} == returned
+    assert set(loader._MODEL_CLASSES.values()) | {PipelineStage} == returned

@@ -1,0 +1,85 @@
+"""Reads a Hugging Face model directory's config.json as a ModelConfig, per architecture.
+
+Every family here is the Llama decoder (model/llama.py) with the options its config turns on:
+
+| ``architectures``  | family  | options                                                                       |
+|--------------------|---------|-------------------------------------------------------------------------------|
+| LlamaForCausalLM   | llama   | rope scaling (llama3, linear)                                                 |
+| MistralForCausalLM | mistral | every layer sees the last ``sliding_window`` keys (when set)                  |
+| Qwen2ForCausalLM   | qwen2   | q/k/v biases; sliding layers from ``max_window_layers`` on if ``use_sliding_window`` |
+| Qwen3ForCausalLM   | qwen3   | per-head q/k RMSNorm; sliding layers as Qwen2                                 |
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from serval.config import ModelConfig
+
+# config.json's ``architectures`` (or, without it, ``model_type``) → family.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    """The ModelConfig of the directory ``path``; a ValueError names an architecture or option it cannot run."""
+    raw = json.loads((path / "config.json").read_text())
+    archs = raw.get("architectures") or [raw.get("model_type", "")]
+    family = ARCHITECTURES.get(archs[0]) or _MODEL_TYPES.get(archs[0])
+    if family is None:
+        raise ValueError(f"{path}: architecture {archs[0]!r} is not supported (safetensors directories: "
+                         f"{', '.join(ARCHITECTURES)}; GGUF files: llama, gemma3)")
+    if raw.get("attention_bias") and family != "qwen2":
+        # Llama's and Qwen3's flag also puts a bias on o_proj, which the decoder does not have.
+        raise ValueError(f"{path}: attention_bias is not supported for {archs[0]}")
+    heads = raw["num_attention_heads"]
+    rope = raw.get("rope_parameters") or {}
+    eos = raw.get("eos_token_id")
+    num_layers = raw["num_hidden_layers"]
+    window, layer_types = _sliding_layers(raw, family, num_layers)
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads", heads),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        max_position=raw.get("max_position_embeddings", 2048),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_scaling=raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        architecture=family,
+        name=path.name,
+        layer_types=layer_types,
+        sliding_window=window,
+        qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+    )
+
+
+def _sliding_layers(raw: dict, family: str, num_layers: int) -> tuple[int | None, list[str] | None]:
+    """(window, each layer's "sliding_attention" or "full_attention"), or (None, None) with no sliding layers.
+
+    transformers 5 writes ``layer_types``; older config.json files (most checkpoints on disk) have only Mistral's
+    ``sliding_window``, or Qwen's ``use_sliding_window`` (often false beside a ``sliding_window`` value that then
+    means nothing) and ``max_window_layers``, which the rules below turn into the same list."""
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    if family == "llama" or window is None:
+        return None, None
+    layer_types = raw.get("layer_types")
+    if layer_types is None and family == "mistral":
+        layer_types = ["sliding_attention"] * num_layers
+    elif layer_types is None:
+        first = raw.get("max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return window, list(layer_types)

@@ -1,0 +1,124 @@
+"""Llama (3's RoPE scaling), Qwen2, Qwen3 and Mistral from Hugging Face safetensors directories: tiny random models
+built with transformers' own classes give transformers' logits in float32 and its greedy text through the engine,
+and their greedy output does not change with batching or chunking in the default dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from real_model import MODEL_PATH, requires_model
+from test_llama import FP32_REL, assert_logits_close, random_ids
+from tiny_models import FAMILY_OVERRIDES, full_logits, hf_logits, save_family_dir
+
+from serval.config import CacheConfig, EngineConfig, SchedulerConfig
+from serval.engine.engine import LLMEngine
+from serval.engine.llm import LLM
+from serval.model.hf_config import ARCHITECTURES
+from serval.model.loader import load_model
+from serval.sampling_params import SamplingParams
+from serval.tokenizer import Tokenizer
+
+pytestmark = requires_model  # the tokenizer (and its chat template) is the embedded SmolLM2's
+
+FAMILIES = list(FAMILY_OVERRIDES)
+# Longer than the windows (8 keys) and than Llama 3's original context (64 positions).
+LONG = random_ids(80, seed=5)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return Tokenizer.load(MODEL_PATH).hf_tokenizer
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, hf_tokenizer, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
+    """(family, the transformers model, its directory)."""
+    directory = tmp_path_factory.mktemp(request.param)
+    return request.param, save_family_dir(directory, request.param, hf_tokenizer), directory
+
+
+def test_every_family_is_read_from_its_architecture_name(family):
+    name, hf, directory = family
+    assert ARCHITECTURES[type(hf).__name__] == name
+    model = load_model(directory, torch.float32)
+    assert model.config.architecture == name
+    attention = model.layers[0].self_attn
+    assert (attention.qkv_proj_bias is not None) == (name == "qwen2")
+    assert (attention.q_norm is not None) == (name == "qwen3")
+    windows = {"qwen2": [None, 8, 8], "mistral": [8, 8, 8]}.get(name, [None, None, None])
+    assert [layer.self_attn.window for layer in model.layers] == windows
+
+
+def test_fp32_logits_match_transformers(family):
+    name, hf, directory = family
+    ours = load_model(directory, torch.float32)
+    want = hf_logits(hf, LONG)
+    got = full_logits(ours, LONG)
+    print(f"{name}: max |ours - transformers| = {(got - want).abs().max():.3g}, logit scale "
+          f"{want.abs().max():.3g}")
+    assert_logits_close(got, want, FP32_REL)
+    windows = [layer.self_attn.window for layer in ours.layers]
+    if any(windows):  # the prompt is long enough that the window decides the logits
+        for layer in ours.layers:
+            layer.self_attn.window = None
+        unwindowed = full_logits(ours, LONG)
+        assert (unwindowed - want).abs().max() > 100 * FP32_REL * want.abs().max()
+
+
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "system", "content": "You are a terse assistant who answers in one line."},
+          {"role": "user", "content": "List the first five prime numbers, then say which of them is even."}]]
+
+
+def _llm(directory: Path, model: torch.nn.Module, tokenizer: Tokenizer, dtype: str = "float32",
+         **scheduler) -> LLM:
+    config = EngineConfig(model=str(directory), dtype=dtype, scheduler=SchedulerConfig(**scheduler),
+                          cache=CacheConfig(num_blocks=128, enable_prefix_caching=False))
+    return LLM.from_engine(LLMEngine(config, model=model, tokenizer=tokenizer))
+
+
+def test_greedy_text_equals_transformers_generate(family):
+    """Chats through the directory's chat template; the engine stops at the directory's end-of-sequence ids."""
+    name, hf, directory = family
+    tokenizer = Tokenizer.load(directory)
+    assert "<|im_start|>" in tokenizer.chat_template
+    llm = _llm(directory, load_model(directory, torch.float32), tokenizer)
+    outputs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    for chat, output in zip(CHATS, outputs):
+        ids = torch.tensor([hf_tokenizer_ids(tokenizer, chat)])
+        assert output.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                                 eos_token_id=sorted(tokenizer.eos_token_ids), pad_token_id=tokenizer.eos_token_id)
+        theirs = theirs[0, ids.shape[1]:].tolist()
+        assert output.outputs[0].token_ids == theirs
+        assert output.outputs[0].text == tokenizer.decode(theirs)
+
+
+def hf_tokenizer_ids(tokenizer: Tokenizer, chat: list[dict]) -> list[int]:
+    """The chat's prompt ids as transformers' own tokenizer renders and encodes them."""
+    hf = tokenizer.hf_tokenizer
+    text = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return hf(text, add_special_tokens=False)["input_ids"]
+
+
+# Prompts of 3 to 60 tokens (longer than the windows), as token ids.
+PROMPTS = [random_ids(n, seed=10 + n, vocab=49152) for n in (3, 9, 17, 26, 41, 60)]
+
+
+def test_default_dtype_greedy_is_batch_invariant_and_chunked(family):
+    name, _, directory = family
+    dtype = EngineConfig().torch_dtype  # what `serve` runs without --dtype on this CPU
+    model, tokenizer = load_model(directory, dtype), Tokenizer.load(directory)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    alone = tokens(_llm(directory, model, tokenizer, "auto", max_num_seqs=1), PROMPTS)
+    assert tokens(_llm(directory, model, tokenizer, "auto"), PROMPTS) == alone
+    chunked = _llm(directory, model, tokenizer, "auto", max_num_batched_tokens=7)
+    assert tokens(chunked, PROMPTS) == alone
+    assert chunked.engine.stats.num_steps > len(PROMPTS) + greedy.max_tokens  # the long prompts were cut
