@@ -78,7 +78,7 @@ def _sliding_layers(raw: dict, family: str, num_layers: int) -> tuple[int | None
     if layer_types is None and family == "mistral":
         layer_types = ["sliding_attention"] * num_layers
     elif layer_types is None:
-        first = raw.get("max_window_layers", num_layers)
+        first = raw.get("max_window_layers", 28)  # transformers' default for both Qwen configs
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")

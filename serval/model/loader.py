@@ -72,8 +72,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     probe_row_padding(model, dtype)
     if torch.device(device).type == "cpu":
         cpu_kernels.load()  # built now (once per machine), not in the middle of the first request
-    logger.info("loaded %s (%s, %s, weights %s) in %.1f s", path.name, dtype, device, quantization,
-                time.perf_counter() - start)
+    logger.info("loaded %s model %s (%s, %s, weights %s) in %.1f s", config.architecture, path.name, dtype, device,
+                quantization, time.perf_counter() - start)
     return model
 
 

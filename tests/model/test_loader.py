@@ -1,13 +1,56 @@
-"""load_model's annotation says what it returns: every architecture it builds, and a pipeline stage's wrapper."""
+"""load_model's annotation says what it returns: every architecture it builds, and a pipeline stage's wrapper; it
+refuses a directory it cannot run with an error that says why."""
 
 from __future__ import annotations
 
+import json
 import typing
 
+import pytest
+import torch
+
 from serval.model import loader
+from serval.model.hf_config import read_hf_config
 from serval.model.parallel import PipelineStage
 
 
 def test_load_model_is_annotated_with_every_type_it_returns():
     returned = set(typing.get_args(typing.get_type_hints(loader.load_model)["return"]))
     assert set(loader._MODEL_CLASSES.values()) | {PipelineStage} == returned
+
+
+def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Phi3ForCausalLM"]}))
+    with pytest.raises(ValueError, match="'Phi3ForCausalLM' is not supported") as refused:
+        loader.load_model(tmp_path, torch.float32)
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        assert name in str(refused.value)
+
+
+def test_an_output_projection_bias_is_refused(tmp_path):
+    """Llama's and Qwen3's attention_bias also biases o_proj, which the decoder lacks: refused, not ignored."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "attention_bias": True}))
+    with pytest.raises(ValueError, match="attention_bias is not supported for LlamaForCausalLM"):
+        loader.load_model(tmp_path, torch.float32)
+
+
+SHAPE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+         "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize(("written", "layer_types"), [
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False, "sliding_window": 32768}, None),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+     ["full_attention", "sliding_attention", "sliding_attention"]),
+    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 8},
+     ["full_attention"] * 3),  # transformers' max_window_layers default, 28, is past the last layer
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 8}, ["sliding_attention"] * 3),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None),
+], ids=["qwen2-off", "qwen2-from-layer-1", "qwen3-default-max-window-layers", "mistral", "mistral-none"])
+def test_sliding_layers_from_a_config_json_without_layer_types(tmp_path, written, layer_types):
+    """config.json files that transformers 4 wrote (most checkpoints on disk) carry no ``layer_types``: Qwen's
+    use_sliding_window / max_window_layers and Mistral's sliding_window give the same list transformers derives."""
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, **written}))
+    config = read_hf_config(tmp_path)
+    assert config.layer_types == layer_types
+    assert config.sliding_window == (8 if layer_types else None)
