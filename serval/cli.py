@@ -13,7 +13,7 @@ import time
 from serval.benchmark import quality as quality_benchmark
 from serval.benchmark import serve as serve_benchmark  # light: the flags; torch and aiohttp load when a run starts
 from serval.benchmark import throughput as throughput_benchmark
-from serval.cluster.policy import POLICIES
+from serval.cluster.config import RayServeConfig, RouterConfig
 from serval.config import EngineConfig
 from serval.flags import add_flags, from_args
 from serval.model.registry import DEFAULT_MODEL
@@ -277,7 +277,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from serval.cluster.router import RouterConfig, create_router_app, spawn_replicas
+    from serval.cluster.router import create_router_app, spawn_replicas
 
     spawned = []
     try:
@@ -285,11 +285,8 @@ def cmd_router(args: argparse.Namespace) -> int:
             print(f"serval router: starting {args.spawn} replicas ...", file=sys.stderr, flush=True)
             spawned, urls = spawn_replicas(args.spawn, shlex.split(args.serve_args))
             args.replica = args.replica + urls
-        config = RouterConfig(replicas=args.replica, prefill=args.prefill, decode=args.decode,
-                              policy=args.policy, api_keys=_api_keys(args.api_key),
-                              replica_api_key=args.replica_api_key, max_outstanding=args.max_outstanding,
-                              health_interval=args.health_interval, health_failures=args.health_failures,
-                              rules=_routing_rules(args.rules), tracing=_tracing("serval-router", args))
+        config = from_args(RouterConfig, args, api_keys=_api_keys(args.api_key),
+                           rules=_routing_rules(args.rules), tracing=_tracing("serval-router", args))
         app = create_router_app(config)
         logging.getLogger("serval.router").setLevel(min(logging.INFO, logging.getLogger().level))
         print(f"serval router: {config.policy} over {', '.join(config.replicas + config.decode)}"
@@ -308,19 +305,16 @@ def cmd_ray_serve(args: argparse.Namespace) -> int:
     import shlex
 
     try:
-        from serval.cluster.ray_serve import RayServeConfig, run
+        from serval.cluster.ray_serve import run
     except ModuleNotFoundError as exc:
         if exc.name != "ray" and not (exc.name or "").startswith("ray."):
             raise
         raise ValueError("serval ray-serve needs Ray Serve: .venv/bin/pip install -e '.[ray]'") from None
 
     models = args.model or [DEFAULT_MODEL]
-    config = RayServeConfig(
-        models={_model_name(m): ["--model", m, *shlex.split(args.serve_args)] for m in models},
-        num_replicas=args.num_replicas, autoscale_max_replicas=args.autoscale_max_replicas,
-        target_ongoing_requests=args.target_ongoing_requests, max_ongoing_requests=args.max_ongoing_requests,
-        policy=args.policy, rules=_routing_rules(args.rules), api_keys=_api_keys(args.api_key),
-        replica_cpus=args.replica_cpus, threads_per_replica=args.threads_per_replica)
+    config = from_args(RayServeConfig, args,
+                       models={_model_name(m): ["--model", m, *shlex.split(args.serve_args)] for m in models},
+                       rules=_routing_rules(args.rules), api_keys=_api_keys(args.api_key))
     print(f"serval ray-serve: starting {config.num_replicas} replica(s) of {', '.join(config.models)} on Ray ...",
           file=sys.stderr, flush=True)
     run(config, host=args.host, port=args.port, address=args.address)
@@ -479,51 +473,23 @@ def build_parser() -> argparse.ArgumentParser:
     rank.set_defaults(func=cmd_rank)
 
     router = add_verb("router", "one OpenAI-compatible front over several `serval serve` replicas")
-    router.add_argument("--replica", action="append", default=[], metavar="URL",
-                        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
-    router.add_argument("--prefill", action="append", default=[], metavar="URL",
-                        help="a prefill worker (serve --role prefill): each request's prompt runs there first, "
-                        "then on a --decode worker that fetches its KV (repeatable)")
-    router.add_argument("--decode", action="append", default=[], metavar="URL",
-                        help="a decode worker (serve --role decode) (repeatable)")
+    add_flags(router, RouterConfig)
+    add_flags(router, ROUTER_LISTEN)
     router.add_argument("--spawn", type=int, default=0, metavar="N",
                         help="also start N `serval serve` replicas on free local ports (stopped with the router)")
     router.add_argument("--serve-args", default="", help="flags for the spawned replicas, as one string")
-    router.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES),
-                        help="cache_aware: a shared prompt prefix goes where it went before, unless load is "
-                        "unbalanced; least_outstanding: the replica with the fewest requests in flight")
-    add_flags(router, ROUTER_LISTEN)
-    router.add_argument("--replica-api-key", default=None, help="the key the replicas require, if any")
-    router.add_argument("--max-outstanding", type=int, default=64,
-                        help="requests in flight per replica; past it on every replica: 503 with Retry-After")
     router.add_argument("--rules", default=None, metavar="FILE",
                         help="model variants: a JSON or YAML file of aliases (mini, full) and rules that pick a "
                         "model by the model asked, a header or the prompt's length (README: routing rules)")
     router.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                         help="send OpenTelemetry spans (OTLP/HTTP, e.g. http://collector:4318/v1/traces); off if unset")
-    router.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
-    router.add_argument("--health-failures", type=int, default=2,
-                        help="failed health checks in a row that take a replica out (until one passes)")
     router.set_defaults(func=cmd_router)
 
     ray_serve = add_verb("ray-serve", "Serval replicas as Ray Serve deployments, routed by Serval's policy")
     ray_serve.add_argument("--model", action="append", default=[],
                            help=f"a model to serve, one deployment each (repeatable; default {DEFAULT_MODEL})")
     ray_serve.add_argument("--serve-args", default="", help="`serval serve` flags for every replica, as one string")
-    ray_serve.add_argument("--num-replicas", type=int, default=1,
-                           help="replicas per model (the minimum when autoscaling)")
-    ray_serve.add_argument("--autoscale-max-replicas", type=int, default=0,
-                           help="autoscale each model up to this many replicas on ongoing requests (0: fixed)")
-    ray_serve.add_argument("--target-ongoing-requests", type=float, default=4.0,
-                           help="the autoscaler's aim: requests in flight per replica")
-    ray_serve.add_argument("--max-ongoing-requests", type=int, default=32,
-                           help="requests in flight per replica; Ray Serve queues the rest")
-    ray_serve.add_argument("--replica-cpus", type=float, default=0.0,
-                           help="CPUs each replica claims from Ray (0: replicas share this machine's cores)")
-    ray_serve.add_argument("--threads-per-replica", type=int, default=None,
-                           help="OMP_NUM_THREADS of each replica's engine (default: this machine's cores / replicas)")
-    ray_serve.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES),
-                           help="Serval's routing policy, plugged into Ray Serve's request routing")
+    add_flags(ray_serve, RayServeConfig)
     ray_serve.add_argument("--rules", default=None, metavar="FILE", help="model variants, as for `serval router`")
     ray_serve.add_argument("--address", default=None,
                            help="a Ray cluster to join (e.g. auto, or ray://head:10001); default: start one here")

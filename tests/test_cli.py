@@ -310,6 +310,7 @@ SOURCE = REPO / "serval"
 
 def _config_flags():
     """(verb, config or instance, exclude) for every config whose fields make a verb's flags."""
+    from serval.cluster.config import RayServeConfig, RouterConfig
     from serval.config import EngineConfig
     from serval.server.config import ROUTER_LISTEN, ListenConfig, ServerConfig
     from serval.server.tls import TLSConfig
@@ -317,7 +318,7 @@ def _config_flags():
     return [(["generate", "hi"], EngineConfig, ("kv_transfer",)), (["chat"], EngineConfig, ("kv_transfer",)),
             (["serve"], EngineConfig, ()), (["serve"], ServerConfig, ()), (["serve"], TLSConfig, ()),
             (["serve"], ListenConfig, ()), (["router", "--replica", "http://r"], ROUTER_LISTEN, ()),
-            (["ray-serve"], ListenConfig, ())]
+            (["ray-serve"], ListenConfig, ()), (["router"], RouterConfig, ()), (["ray-serve"], RayServeConfig, ())]
 
 
 def test_every_config_flag_defaults_to_its_fields_default():
@@ -335,7 +336,8 @@ def test_every_config_flag_defaults_to_its_fields_default():
             choices = flag_of(field).choices
             assert (list(action.choices) if action.choices else None) == (list(choices) if choices else None)
             num_checked += 1
-    assert num_checked >= 3 * 30 + 7 + 5 + 3 * 3  # engine flags of 3 verbs, serve's own and TLS, listen flags x3
+    # the engine's flags on 3 verbs, serve's own and TLS, the listen flags on 3 verbs, the router's and Ray Serve's
+    assert num_checked >= 3 * 30 + 7 + 5 + 3 * 3 + 8 + 7
 
 
 def test_verbs_keep_their_ports_and_build_their_configs_from_the_flags():
