@@ -22,9 +22,10 @@ from serval.server.config import ROUTER_LISTEN, ListenConfig, ServerConfig
 from serval.server.tls import TLSConfig
 
 
-def _engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ("kv_transfer",)) -> None:
-    """The engine's flags, made from EngineConfig and the configs in it (the KV transfer's are serve's alone)."""
-    add_flags(parser, EngineConfig, exclude)
+def _engine_args(parser: argparse.ArgumentParser, kv_transfer: bool = False) -> None:
+    """The engine's flags, made from EngineConfig and the configs in it; the KV transfer's only where a worker can
+    be one side of a transfer (serve)."""
+    add_flags(parser, EngineConfig, exclude=() if kv_transfer else ("kv_transfer",))
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -457,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="step the engine on a thread of the server's process (default: the engine core runs in "
                        "its own process, and the server's HTTP, tokenizing and detokenizing never wait on its GIL)")
     add_flags(serve, TLSConfig)
-    _engine_args(serve, exclude=())
+    _engine_args(serve, kv_transfer=True)
     serve.set_defaults(func=cmd_serve)
 
     rank = add_verb("rank", "one rank of a model-parallel engine whose rank 0 (`serve --dist-init-method`) runs on "
