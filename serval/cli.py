@@ -13,93 +13,19 @@ import time
 from serval.benchmark import quality as quality_benchmark
 from serval.benchmark import serve as serve_benchmark  # light: the flags; torch and aiohttp load when a run starts
 from serval.benchmark import throughput as throughput_benchmark
-from serval.sampling_params import GENERATION_CONFIG_DEFAULT, MODEL_DEFAULT_FIELDS, SamplingParams
+from serval.cluster.config import RayServeConfig, RouterConfig
+from serval.config import EngineConfig
+from serval.flags import add_flags, from_args
+from serval.model.registry import DEFAULT_MODEL
+from serval.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
+from serval.server.config import ROUTER_LISTEN, ListenConfig, ServerConfig
+from serval.server.tls import TLSConfig
 
 
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="embedded model name, .gguf file or HF directory "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                        help="weights, activations and KV cache; auto: bfloat16 where the CPU (or GPU) computes in "
-                        "it natively, else float32 (float16 on a GPU)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens computed per engine step (default: 128 on a CPU with AVX-512, else 96)")
-    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="context length in tokens (default: the model's own, if the KV cache holds it)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV blocks of a prompt prefix computed before")
-    parser.add_argument("--session-ttl", type=float, default=600.0,  # CacheConfig's defaults
-                        help="seconds a conversation's KV is kept after a turn that named a session (chat "
-                        "requests' session_id or user)")
-    parser.add_argument("--session-cache-fraction", type=float, default=0.5,
-                        help="the share of the KV cache that kept conversations may hold")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
-                        help="the KV cache's elements: the model's dtype (auto), or 8-bit codes with a scale per "
-                        "token and head (about 1.9x the tokens in the same memory)")
-    parser.add_argument("--kv-offload-size", type=float, default=0.0,
-                        help="GiB for the KV cache's second tier: blocks evicted from the KV cache (found again by "
-                        "their prefix) and swapped-out requests; 0: none")
-    parser.add_argument("--kv-offload-path", default=None, metavar="DIR",
-                        help="keep the second tier in a memory-mapped file in DIR (kept across restarts) instead "
-                        "of host RAM")
-    parser.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
-                        help="a preempted request's KV: recomputed later, swapped to the second tier and back, or "
-                        "whichever costs less as measured (auto; recompute without a second tier)")
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="cut long prompts into chunks that share a step with running decodes")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"],
-                        help="weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q8_0 read in place by a CPU "
-                        "kernel), dequantized to --dtype (none), or weight-only int8 (int8); auto: gguf on the CPU "
-                        "for a GGUF file with such blocks, else none")
-    parser.add_argument("--context-policy", default="error", choices=["error", "sliding_window"],
-                        help="a chat longer than the context: reject it, or drop the oldest turns")
-    parser.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",
-                        help="a request's grammar (guided_json, response_format, ...) that takes longer to compile "
-                        "is refused with a 400 (default: StructuredOutputConfig.compile_timeout_s, 30 s)")
-    parser.add_argument("--speculative-model", default="ngram", metavar="ngram|none|self-layers:N|MODEL",
-                        help="speculative decoding: ngram guesses the next tokens by prompt lookup, self-layers:N "
-                        "with the model's first N layers, MODEL with a draft model sharing the tokenizer; one "
-                        "forward checks the guesses (greedy and seeded output unchanged); none: off")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens guessed per step")
-    parser.add_argument("--ngram-prompt-lookup-max", type=int, default=4, help="longest n-gram looked up")
-    parser.add_argument("--ngram-prompt-lookup-min", type=int, default=2, help="shortest n-gram looked up")
-    parser.add_argument("--speculative-max-batch-size", type=int, default=4,
-                        help="speculate only while at most this many requests run")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="split each layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs); "
-                        "the cores are shared among them")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
-                        help="split the layers into N stages, one process each (torch.distributed)")
-    parser.add_argument("--dist-init-method", default=None, metavar="tcp://HOST:PORT",
-                        help="model parallelism across machines: where rank 0 waits for the ranks that other "
-                        "machines start with `serval rank` (HOST: this machine's address they reach); unset: "
-                        "every rank on this machine")
-    parser.add_argument("--local-ranks", type=int, default=None,
-                        help="ranks this machine runs (rank 0 and the next ones; unset: all of them, or 1 with "
-                        "--dist-init-method)")
-    parser.add_argument("--generation-config", default=GENERATION_CONFIG_DEFAULT, metavar="auto|vllm|DIR",
-                        help="sampling defaults for requests that leave temperature, top_p, top_k, min_p or "
-                        "repetition_penalty out: auto, the model's own (generation_config.json, GGUF "
-                        "general.sampling.*, or an embedded model's preset); vllm, none (OpenAI's: temperature 1); "
-                        "DIR, that folder's generation_config.json")
-    parser.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
-                        help='sampling defaults on top of --generation-config, e.g. \'{"temperature": 0.5}\'')
-
-
-def _json_object(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text}")
-    return value
+def _engine_args(parser: argparse.ArgumentParser, kv_transfer: bool = False) -> None:
+    """The engine's flags, made from EngineConfig and the configs in it; the KV transfer's only where a worker can
+    be one side of a transfer (serve)."""
+    add_flags(parser, EngineConfig, exclude=() if kv_transfer else ("kv_transfer",))
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -121,40 +47,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace):
     """The engine flags, shared by serve, generate and chat, as one EngineConfig."""
-    from serval.config import (
-        CacheConfig,
-        EngineConfig,
-        KVTransferConfig,
-        SchedulerConfig,
-        SpeculativeConfig,
-        StructuredOutputConfig,
-    )
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        context_policy=args.context_policy, quantization=args.quantization,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=args.enable_prefix_caching, session_ttl=args.session_ttl,
-                          session_cache_fraction=args.session_cache_fraction,
-                          kv_offload_size=args.kv_offload_size, kv_offload_path=args.kv_offload_path,
-                          kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  enable_chunked_prefill=args.enable_chunked_prefill,
-                                  preemption_mode=args.preemption_mode),
-        speculative=SpeculativeConfig(method=None if args.speculative_model == "none" else args.speculative_model,
-                                      num_speculative_tokens=args.num_speculative_tokens,
-                                      prompt_lookup_max=args.ngram_prompt_lookup_max,
-                                      prompt_lookup_min=args.ngram_prompt_lookup_min,
-                                      max_batch_size=args.speculative_max_batch_size),
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        dist_init_method=args.dist_init_method, num_local_ranks=args.local_ranks,
-        kv_transfer=KVTransferConfig(role=getattr(args, "role", "both"), host=getattr(args, "kv_transfer_host",
-                                     "127.0.0.1"), port=getattr(args, "kv_transfer_port", 0),
-                                     timeout=getattr(args, "kv_transfer_timeout", 30.0)),
-        generation_config=args.generation_config, override_generation_config=args.override_generation_config,
-        structured_outputs=StructuredOutputConfig(**({} if getattr(args, "grammar_compile_timeout", None) is None else
-                                                      {"compile_timeout_s": args.grammar_compile_timeout})),
-    )
+    return from_args(EngineConfig, args)
 
 
 def _build_llm(args: argparse.Namespace):
@@ -327,22 +220,12 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
 
     from serval.engine.async_engine import AsyncEngine
     from serval.engine.core_process import CoreProcessClient
-    from serval.server.app import ServerConfig, create_app
-    from serval.server.filters import BlocklistFilter, NoFilter
-    from serval.server.tls import TLSConfig
+    from serval.server.app import create_app
 
-    tls = TLSConfig(certfile=args.ssl_certfile, keyfile=args.ssl_keyfile, keyfile_password=args.ssl_keyfile_password,
-                    ca_certs=args.ssl_ca_certs, cert_reqs=args.ssl_cert_reqs)
+    tls = from_args(TLSConfig, args)
     tls.validate()  # before the model loads: a bad certificate fails in a second, with one line
     config = _engine_config(args)
-    server_config = ServerConfig(
-        served_model_name=args.served_model_name or _model_name(args.model),
-        api_keys=_api_keys(args.api_key), protect_health=args.protect_health,
-        protect_metrics=args.protect_metrics, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-        rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
-        output_filter=BlocklistFilter(args.blocklist.split(",")) if args.blocklist else NoFilter(),
-        tracing=_tracing("serval", args),
-    )
+    server_config = _server_config(args)
     # One line per request at INFO whatever --log-level says (unless disabled): an operator sees traffic by default.
     root_level = logging.getLogger().level
     logging.getLogger("serval.requests").setLevel(logging.WARNING if args.disable_log_requests
@@ -367,6 +250,16 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
     server.run(sockets=[listener])
 
 
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    """serve's flags as the server's ServerConfig (the engine's are _engine_config's)."""
+    from serval.server.filters import BlocklistFilter, NoFilter
+
+    return from_args(ServerConfig, args, served_model_name=args.served_model_name or _model_name(args.model),
+                     api_keys=_api_keys(args.api_key),
+                     output_filter=BlocklistFilter(args.blocklist.split(",")) if args.blocklist else NoFilter(),
+                     tracing=_tracing("serval", args))
+
+
 def cmd_rank(args: argparse.Namespace) -> int:
     from serval.engine.workers import run_worker
 
@@ -385,7 +278,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from serval.cluster.router import RouterConfig, create_router_app, spawn_replicas
+    from serval.cluster.router import create_router_app, spawn_replicas
 
     spawned = []
     try:
@@ -393,11 +286,8 @@ def cmd_router(args: argparse.Namespace) -> int:
             print(f"serval router: starting {args.spawn} replicas ...", file=sys.stderr, flush=True)
             spawned, urls = spawn_replicas(args.spawn, shlex.split(args.serve_args))
             args.replica = args.replica + urls
-        config = RouterConfig(replicas=args.replica, prefill=args.prefill, decode=args.decode,
-                              policy=args.policy, api_keys=_api_keys(args.api_key),
-                              replica_api_key=args.replica_api_key, max_outstanding=args.max_outstanding,
-                              health_interval=args.health_interval, health_failures=args.health_failures,
-                              rules=_routing_rules(args.rules), tracing=_tracing("serval-router", args))
+        config = from_args(RouterConfig, args, api_keys=_api_keys(args.api_key),
+                           rules=_routing_rules(args.rules), tracing=_tracing("serval-router", args))
         app = create_router_app(config)
         logging.getLogger("serval.router").setLevel(min(logging.INFO, logging.getLogger().level))
         print(f"serval router: {config.policy} over {', '.join(config.replicas + config.decode)}"
@@ -416,19 +306,16 @@ def cmd_ray_serve(args: argparse.Namespace) -> int:
     import shlex
 
     try:
-        from serval.cluster.ray_serve import RayServeConfig, run
+        from serval.cluster.ray_serve import run
     except ModuleNotFoundError as exc:
         if exc.name != "ray" and not (exc.name or "").startswith("ray."):
             raise
         raise ValueError("serval ray-serve needs Ray Serve: .venv/bin/pip install -e '.[ray]'") from None
 
-    models = args.model or ["smollm2-135m-instruct"]
-    config = RayServeConfig(
-        models={_model_name(m): ["--model", m, *shlex.split(args.serve_args)] for m in models},
-        num_replicas=args.num_replicas, autoscale_max_replicas=args.autoscale_max_replicas,
-        target_ongoing_requests=args.target_ongoing_requests, max_ongoing_requests=args.max_ongoing_requests,
-        policy=args.policy, rules=_routing_rules(args.rules), api_keys=_api_keys(args.api_key),
-        replica_cpus=args.replica_cpus, threads_per_replica=args.threads_per_replica)
+    models = args.model or [DEFAULT_MODEL]
+    config = from_args(RayServeConfig, args,
+                       models={_model_name(m): ["--model", m, *shlex.split(args.serve_args)] for m in models},
+                       rules=_routing_rules(args.rules), api_keys=_api_keys(args.api_key))
     print(f"serval ray-serve: starting {config.num_replicas} replica(s) of {', '.join(config.models)} on Ray ...",
           file=sys.stderr, flush=True)
     run(config, host=args.host, port=args.port, address=args.address)
@@ -504,8 +391,6 @@ def _exit_when_engine_dies(server, engine) -> None:
 def _model_name(model: str | None) -> str:
     from pathlib import Path
 
-    from serval.model.registry import DEFAULT_MODEL
-
     if model is None:
         return DEFAULT_MODEL
     return Path(model).stem if Path(model).exists() else model
@@ -513,7 +398,7 @@ def _model_name(model: str | None) -> str:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from serval.model.gguf_file import SUPPORTED_TYPES
-    from serval.model.registry import DEFAULT_MODEL, embedded_models
+    from serval.model.registry import embedded_models
 
     print("Embedded models (from PyPI wheels):")
     for name, path in embedded_models().items():
@@ -558,19 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = add_verb("serve", "OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model's name in the API (default: the --model name or file stem)")
-    # No default here: the key from the environment is read in cmd_serve, so that --help never prints it.
-    serve.add_argument("--api-key", action="append", help="require this key (repeatable); env SERVAL_API_KEY too")
-    serve.add_argument("--protect-health", action="store_true", help="require the API key on /health")
-    serve.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics")
-    serve.add_argument("--max-waiting", type=int, default=256, help="503 past this many queued requests")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="413 for a larger request body")
-    serve.add_argument("--rate-limit-rpm", type=int, default=None,
-                       help="requests per minute per key (default: no limit)")
-    serve.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key (default: no limit)")
+    add_flags(serve, ListenConfig)
+    add_flags(serve, ServerConfig)
     serve.add_argument("--blocklist", default=None, help="comma-separated words: the output filter ends a "
                        "stream with finish_reason content_filter when one appears")
     serve.add_argument("--disable-log-requests", action="store_true",
@@ -583,21 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-in-process", action="store_true",
                        help="step the engine on a thread of the server's process (default: the engine core runs in "
                        "its own process, and the server's HTTP, tokenizing and detokenizing never wait on its GIL)")
-    serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
-    serve.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key")
-    serve.add_argument("--ssl-keyfile-password", default=None, help="unlocks an encrypted --ssl-keyfile")
-    serve.add_argument("--ssl-ca-certs", default=None, help="CA bundle for client certificates (mutual TLS)")
-    serve.add_argument("--ssl-cert-reqs", default="none", choices=["none", "optional", "required"],
-                       help="whether clients must present a certificate signed by --ssl-ca-certs")
-    serve.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
-                       help="disaggregated prefill/decode (README): prefill computes prompts and holds their KV for "
-                       "decode workers; decode fetches it and generates; both: a whole worker, no transfers")
-    serve.add_argument("--kv-transfer-host", default="127.0.0.1",
-                       help="a prefill worker's address for decode workers to fetch held KV from")
-    serve.add_argument("--kv-transfer-port", type=int, default=0, help="a prefill worker's KV port (0: a free one)")
-    serve.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                       help="seconds a prefill worker holds a prompt's KV that no decode worker fetches")
-    _engine_args(serve)
+    add_flags(serve, TLSConfig)
+    _engine_args(serve, kv_transfer=True)
     serve.set_defaults(func=cmd_serve)
 
     rank = add_verb("rank", "one rank of a model-parallel engine whose rank 0 (`serve --dist-init-method`) runs on "
@@ -613,59 +474,27 @@ def build_parser() -> argparse.ArgumentParser:
     rank.set_defaults(func=cmd_rank)
 
     router = add_verb("router", "one OpenAI-compatible front over several `serval serve` replicas")
-    router.add_argument("--replica", action="append", default=[], metavar="URL",
-                        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
-    router.add_argument("--prefill", action="append", default=[], metavar="URL",
-                        help="a prefill worker (serve --role prefill): each request's prompt runs there first, "
-                        "then on a --decode worker that fetches its KV (repeatable)")
-    router.add_argument("--decode", action="append", default=[], metavar="URL",
-                        help="a decode worker (serve --role decode) (repeatable)")
+    add_flags(router, RouterConfig)
+    add_flags(router, ROUTER_LISTEN)
     router.add_argument("--spawn", type=int, default=0, metavar="N",
                         help="also start N `serval serve` replicas on free local ports (stopped with the router)")
     router.add_argument("--serve-args", default="", help="flags for the spawned replicas, as one string")
-    router.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_outstanding"],
-                        help="cache_aware: a shared prompt prefix goes where it went before, unless load is "
-                        "unbalanced; least_outstanding: the replica with the fewest requests in flight")
-    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    router.add_argument("--port", type=int, default=8080, help="port to listen on")
-    router.add_argument("--api-key", action="append", help="require this key (repeatable); env SERVAL_API_KEY too")
-    router.add_argument("--replica-api-key", default=None, help="the key the replicas require, if any")
-    router.add_argument("--max-outstanding", type=int, default=64,
-                        help="requests in flight per replica; past it on every replica: 503 with Retry-After")
     router.add_argument("--rules", default=None, metavar="FILE",
                         help="model variants: a JSON or YAML file of aliases (mini, full) and rules that pick a "
                         "model by the model asked, a header or the prompt's length (README: routing rules)")
     router.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                         help="send OpenTelemetry spans (OTLP/HTTP, e.g. http://collector:4318/v1/traces); off if unset")
-    router.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
-    router.add_argument("--health-failures", type=int, default=2,
-                        help="failed health checks in a row that take a replica out (until one passes)")
     router.set_defaults(func=cmd_router)
 
     ray_serve = add_verb("ray-serve", "Serval replicas as Ray Serve deployments, routed by Serval's policy")
     ray_serve.add_argument("--model", action="append", default=[],
-                           help="a model to serve, one deployment each (repeatable; default smollm2-135m-instruct)")
+                           help=f"a model to serve, one deployment each (repeatable; default {DEFAULT_MODEL})")
     ray_serve.add_argument("--serve-args", default="", help="`serval serve` flags for every replica, as one string")
-    ray_serve.add_argument("--num-replicas", type=int, default=1,
-                           help="replicas per model (the minimum when autoscaling)")
-    ray_serve.add_argument("--autoscale-max-replicas", type=int, default=0,
-                           help="autoscale each model up to this many replicas on ongoing requests (0: fixed)")
-    ray_serve.add_argument("--target-ongoing-requests", type=float, default=4.0,
-                           help="the autoscaler's aim: requests in flight per replica")
-    ray_serve.add_argument("--max-ongoing-requests", type=int, default=32,
-                           help="requests in flight per replica; Ray Serve queues the rest")
-    ray_serve.add_argument("--replica-cpus", type=float, default=0.0,
-                           help="CPUs each replica claims from Ray (0: replicas share this machine's cores)")
-    ray_serve.add_argument("--threads-per-replica", type=int, default=None,
-                           help="OMP_NUM_THREADS of each replica's engine (default: this machine's cores / replicas)")
-    ray_serve.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_outstanding"],
-                           help="Serval's routing policy, plugged into Ray Serve's request routing")
+    add_flags(ray_serve, RayServeConfig)
     ray_serve.add_argument("--rules", default=None, metavar="FILE", help="model variants, as for `serval router`")
-    ray_serve.add_argument("--api-key", action="append", help="require this key (repeatable); env SERVAL_API_KEY too")
     ray_serve.add_argument("--address", default=None,
                            help="a Ray cluster to join (e.g. auto, or ray://head:10001); default: start one here")
-    ray_serve.add_argument("--host", default="127.0.0.1", help="address Ray Serve's HTTP proxy listens on")
-    ray_serve.add_argument("--port", type=int, default=8000, help="port Ray Serve's HTTP proxy listens on")
+    add_flags(ray_serve, ListenConfig)  # where Ray Serve's HTTP proxy listens
     ray_serve.set_defaults(func=cmd_ray_serve)
 
     bench = add_verb("bench", "benchmarks: a serving load against any OpenAI-compatible server, or offline")

@@ -1,10 +1,14 @@
-"""Configuration: one validated dataclass per concern, built from CLI flags and Python kwargs alike."""
+"""Configuration: one validated dataclass per concern, built from CLI flags and Python kwargs alike.
+
+A field with ``flag(...)`` metadata is a command-line flag (serval/flags.py): its default, type and choices here are
+the flag's, and its help is the flag's help."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from serval.flags import flag, json_object, none_or_text
 from serval.sampling_params import GENERATION_CONFIG_DEFAULT, check_sampling_defaults
 
 if TYPE_CHECKING:
@@ -78,21 +82,30 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 class CacheConfig:
     """The paged KV cache: block size and how much memory it may take."""
 
-    block_size: int = 16
-    kv_cache_memory: float = 1.0  # GiB for all layers' keys and values
+    block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
+    kv_cache_memory: float = field(default=1.0, metadata=flag("GiB for the KV cache"))  # all layers' keys and values
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use it to force preemption)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "reuse the KV blocks of a prompt prefix computed before"))
     # Conversation sessions (requests with a session id; they need prefix caching): how long a finished turn's KV
     # is kept for the next turn, and the share of the blocks all sessions together may hold.
-    session_ttl: float = 600.0
-    session_cache_fraction: float = 0.5
+    session_ttl: float = field(default=600.0, metadata=flag(
+        "seconds a conversation's KV is kept after a turn that named a session (chat requests' session_id or user)"))
+    session_cache_fraction: float = field(default=0.5, metadata=flag(
+        "the share of the KV cache that kept conversations may hold"))
     # The second tier (engine/kv_offload.py): GiB for blocks evicted from the KV cache and for swapped-out requests
     # (0: none), in host RAM, or in a memory-mapped file in the directory ``kv_offload_path`` (kept across restarts).
-    kv_offload_size: float = 0.0
-    kv_offload_path: str | None = None
+    kv_offload_size: float = field(default=0.0, metadata=flag(
+        "GiB for the KV cache's second tier: blocks evicted from the KV cache (found again by their prefix) and "
+        "swapped-out requests; 0: none"))
+    kv_offload_path: str | None = field(default=None, metadata=flag(
+        "keep the second tier in a memory-mapped file in DIR (kept across restarts) instead of host RAM",
+        metavar="DIR"))
     # "auto": the model's dtype; "int8", "fp8_e4m3", "fp8_e5m2": 8-bit codes with a float32 scale per token and head
     # (layers/attention.py), about 1.9x the tokens in the same memory.
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "the KV cache's elements: the model's dtype (auto), or 8-bit codes with a scale per token and head (about "
+        "1.9x the tokens in the same memory)", choices=KV_CACHE_DTYPE_CHOICES))
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
@@ -134,12 +147,16 @@ def default_token_budget() -> int:
 class SchedulerConfig:
     """Continuous batching limits: tokens per step and sequences per step."""
 
-    max_num_batched_tokens: int | None = None  # None: default_token_budget(), 128 with AVX-512, else 96
-    max_num_seqs: int = 64
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = field(default=None, metadata=flag(  # None: default_token_budget()
+        "tokens computed per engine step (default: 128 on a CPU with AVX-512, else 96)"))
+    max_num_seqs: int = field(default=64, metadata=flag("requests running at once"))
+    enable_chunked_prefill: bool = field(default=True, metadata=flag(
+        "cut long prompts into chunks that share a step with running decodes"))
     # What a preempted request's KV becomes: dropped and recomputed, swapped to the KV cache's second tier and back
     # (CacheConfig.kv_offload_size), or whichever costs less as measured (swap without a second tier: recompute).
-    preemption_mode: str = "auto"
+    preemption_mode: str = field(default="auto", metadata=flag(
+        "a preempted request's KV: recomputed later, swapped to the second tier and back, or whichever costs less "
+        "as measured (auto; recompute without a second tier)", choices=PREEMPTION_MODES))
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -155,6 +172,7 @@ class SchedulerConfig:
 
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+CONTEXT_POLICIES = ("error", "sliding_window")  # a chat longer than the context: refused, or its oldest turns dropped
 EARLY_EXIT_PREFIX = "self-layers:"
 
 
@@ -171,14 +189,21 @@ class SpeculativeConfig:
     (benchmarks/README.md) it gave 1.9x one stream's tokens/s on prose, 2.3x on quoting chat, 1.5x on free chat,
     and within 5% either way at 16 streams, where max_batch_size turns it off."""
 
-    method: str | None = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
+    method: str | None = field(default="ngram", metadata=flag(
+        "speculative decoding: ngram guesses the next tokens by prompt lookup, self-layers:N with the model's first "
+        "N layers, MODEL with a draft model sharing the tokenizer; one forward checks the guesses (greedy and "
+        "seeded output unchanged); none: off", name="--speculative-model", metavar="ngram|none|self-layers:N|MODEL",
+        type=none_or_text))
+    num_speculative_tokens: int = field(default=4, metadata=flag("tokens guessed per step"))
+    prompt_lookup_min: int = field(default=2, metadata=flag("shortest n-gram looked up",
+                                                            name="--ngram-prompt-lookup-min"))
+    prompt_lookup_max: int = field(default=4, metadata=flag("longest n-gram looked up",
+                                                            name="--ngram-prompt-lookup-max"))
     # Speculate only while at most this many requests run: a large batch is compute-bound already, and verifying
     # guesses costs more than they save. Measured offline (greedy chat, this CPU): free chat 1.19x at 1 request,
     # 1.01x at 2 and 4, 0.93x at 8; quoting chat 2.26x at 1 down to 1.13x at 16.
-    max_batch_size: int = 4
+    max_batch_size: int = field(default=4, metadata=flag("speculate only while at most this many requests run",
+                                                         name="--speculative-max-batch-size"))
 
     def __post_init__(self) -> None:
         if self.method is not None and (not isinstance(self.method, str) or not self.method or self.method == "none"):
@@ -216,6 +241,9 @@ class SpeculativeConfig:
         return self.method
 
 
+KV_ROLE_CHOICES = ("both", "prefill", "decode")
+
+
 @dataclass
 class KVTransferConfig:
     """Disaggregated prefill/decode (engine/kv_transfer.py): which side of a KV transfer this engine is.
@@ -225,10 +253,15 @@ class KVTransferConfig:
     ``timeout`` seconds pass. "decode": a request that names such a transfer fetches the blocks its own prefix cache
     lacks and computes only the prompt's last token."""
 
-    role: str = "both"
-    host: str = "127.0.0.1"  # the address decode workers reach this prefill worker at
-    port: int = 0
-    timeout: float = 30.0
+    role: str = field(default="both", metadata=flag(
+        "disaggregated prefill/decode (README): prefill computes prompts and holds their KV for decode workers; "
+        "decode fetches it and generates; both: a whole worker, no transfers", choices=KV_ROLE_CHOICES))
+    host: str = field(default="127.0.0.1", metadata=flag(
+        "a prefill worker's address for decode workers to fetch held KV from", name="--kv-transfer-host"))
+    port: int = field(default=0, metadata=flag("a prefill worker's KV port (0: a free one)",
+                                               name="--kv-transfer-port"))
+    timeout: float = field(default=30.0, metadata=flag(
+        "seconds a prefill worker holds a prompt's KV that no decode worker fetches", name="--kv-transfer-timeout"))
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLE_CHOICES:
@@ -237,9 +270,6 @@ class KVTransferConfig:
             raise ValueError(f"KVTransferConfig.port must be a TCP port (0: any free one), got {self.port!r}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"KVTransferConfig.timeout must be > 0 seconds, got {self.timeout!r}")
-
-
-KV_ROLE_CHOICES = ("both", "prefill", "decode")
 
 
 @dataclass
@@ -256,7 +286,9 @@ class StructuredOutputConfig:
     max_choice_chars: int = 256 * 1024  # all choices together
     max_regex_chars: int = 16 * 1024
     max_grammar_chars: int = 256 * 1024  # an EBNF grammar (a tool call's included)
-    compile_timeout_s: float = 30.0  # from the compile's start; the request fails with a 400 past it
+    compile_timeout_s: float = field(default=30.0, metadata=flag(  # from the compile's start
+        "a request's grammar (guided_json, response_format, ...) that takes longer to compile is refused with a 400",
+        name="--grammar-compile-timeout", metavar="SECONDS"))
 
     def __post_init__(self) -> None:
         for name in ("max_schema_bytes", "max_schema_members", "max_choices", "max_choice_chars", "max_regex_chars",
@@ -273,33 +305,55 @@ class StructuredOutputConfig:
 class EngineConfig:
     """Everything the engine needs: which model, on what, and the cache and scheduler settings."""
 
-    model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"  # "auto" is resolved at construction: auto_dtype(device)
-    device: str = "cpu"
-    max_model_len: int | None = None  # None: the model's own context length
-    context_policy: str = "error"  # "error" | "sliding_window" (chat: drop the oldest turns)
+    model: str | None = field(default=None, metadata=flag(  # None: the embedded default model
+        "embedded model name, .gguf file or HF directory (default: the embedded model that `serval models` marks "
+        "as the default)"))
+    dtype: str = field(default="auto", metadata=flag(  # "auto" is resolved at construction: auto_dtype(device)
+        "weights, activations and KV cache; auto: bfloat16 where the CPU (or GPU) computes in it natively, else "
+        "float32 (float16 on a GPU)", choices=DTYPE_CHOICES))
+    device: str = field(default="cpu", metadata=flag("cpu or cuda[:N]"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "context length in tokens (default: the model's own, if the KV cache holds it)"))
+    context_policy: str = field(default="error", metadata=flag(
+        "a chat longer than the context: reject it, or drop the oldest turns", choices=CONTEXT_POLICIES))
     # "auto": the file's own 4/8-bit blocks (GGUF Q4_0, Q4_1, Q8_0) on the CPU, where a C++ kernel reads them
     # (see serval.model.loader.resolve_quantization), else "none";
     # "none": dequantize to dtype; "gguf": the file's blocks; "int8": weight-only int8 with per-row scales.
-    quantization: str = "auto"
+    quantization: str = field(default="auto", metadata=flag(
+        "weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q8_0 read in place by a CPU kernel), dequantized to "
+        "--dtype (none), or weight-only int8 (int8); auto: gguf on the CPU for a GGUF file with such blocks, else "
+        "none", choices=QUANTIZATION_CHOICES))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Model parallelism: ranks (processes) that split each layer, times stages that each run a share of the layers
     # (both: stages of tensor-parallel ranks); rank 0 schedules and samples.
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "split each layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs); the cores are shared "
+        "among them"))
+    pipeline_parallel_size: int = field(default=1, metadata=flag(
+        "split the layers into N stages, one process each (torch.distributed)"))
     # Model parallelism across machines: tcp://HOST:PORT where rank 0 waits for the ranks (HOST must be reachable
     # from the other machines); None: a free loopback port, every rank on this machine.
-    dist_init_method: str | None = None
-    num_local_ranks: int | None = None  # ranks this machine runs (rank 0 first); None: all, or 1 with dist_init_method
+    dist_init_method: str | None = field(default=None, metadata=flag(
+        "model parallelism across machines: where rank 0 waits for the ranks that other machines start with "
+        "`serval rank` (HOST: this machine's address they reach); unset: every rank on this machine",
+        metavar="tcp://HOST:PORT"))
+    num_local_ranks: int | None = field(default=None, metadata=flag(  # rank 0 first
+        "ranks this machine runs (rank 0 and the next ones; unset: all of them, or 1 with --dist-init-method)",
+        name="--local-ranks"))
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # The sampling defaults of requests that leave them out (model/sampling_defaults.py), as vLLM's flags: "auto",
     # the model's own (generation_config.json, GGUF general.sampling.*, else an embedded model's preset); "vllm",
     # none (OpenAI's: temperature 1.0, top_p 1.0); or a directory with a generation_config.json. The override
     # ({"temperature": 0.5, ...}) goes on top. A request's explicit values always win.
-    generation_config: str = GENERATION_CONFIG_DEFAULT
-    override_generation_config: dict | None = None
+    generation_config: str = field(default=GENERATION_CONFIG_DEFAULT, metadata=flag(
+        "sampling defaults for requests that leave temperature, top_p, top_k, min_p or repetition_penalty out: auto, "
+        "the model's own (generation_config.json, GGUF general.sampling.*, or an embedded model's preset); vllm, "
+        "none (OpenAI's: temperature 1); DIR, that folder's generation_config.json", metavar="auto|vllm|DIR"))
+    override_generation_config: dict | None = field(default=None, metadata=flag(
+        'sampling defaults on top of --generation-config, e.g. \'{"temperature": 0.5}\'', metavar="JSON",
+        type=json_object))
     structured_outputs: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     def __post_init__(self) -> None:
@@ -333,7 +387,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no CUDA device")
         if self.dtype == "auto":
             self.dtype = auto_dtype(self.device)
-        if self.context_policy not in ("error", "sliding_window"):
+        if self.context_policy not in CONTEXT_POLICIES:
             raise ValueError("EngineConfig.context_policy must be 'error' or 'sliding_window', "
                              f"got {self.context_policy!r}")
         if self.quantization not in QUANTIZATION_CHOICES:

@@ -4,6 +4,7 @@ quits cleanly, --help shows every default, models lists what it can load, and ba
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import signal
@@ -241,7 +242,7 @@ def test_generate_help_shows_max_tokens_256_and_temperature_0():
 
 
 def test_the_engine_flags_default_to_the_configs_defaults():
-    """The CLI writes its defaults as literals (it imports no torch to parse flags): they must be the configs'."""
+    """The engine flags take their defaults from the configs' fields (serval/flags.py): a run gets the configs'."""
     from serval.config import CacheConfig, SchedulerConfig
 
     for verb in (["serve"], ["generate", "hi"], ["chat"]):
@@ -300,3 +301,122 @@ def test_the_command_line_starts_without_importing_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+# -- one source of truth for every flag and default ----------------------------------------------------------------
+
+SOURCE = REPO / "serval"
+
+
+def _config_flags():
+    """(verb, config or instance, exclude) for every config whose fields make a verb's flags."""
+    from serval.cluster.config import RayServeConfig, RouterConfig
+    from serval.config import EngineConfig
+    from serval.server.config import ROUTER_LISTEN, ListenConfig, ServerConfig
+    from serval.server.tls import TLSConfig
+
+    return [(["generate", "hi"], EngineConfig, ("kv_transfer",)), (["chat"], EngineConfig, ("kv_transfer",)),
+            (["serve"], EngineConfig, ()), (["serve"], ServerConfig, ()), (["serve"], TLSConfig, ()),
+            (["serve"], ListenConfig, ()), (["router", "--replica", "http://r"], ROUTER_LISTEN, ()),
+            (["ray-serve"], ListenConfig, ()), (["router"], RouterConfig, ()), (["ray-serve"], RayServeConfig, ())]
+
+
+def test_every_config_flag_defaults_to_its_fields_default():
+    from serval.flags import flag_dest, flag_name, flag_of, flagged_fields
+
+    parsers = _verb_parsers()
+    num_checked = 0
+    for verb, config, exclude in _config_flags():
+        actions = {option: action for action in parsers[verb[0]]._actions for option in action.option_strings}
+        args = build_parser().parse_args(verb)
+        for field, default in flagged_fields(config, exclude):
+            action = actions[flag_name(field)]
+            assert action.default == default, (verb, flag_name(field))
+            assert getattr(args, flag_dest(field)) == default, (verb, flag_name(field))  # what a run gets
+            choices = flag_of(field).choices
+            assert (list(action.choices) if action.choices else None) == (list(choices) if choices else None)
+            num_checked += 1
+    # the engine's flags on 3 verbs, serve's own and TLS, the listen flags on 3 verbs, the router's and Ray Serve's
+    assert num_checked >= 3 * 30 + 7 + 5 + 3 * 3 + 8 + 7
+
+
+def test_verbs_keep_their_ports_and_build_their_configs_from_the_flags():
+    assert (build_parser().parse_args(["serve"]).port, build_parser().parse_args(["router"]).port,
+            build_parser().parse_args(["ray-serve"]).port) == (8000, 8080, 8000)
+    engine = _engine_config(build_parser().parse_args(
+        ["serve", "--speculative-model", "none", "--ngram-prompt-lookup-min", "3", "--speculative-max-batch-size", "8",
+         "--grammar-compile-timeout", "5", "--no-enable-prefix-caching", "--role", "prefill",
+         "--kv-transfer-port", "5000", "--dtype", "float32"]))
+    assert (engine.speculative.method, engine.speculative.prompt_lookup_min, engine.speculative.max_batch_size) == (
+        None, 3, 8)
+    assert (engine.structured_outputs.compile_timeout_s, engine.cache.enable_prefix_caching) == (5.0, False)
+    assert (engine.kv_transfer.role, engine.kv_transfer.port, engine.kv_transfer.host) == ("prefill", 5000,
+                                                                                          "127.0.0.1")
+    generate = _engine_config(build_parser().parse_args(["generate", "hi", "--dtype", "float32"]))
+    assert generate.speculative.method == "ngram" and generate.kv_transfer.role == "both"
+
+
+def test_serve_builds_its_server_config_from_the_flags(monkeypatch):
+    from serval.cli import _server_config
+    from serval.model.registry import DEFAULT_MODEL
+    from serval.server.config import ServerConfig
+
+    monkeypatch.delenv("SERVAL_API_KEY", raising=False)
+    config = _server_config(build_parser().parse_args(
+        ["serve", "--max-waiting", "3", "--protect-health", "--api-key", "k1", "--rate-limit-rpm", "60"]))
+    assert (config.max_waiting, config.protect_health, config.protect_metrics, config.api_keys,
+            config.rate_limit_rpm) == (3, True, False, ["k1"], 60)
+    assert config.served_model_name == DEFAULT_MODEL == ServerConfig().served_model_name
+    named = _server_config(build_parser().parse_args(["serve", "--model", "/no/such/file.gguf"]))
+    assert named.served_model_name == "/no/such/file.gguf"  # a name, not a file here: as given
+
+
+def _flag_definitions(names: set[str]) -> dict[str, list[str]]:
+    """Where serval/'s source defines each flag in ``names``: an add_argument call naming it, or a dataclass field
+    whose flag(...) metadata makes it (its name= or the field's own name)."""
+    found = {name: [] for name in names}
+    for path in sorted(SOURCE.rglob("*.py")):
+        where = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                for arg in node.args:
+                    if isinstance(arg, ast.Constant) and arg.value in found:
+                        found[arg.value].append(where)
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+                for call in [c for c in ast.walk(node.value) if getattr(getattr(c, "func", None), "id", "") == "flag"]:
+                    names_given = [k.value.value for k in call.keywords if k.arg == "name"]
+                    name = names_given[0] if names_given else "--" + node.target.id.replace("_", "-")
+                    if name in found:
+                        found[name].append(where)
+    return found
+
+
+def test_host_port_and_api_key_are_each_defined_once():
+    found = _flag_definitions({"--host", "--port", "--api-key"})
+    # `bench serve --api-key` is another flag: the key a benchmark client sends, not keys a server requires.
+    found["--api-key"].remove("serval/benchmark/serve.py")
+    assert found == {"--host": ["serval/server/config.py"], "--port": ["serval/server/config.py"],
+                     "--api-key": ["serval/server/config.py"]}
+    parsers = _verb_parsers()
+    for option in ("--host", "--port", "--api-key"):
+        actions = [next(a for a in parsers[verb]._actions if option in a.option_strings)
+                   for verb in ("serve", "router", "ray-serve")]
+        assert len({(a.help, a.type, type(a)) for a in actions}) == 1, option
+
+
+def test_the_default_model_name_is_written_in_one_file():
+    """Docstrings aside (examples), the default model's name is a literal in model/registry.py only."""
+    from serval.model.registry import DEFAULT_MODEL
+
+    files = set()
+    for path in sorted(SOURCE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and DEFAULT_MODEL in node.value
+                    and id(node) not in docstrings):
+                files.add(path.relative_to(REPO).as_posix())
+    assert files == {"serval/model/registry.py"}
+    bench = _verb_parsers()["bench"]
+    bench_serve = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    assert bench_serve.parse_args([]).model == DEFAULT_MODEL

@@ -18,6 +18,7 @@ from serval.benchmark.client import Endpoint, LoadConfig, run_load
 from serval.benchmark.metrics import parse_slos, summarize
 from serval.benchmark.report import format_table, plot_run, write_json
 from serval.benchmark.workloads import WORKLOADS, BenchRequest, WorkloadConfig, build_requests, parse_range
+from serval.model.registry import DEFAULT_MODEL  # a name only: no weights load
 
 
 @dataclass
@@ -66,7 +67,7 @@ def run_serve_benchmark(config: ServeBenchConfig, progress: bool = True) -> dict
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI API root")
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="model name sent with each request")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name sent with each request")
     parser.add_argument("--api-key", default=None, help="bearer key, if the server wants one")
     parser.add_argument("--chat", action="store_true", help="use /v1/chat/completions instead of /v1/completions")
     parser.add_argument("--workload", default="random", choices=WORKLOADS,

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
 
 import httpx
 import ray
@@ -37,6 +36,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from serval.cluster.config import RayServeConfig
 from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
 from serval.cluster.router import error_response, sse_error
 from serval.lifetime import ending_with_parent
@@ -45,33 +45,6 @@ logger = logging.getLogger("serval.ray_serve")
 PASSED_HEADERS = ("content-type", "retry-after", "x-serval-dropped-messages", "cache-control")
 # What a replica that died before answering raises at the caller: the request may go to another replica.
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-
-@dataclass
-class RayServeConfig:
-    """One Serval application on Ray Serve: a deployment per model (name -> `serval serve` flags)."""
-
-    models: dict[str, list[str]]
-    num_replicas: int = 1  # per model, when not autoscaling
-    autoscale_max_replicas: int = 0  # > 0: autoscale between num_replicas and this on ongoing requests
-    target_ongoing_requests: float = 4.0  # the autoscaler's aim per replica
-    max_ongoing_requests: int = 32  # per replica: Ray Serve queues past it (and our router ranks others first)
-    upscale_delay_s: float = 5.0  # the autoscaler waits this long above target before adding a replica
-    look_back_period_s: float = 30.0  # ... averaging ongoing requests over this window (Ray Serve's default)
-    policy: str = "cache_aware"
-    rules: VariantRules | None = None
-    api_keys: list[str] = field(default_factory=list)
-    replica_cpus: float = 0.0  # Ray resources a replica claims (0: share the node, as on one machine)
-    threads_per_replica: int | None = None  # OMP_NUM_THREADS of each `serval serve` (None: cores / replicas)
-    max_attempts: int = 3  # replicas tried for a request that never started
-    health_check_period_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not self.models:
-            raise ValueError("a Ray Serve application needs at least one model")
-        make_policy(self.policy)
-        if self.num_replicas < 1 or (self.autoscale_max_replicas and self.autoscale_max_replicas < self.num_replicas):
-            raise ValueError("num_replicas must be >= 1 and autoscale_max_replicas, when set, >= num_replicas")
 
 
 class ServalReplica:

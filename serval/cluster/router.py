@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -37,7 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import serval
-from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
+from serval.cluster.config import RouterConfig
+from serval.cluster.policy import Replica, make_policy, prompt_text
 from serval.lifetime import ending_with_parent
 from serval.tracing import Tracing
 
@@ -45,32 +45,6 @@ logger = logging.getLogger("serval.router")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Response headers worth passing on (hop-by-hop ones and the length of a body we re-stream are not).
 PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-serval-dropped-messages", "cache-control")
-
-
-@dataclass
-class RouterConfig:
-    replicas: list[str] = field(default_factory=list)  # whole workers
-    prefill: list[str] = field(default_factory=list)  # disaggregated: prefill workers, then ...
-    decode: list[str] = field(default_factory=list)  # ... decode workers
-    policy: str = "cache_aware"
-    api_keys: list[str] = field(default_factory=list)  # the router's own keys (empty: no auth)
-    replica_api_key: str | None = None  # sent to the replicas
-    max_outstanding: int = 64  # per replica: past it the replica takes no more until one finishes
-    health_interval: float = 2.0  # seconds between health checks
-    health_failures: int = 2  # checks failed in a row that take a replica out
-    max_body_bytes: int = 1 << 20
-    request_timeout: float = 600.0
-    rules: VariantRules | None = None  # which model variant serves a request (None: the model it names)
-    tracing: Tracing | None = None  # OpenTelemetry: a span per routed request, traceparent passed to the replica
-
-    def __post_init__(self) -> None:
-        if not self.replicas and not self.decode:
-            raise ValueError("the router needs at least one replica URL (--replica, or --prefill and --decode)")
-        if bool(self.prefill) != bool(self.decode):
-            raise ValueError("disaggregated serving needs both --prefill and --decode workers")
-        make_policy(self.policy)  # a bad name fails here, with the choices
-        if self.max_outstanding < 1:
-            raise ValueError(f"max_outstanding must be >= 1, got {self.max_outstanding}")
 
 
 class RouterMetrics:

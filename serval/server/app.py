@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -25,7 +25,7 @@ from serval.engine.client import EngineClient, EngineDeadError
 from serval.outputs import RequestOutput
 from serval.sampling_params import MODEL_DEFAULT_FIELDS
 from serval.server import responses as responses_api
-from serval.server.filters import NoFilter, OutputFilter
+from serval.server.config import ServerConfig
 from serval.server.limits import RateLimiter
 from serval.server.metrics import ServerMetrics
 from serval.server.protocol import (
@@ -49,26 +49,11 @@ from serval.server.tools import (
     tool_call_grammar,
 )
 from serval.tokenizer import IncrementalDetokenizer
-from serval.tracing import Tracing
 
 logger = logging.getLogger("serval.server")
 request_log = logging.getLogger("serval.requests")
 STATIC = Path(__file__).parent / "static"
 POLLED_PATHS = ("/health", "/metrics", "/engine/state")  # probes and the live view: logged at DEBUG, not INFO
-
-
-@dataclass
-class ServerConfig:
-    served_model_name: str = "smollm2-135m-instruct"
-    api_keys: list[str] = field(default_factory=list)  # empty: no auth
-    protect_health: bool = False  # require the key on /health too
-    protect_metrics: bool = False
-    max_waiting: int = 256  # load shedding: 503 past this many queued requests
-    max_body_bytes: int = 1 << 20
-    rate_limit_rpm: int | None = None
-    rate_limit_tpm: int | None = None
-    output_filter: OutputFilter = field(default_factory=NoFilter)
-    tracing: Tracing | None = None  # OpenTelemetry spans of generation requests (serval/tracing.py)
 
 
 @dataclass

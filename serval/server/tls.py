@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import datetime
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from serval.flags import flag
 
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
@@ -20,11 +22,17 @@ class TLSConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TLSConfig:
-    certfile: str | None = None
-    keyfile: str | None = None
-    keyfile_password: str | None = None
-    ca_certs: str | None = None  # CA bundle that client certificates must chain to (mutual TLS)
-    cert_reqs: str = "none"  # none | optional | required: whether clients must present a certificate
+    certfile: str | None = field(default=None, metadata=flag("serve HTTPS with this PEM certificate (chain)",
+                                                             name="--ssl-certfile"))
+    keyfile: str | None = field(default=None, metadata=flag("the certificate's PEM private key",
+                                                            name="--ssl-keyfile"))
+    keyfile_password: str | None = field(default=None, metadata=flag("unlocks an encrypted --ssl-keyfile",
+                                                                     name="--ssl-keyfile-password"))
+    ca_certs: str | None = field(default=None, metadata=flag(  # for mutual TLS
+        "CA bundle for client certificates (mutual TLS)", name="--ssl-ca-certs"))
+    cert_reqs: str = field(default="none", metadata=flag(
+        "whether clients must present a certificate signed by --ssl-ca-certs", name="--ssl-cert-reqs",
+        choices=tuple(_CERT_REQS)))
 
     @property
     def enabled(self) -> bool:
