@@ -21,15 +21,8 @@ from serval.config import CacheConfig, EngineConfig, SchedulerConfig
 from serval.engine import core_process
 from serval.engine.client import EngineDeadError
 from serval.engine.core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
-from serval.engine.core_process import (
-    CoreProcessClient,
-    decode_outputs,
-    decode_request,
-    encode_outputs,
-    encode_request,
-    pack,
-    unpack,
-)
+from serval.engine.core_process import CoreProcessClient
+from serval.engine.messages import AddRequests, decode, encode
 from serval.layers.sampler import TokenLogprobs
 
 NUM_BLOCKS = 64
@@ -238,7 +231,7 @@ def test_frames_round_trip():
     params = SamplingParams(temperature=0.5, top_k=5, seed=3, stop=["\n\n"], stop_token_ids=[2], max_tokens=9,
                             logit_bias={17: -100.0, 49151: 5.5}, logprobs=2, prompt_logprobs=0)
     request = EngineCoreRequest("r#1", [1, 2, 3], params, [0, 2], 9, priority=-1, group_id="r", arrival_time=12.5)
-    again = decode_request(unpack(pack(encode_request(request))))
+    again = decode(encode(AddRequests([request]))).requests[0]
     assert again == request and again.params.logit_bias == {17: -100.0, 49151: 5.5}
 
     entry = TokenLogprobs(42, -0.25, 1, {42: -0.25, 7: -1.5})
@@ -247,4 +240,4 @@ def test_frames_round_trip():
          EngineCoreOutput("b", [], None, "error", None, 0, None, None, "boom")],
         EngineCoreStats(num_running=1, num_waiting=2, num_blocks=8, num_free_blocks=3, kv_cache_usage=0.625,
                         num_steps=5, num_received_requests=2))
-    assert decode_outputs(unpack(pack(encode_outputs(outputs)))) == outputs
+    assert decode(encode(outputs)) == outputs
