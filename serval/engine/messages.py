@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import types
 import typing
 from collections.abc import Callable
@@ -148,17 +149,27 @@ _DATACLASS_CODECS: dict[type, _Codec] = {}
 
 def _dataclass_codec(cls: type) -> _Codec:
     if cls not in _DATACLASS_CODECS:
-        hints = typing.get_type_hints(cls)
-        fields = [(f.name, _codec(hints[f.name])) for f in dataclasses.fields(cls)]
-        if not all(f.init for f in dataclasses.fields(cls)):
+        fields = dataclasses.fields(cls)
+        if not all(f.init for f in fields):
             raise TypeError(f"{cls.__name__} cannot cross: every field must be an __init__ argument")
+        hints = typing.get_type_hints(cls)
+        codecs = [(i, _codec(hints[f.name])) for i, f in enumerate(fields)]
+        convert = [(i, c) for i, c in codecs if c is not None]  # the rest cross as they are
+        names = [f.name for f in fields]
+        get_fields = operator.attrgetter(*names) if len(names) > 1 else None
+        # Once a step and per output: positional, and only the fields that need it converted.
 
         def to_wire(value) -> list:
-            return [getattr(value, name) if c is None else c[0](getattr(value, name)) for name, c in fields]
+            values = list(get_fields(value)) if get_fields else [getattr(value, name) for name in names]
+            for i, (to_field, _) in convert:
+                values[i] = to_field(values[i])
+            return values
 
         def from_wire(raw):
-            values = _exactly(raw, len(fields), cls.__name__)
-            return cls(**{name: r if c is None else c[1](r) for (name, c), r in zip(fields, values)})
+            values = _exactly(raw, len(names), cls.__name__)  # a fresh list from msgpack: converted in place
+            for i, (_, from_field) in convert:
+                values[i] = from_field(values[i])
+            return cls(*values)
 
         _DATACLASS_CODECS[cls] = (to_wire, from_wire)
     return _DATACLASS_CODECS[cls]
@@ -171,6 +182,8 @@ def _exactly(raw, length: int, what: str = "a tuple") -> list:
 
 
 _BY_TAG: dict[str, type] = {cls.__name__: cls for cls in MESSAGES}
+for _cls in MESSAGES:  # built at import: a field type the codec cannot carry fails here, not on the first frame
+    _dataclass_codec(_cls)
 
 
 def encode(message) -> bytes:

@@ -238,3 +238,9 @@ def test_the_output_thread_fails_every_stream_naming_a_message_it_cannot_take(so
     client._read_outputs()  # returns: the thread's loop ended
     assert isinstance(client.error, MessageError) and match in str(client.error)
     assert client.dead.is_set()
+
+
+@pytest.mark.parametrize("hint", [dict[str, TokenLogprobs], TokenLogprobs | EngineCoreStats])
+def test_a_field_type_the_codec_cannot_rebuild_is_refused_when_its_codec_is_built(hint):
+    with pytest.raises(TypeError, match="cannot cross"):
+        messages._codec(hint)
