@@ -24,6 +24,7 @@ from serval.engine.core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRe
 from serval.engine.core_process import CoreProcessClient
 from serval.engine.messages import AddRequests, decode, encode
 from serval.layers.sampler import TokenLogprobs
+from serval.sampling_params import StructuredOutputsParams
 
 NUM_BLOCKS = 64
 PROMPTS = ["The capital city of France is", "def fibonacci(n):", "Once upon a time, there lived",
@@ -124,6 +125,31 @@ def test_a_request_the_core_cannot_take_is_refused_before_it_is_counted(client):
     asyncio.run(send_all())
     assert client.snapshot().num_waiting == 0 and client.num_active_requests == 0
     assert not client._outputs.groups  # noqa: SLF001 - nothing registered on the front end's side either
+
+
+@pytest.mark.slow
+@requires_model
+def test_every_command_crosses_to_the_core_process(client):
+    """SetupGrammar before a constrained request, a session's turn, KVStateQuery and EndSession, each through the
+    process boundary (engine/messages.py) and acted on by the core."""
+    async def scenario():
+        choice = SamplingParams(temperature=0, max_tokens=8,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        answer = await _final(client, "constrained", PROMPTS[0], choice)
+        turn = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # a full block or more to keep
+        prompt = "Once upon a time, in a small village by the sea, there lived"
+        async for _ in client.generate("turn", prompt, turn, session_id="conv"):
+            pass
+        kept = await client.kv_state()
+        client.end_session("conv")
+        return answer, kept, await client.kv_state()
+
+    answer, kept, ended = asyncio.run(scenario())
+    assert answer.outputs[0].text in ("yes", "no")
+    assert [s["session_id"] for s in kept["sessions"]["kept"]] == ["conv"]
+    assert kept["sessions"]["kept"][0]["blocks"] >= 1
+    assert ended["sessions"]["kept"] == []
+    _wait_all_blocks_free(client)
 
 
 def _wait_all_blocks_free(client, timeout: float = 10.0) -> EngineCoreStats:
