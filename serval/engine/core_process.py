@@ -2,7 +2,8 @@
 
 Why a process: the server's HTTP/SSE loop, tokenizing and detokenizing then never share a GIL with the step
 loop. The front end (this process) binds two ipc:// sockets: it PUSHes adds and finishes to the core, and PULLs
-each step's outputs (token ids, logprobs, finish reasons, the core's counters) back. Frames are msgpack.
+each step's outputs (token ids, logprobs, finish reasons, the core's counters) back. The messages, one dataclass
+per kind, and their msgpack frames are in engine/messages.py.
 
 The core process exits when told to, when its loop dies (after saying why), or when its parent is gone. The
 front end notices a core that exits for any reason (a kill included) within a poll interval and fails every
@@ -25,22 +26,28 @@ import threading
 import traceback
 from pathlib import Path
 
-import msgpack
 import zmq
 
 from serval.config import EngineConfig
 from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
-from serval.engine.core import (
-    EngineCore,
-    EngineCoreInfo,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineCoreStats,
-)
+from serval.engine.core import EngineCore, EngineCoreInfo, EngineCoreOutputs, EngineCoreStats
 from serval.engine.frontend import InputProcessor, OutputProcessor
+from serval.engine.messages import (
+    AddRequests,
+    CoreDead,
+    CoreFailed,
+    CoreReady,
+    EndSession,
+    FinishRequests,
+    KVStateQuery,
+    KVStateReply,
+    MessageError,
+    SetupGrammar,
+    Shutdown,
+    decode,
+    encode,
+)
 from serval.engine.request import RequestStatus
-from serval.layers.sampler import TokenLogprobs
 from serval.lifetime import end_with_parent
 from serval.model.registry import resolve_model_path
 from serval.model.sampling_defaults import resolve_sampling_defaults
@@ -50,60 +57,6 @@ from serval.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 POLL_MS = 200  # how often an idle side checks that the other is still there
-
-
-# -- frames --------------------------------------------------------------------------------------------------------
-def _logprobs_to_wire(entry: TokenLogprobs | None):
-    return None if entry is None else (entry.token_id, entry.logprob, entry.rank, entry.top)
-
-
-def _logprobs_from_wire(raw) -> TokenLogprobs | None:
-    return None if raw is None else TokenLogprobs(raw[0], raw[1], raw[2], raw[3])
-
-
-def encode_request(r: EngineCoreRequest) -> list:
-    return [r.request_id, r.prompt_token_ids, dataclasses.asdict(r.params), r.eos_token_ids, r.max_tokens, r.priority,
-            r.group_id, r.arrival_time, r.session_id, r.keep_session]
-
-
-def decode_request(raw: list) -> EngineCoreRequest:
-    request_id, prompt, params, eos, max_tokens, priority, group_id, arrival, session_id, keep_session = raw
-    return EngineCoreRequest(request_id, prompt, SamplingParams(**params), eos, max_tokens, priority, group_id,
-                             arrival, session_id, keep_session)
-
-
-def encode_outputs(outputs: EngineCoreOutputs) -> list:
-    rows = []
-    for o in outputs.outputs:
-        logprobs = None if o.new_logprobs is None else [_logprobs_to_wire(e) for e in o.new_logprobs]
-        prompt_logprobs = None
-        if o.prompt_logprobs is not None:
-            prompt_logprobs = (o.prompt_logprobs[0], [_logprobs_to_wire(e) for e in o.prompt_logprobs[1]])
-        rows.append([o.request_id, o.new_token_ids, logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens,
-                     prompt_logprobs, o.first_scheduled_time, o.error, o.kv_transfer_params])
-    return ["outputs", rows, dataclasses.astuple(outputs.stats)]
-
-
-def decode_outputs(raw: list) -> EngineCoreOutputs:
-    _, rows, stats = raw
-    outputs = []
-    for request_id, tokens, logprobs, finish, stop, cached, prompt_logprobs, scheduled_at, error, kv in rows:
-        if logprobs is not None:
-            logprobs = [_logprobs_from_wire(e) for e in logprobs]
-        if prompt_logprobs is not None:
-            prompt_logprobs = (prompt_logprobs[0], [_logprobs_from_wire(e) for e in prompt_logprobs[1]])
-        outputs.append(EngineCoreOutput(request_id, tokens, logprobs, finish, stop, cached, prompt_logprobs,
-                                        scheduled_at, error, kv))
-    return EngineCoreOutputs(outputs, EngineCoreStats(*stats))
-
-
-def pack(message) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(frame: bytes):
-    # Token ids are map keys (logit_bias, top logprobs); tuples come back as lists.
-    return msgpack.unpackb(frame, raw=False, strict_map_key=False)
 
 
 # -- the core's process --------------------------------------------------------------------------------------------
@@ -125,16 +78,16 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
     try:
         core = EngineCore(config, model_path)
     except BaseException as exc:  # noqa: BLE001 - the front end raises it
-        results.send(pack(["failed", f"{type(exc).__name__}: {exc}"]))
+        results.send(encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
         results.close(linger=5000)
         return
-    results.send(pack(["ready", dataclasses.astuple(core.info)]))
+    results.send(encode(CoreReady(core.info)))
     try:
         _core_loop(core, commands, results, parent_pid)
         core.shutdown()
     except BaseException as exc:  # noqa: BLE001 - the loop died: the front end must hear why
         logger.exception("engine core loop died")
-        results.send(pack(["dead", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"]))
+        results.send(encode(CoreDead(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
     finally:
         results.close(linger=2000)
         commands.close(linger=0)
@@ -154,34 +107,36 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
         freed = core.poll_kv_transfers()
         busy = core.has_unfinished_requests()
         if freed and not busy:
-            results.send(pack(encode_outputs(EngineCoreOutputs([], core.snapshot()))))
+            results.send(encode(EngineCoreOutputs([], core.snapshot())))
         if commands.poll(0 if busy else POLL_MS):
             while True:
                 try:
-                    message = unpack(commands.recv(zmq.NOBLOCK))
+                    frame = commands.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                kind = message[0]
-                if kind == "add":
-                    for raw in message[1]:
-                        core.add_request(decode_request(raw))
-                elif kind == "grammar_setup":
-                    from serval.engine.structured_output import GrammarCompiler
-                    core.setup_structured_outputs(GrammarCompiler.from_json(message[1]))
-                elif kind == "finish":
-                    core.finish_requests(message[1], RequestStatus(message[2]))
-                elif kind == "end_session":
-                    core.end_session(message[1])
-                elif kind == "kv_state":  # answered at once, between two steps
-                    results.send(pack(["kv_state", message[1], core.kv_state()]))
-                elif kind == "shutdown":
-                    return
+                match decode(frame):  # MessageError: the loop dies and says why (CoreDead), nothing is dropped
+                    case AddRequests(requests):
+                        for request in requests:
+                            core.add_request(request)
+                    case SetupGrammar(tokenizer_info):
+                        from serval.engine.structured_output import GrammarCompiler
+                        core.setup_structured_outputs(GrammarCompiler.from_json(tokenizer_info))
+                    case FinishRequests(request_ids, status):
+                        core.finish_requests(request_ids, status)
+                    case EndSession(session_id):
+                        core.end_session(session_id)
+                    case KVStateQuery(token):  # answered at once, between two steps
+                        results.send(encode(KVStateReply(token, core.kv_state())))
+                    case Shutdown():
+                        return
+                    case other:
+                        raise MessageError(f"the engine core takes no {type(other).__name__}")
         elif not busy:
             continue
         if core.has_unfinished_requests():
-            results.send(pack(encode_outputs(core.step())))
+            results.send(encode(core.step()))
         else:  # the commands emptied the core (aborts, stops): no step follows to carry the freed blocks' counters
-            results.send(pack(encode_outputs(EngineCoreOutputs([], core.snapshot()))))
+            results.send(encode(EngineCoreOutputs([], core.snapshot())))
 
 
 # -- the front end's side ------------------------------------------------------------------------------------------
@@ -243,10 +198,13 @@ class CoreProcessClient(EngineClient):
     def _wait_ready(self) -> EngineCoreInfo:
         while True:
             if self._results.poll(POLL_MS):
-                message = unpack(self._results.recv())
-                if message[0] == "ready":
-                    return EngineCoreInfo(*message[1])
-                raise RuntimeError(f"the engine core failed to load: {message[1]}")
+                match decode(self._results.recv()):
+                    case CoreReady(info):
+                        return info
+                    case CoreFailed(reason):
+                        raise RuntimeError(f"the engine core failed to load: {reason}")
+                    case other:
+                        raise MessageError(f"the engine core sent {type(other).__name__} before it was ready")
             if self.process.poll() is not None:
                 raise RuntimeError(f"the engine core process exited with code {self.process.returncode} while "
                                    "loading")
@@ -258,7 +216,7 @@ class CoreProcessClient(EngineClient):
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         if self.process.poll() is None:
-            self._send(["shutdown"])
+            self._send(Shutdown())
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -314,10 +272,10 @@ class CoreProcessClient(EngineClient):
         if core_requests[0].params.structured_outputs is not None:
             with self._grammar_setup_lock:  # once, before the first grammar (the byte table takes a second)
                 if not self._grammar_sent:
-                    self._send(["grammar_setup", self._inputs.grammar_compiler().to_json()])
+                    self._send(SetupGrammar(self._inputs.grammar_compiler().to_json()))
                     self._grammar_sent = True
         try:  # before anything is registered: a request that cannot cross to the core leaves no trace
-            frame = pack(["add", [encode_request(r) for r in core_requests]])
+            frame = encode(AddRequests(core_requests))
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer past 64 bits, a lone surrogate
             raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
         return prompt_text, core_requests, frame
@@ -328,11 +286,11 @@ class CoreProcessClient(EngineClient):
         if output is None:
             return
         if running:
-            self._send(["finish", running, RequestStatus.FINISHED_ABORTED.value])
+            self._send(FinishRequests(running, RequestStatus.FINISHED_ABORTED))
         self._deliver(request_id, output, True)
 
     def end_session(self, session_id: str) -> None:
-        self._send(["end_session", session_id])
+        self._send(EndSession(session_id))
 
     async def kv_state(self) -> dict:
         if not self.is_alive:
@@ -343,7 +301,7 @@ class CoreProcessClient(EngineClient):
         with self._lock:
             self._kv_state_waiters[token] = (loop, answer)
         try:
-            self._send(["kv_state", token])
+            self._send(KVStateQuery(token))
             return await asyncio.wait_for(answer, KV_STATE_TIMEOUT_S)
         finally:
             with self._lock:
@@ -355,7 +313,7 @@ class CoreProcessClient(EngineClient):
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending + self._num_preparing)
 
     def _send(self, message) -> None:
-        self._send_frame(pack(message))
+        self._send_frame(encode(message))
 
     def _send_frame(self, frame: bytes) -> None:
         with self._send_lock:
@@ -370,23 +328,18 @@ class CoreProcessClient(EngineClient):
                     if self.process.poll() is not None:
                         raise EngineDeadError(f"the engine core process exited with code {self.process.returncode}")
                     continue
-                message = unpack(self._results.recv())
-                if message[0] == "dead":
-                    raise EngineDeadError(f"engine core loop died: {message[1]}")
-                if message[0] == "kv_state":
-                    with self._lock:
-                        waiter = self._kv_state_waiters.pop(message[1], None)
-                    if waiter is not None:
-                        waiter[0].call_soon_threadsafe(settle, waiter[1], message[2])
-                    continue
-                core_outputs = decode_outputs(message)
-                with self._lock:
-                    outputs, ended_here = self._outputs.process(core_outputs.outputs)
-                    self._stats = core_outputs.stats
-                if ended_here:  # stop strings (and output failures) end the core's requests too
-                    self._send(["finish", ended_here, RequestStatus.FINISHED_STOPPED.value])
-                for output in outputs:
-                    self._deliver(output.request_id, output, output.finished)
+                match decode(self._results.recv()):  # MessageError: every open stream hears it (below)
+                    case EngineCoreOutputs() as core_outputs:
+                        self._take_outputs(core_outputs)
+                    case KVStateReply(token, state):
+                        with self._lock:
+                            waiter = self._kv_state_waiters.pop(token, None)
+                        if waiter is not None:
+                            waiter[0].call_soon_threadsafe(settle, waiter[1], state)
+                    case CoreDead(reason):
+                        raise EngineDeadError(f"engine core loop died: {reason}")
+                    case other:
+                        raise MessageError(f"the front end takes no {type(other).__name__} from a running core")
         except BaseException as exc:  # noqa: BLE001 - every open stream hears it; nothing hangs
             if not self._stop.is_set():
                 logger.error("engine core is gone: %s", exc)
@@ -395,6 +348,15 @@ class CoreProcessClient(EngineClient):
                 self._fail_all(exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc)))
         finally:
             self._results.close(linger=0)
+
+    def _take_outputs(self, core_outputs: EngineCoreOutputs) -> None:
+        with self._lock:
+            outputs, ended_here = self._outputs.process(core_outputs.outputs)
+            self._stats = core_outputs.stats
+        if ended_here:  # stop strings (and output failures) end the core's requests too
+            self._send(FinishRequests(ended_here, RequestStatus.FINISHED_STOPPED))
+        for output in outputs:
+            self._deliver(output.request_id, output, output.finished)
 
 
 if __name__ == "__main__":  # the core process: `python -m serval.engine.core_process`, settings on stdin

@@ -21,16 +21,10 @@ from serval.config import CacheConfig, EngineConfig, SchedulerConfig
 from serval.engine import core_process
 from serval.engine.client import EngineDeadError
 from serval.engine.core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
-from serval.engine.core_process import (
-    CoreProcessClient,
-    decode_outputs,
-    decode_request,
-    encode_outputs,
-    encode_request,
-    pack,
-    unpack,
-)
+from serval.engine.core_process import CoreProcessClient
+from serval.engine.messages import AddRequests, decode, encode
 from serval.layers.sampler import TokenLogprobs
+from serval.sampling_params import StructuredOutputsParams
 
 NUM_BLOCKS = 64
 PROMPTS = ["The capital city of France is", "def fibonacci(n):", "Once upon a time, there lived",
@@ -131,6 +125,31 @@ def test_a_request_the_core_cannot_take_is_refused_before_it_is_counted(client):
     asyncio.run(send_all())
     assert client.snapshot().num_waiting == 0 and client.num_active_requests == 0
     assert not client._outputs.groups  # noqa: SLF001 - nothing registered on the front end's side either
+
+
+@pytest.mark.slow
+@requires_model
+def test_every_command_crosses_to_the_core_process(client):
+    """SetupGrammar before a constrained request, a session's turn, KVStateQuery and EndSession, each through the
+    process boundary (engine/messages.py) and acted on by the core."""
+    async def scenario():
+        choice = SamplingParams(temperature=0, max_tokens=8,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        answer = await _final(client, "constrained", PROMPTS[0], choice)
+        turn = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # a full block or more to keep
+        prompt = "Once upon a time, in a small village by the sea, there lived"
+        async for _ in client.generate("turn", prompt, turn, session_id="conv"):
+            pass
+        kept = await client.kv_state()
+        client.end_session("conv")
+        return answer, kept, await client.kv_state()
+
+    answer, kept, ended = asyncio.run(scenario())
+    assert answer.outputs[0].text in ("yes", "no")
+    assert [s["session_id"] for s in kept["sessions"]["kept"]] == ["conv"]
+    assert kept["sessions"]["kept"][0]["blocks"] >= 1
+    assert ended["sessions"]["kept"] == []
+    _wait_all_blocks_free(client)
 
 
 def _wait_all_blocks_free(client, timeout: float = 10.0) -> EngineCoreStats:
@@ -238,7 +257,7 @@ def test_frames_round_trip():
     params = SamplingParams(temperature=0.5, top_k=5, seed=3, stop=["\n\n"], stop_token_ids=[2], max_tokens=9,
                             logit_bias={17: -100.0, 49151: 5.5}, logprobs=2, prompt_logprobs=0)
     request = EngineCoreRequest("r#1", [1, 2, 3], params, [0, 2], 9, priority=-1, group_id="r", arrival_time=12.5)
-    again = decode_request(unpack(pack(encode_request(request))))
+    again = decode(encode(AddRequests([request]))).requests[0]
     assert again == request and again.params.logit_bias == {17: -100.0, 49151: 5.5}
 
     entry = TokenLogprobs(42, -0.25, 1, {42: -0.25, 7: -1.5})
@@ -247,4 +266,4 @@ def test_frames_round_trip():
          EngineCoreOutput("b", [], None, "error", None, 0, None, None, "boom")],
         EngineCoreStats(num_running=1, num_waiting=2, num_blocks=8, num_free_blocks=3, kv_cache_usage=0.625,
                         num_steps=5, num_received_requests=2))
-    assert decode_outputs(unpack(pack(encode_outputs(outputs)))) == outputs
+    assert decode(encode(outputs)) == outputs
