@@ -65,7 +65,7 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         # The one KV cache allocation: [layer, k/v, block, slot, kv head, row]. Steps never allocate more. ``dtype``
-        # is the cache's: the model's, or an 8-bit code dtype (rows of codes and a scale: layers/attention.py).
+        # is the cache's: the model's, or an 8-bit code dtype (rows of codes and a scale: layers/attention/kv_rows.py).
         self.kv_cache = new_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
                                      self.device)
         self.sampler = Sampler()
