@@ -102,7 +102,7 @@ class CacheConfig:
         "keep the second tier in a memory-mapped file in DIR (kept across restarts) instead of host RAM",
         metavar="DIR"))
     # "auto": the model's dtype; "int8", "fp8_e4m3", "fp8_e5m2": 8-bit codes with a float32 scale per token and head
-    # (layers/attention.py), about 1.9x the tokens in the same memory.
+    # (layers/attention/), about 1.9x the tokens in the same memory.
     kv_cache_dtype: str = field(default="auto", metadata=flag(
         "the KV cache's elements: the model's dtype (auto), or 8-bit codes with a scale per token and head (about "
         "1.9x the tokens in the same memory)", choices=KV_CACHE_DTYPE_CHOICES))

@@ -14,8 +14,7 @@ from serval.distributed import ParallelGroup
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
-from serval.layers import cpu_kernels
-from serval.layers.attention import AttentionMetadata, PrefillChunk, new_kv_cache
+from serval.layers.attention import AttentionMetadata, ScheduledSequence, new_kv_cache, select_backend
 from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
 
 # Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long
@@ -66,13 +65,12 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         # The one KV cache allocation: [layer, k/v, block, slot, kv head, row]. Steps never allocate more. ``dtype``
-        # is the cache's: the model's, or an 8-bit code dtype (rows of codes and a scale: layers/attention.py).
+        # is the cache's: the model's, or an 8-bit code dtype (rows of codes and a scale: layers/attention/kv_rows.py).
         self.kv_cache = new_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
                                      self.device)
         self.sampler = Sampler()
-        # Which attention path the steps take, decided once: the CPU kernel reads per-token tables; the PyTorch
-        # path (CUDA, or no compiler) reads decode tables and masks and one entry per prefill chunk.
-        self.attention_kernel = self.device.type == "cpu" and cpu_kernels.load() is not None
+        # How attention runs, chosen once: the backend builds each step's metadata, which carries it to the layers.
+        self.attention_backend = select_backend(self.device, dtype, block_size)
         self.draft = None  # a DraftProposer with a cache of its own runs each step's batch after the model
 
     @torch.inference_mode()
@@ -172,18 +170,13 @@ class ModelRunner:
         counts = out.num_scheduled_tokens
         decodes = [r for r in out.scheduled if counts[r.request_id] == 1]
         prefills = [r for r in out.scheduled if counts[r.request_id] > 1]
-        bs = self.block_size
-
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        token_table: list[int] = []
         inputs = StepInputs()
-        for row, request in enumerate(decodes + prefills):
+        for request in decodes + prefills:
             start = request.num_computed_tokens
             end = start + counts[request.request_id]
             inputs.rows[request.request_id] = len(input_ids)
-            token_table += [row] * (end - start)
             # Position i's logits score prompt token i + 1. Once a token was generated, the prompt's logprobs are
             # complete: a recompute after preemption does not score them again.
             num_scored = min(end, request.num_prompt_tokens - 1) - start
@@ -193,8 +186,6 @@ class ModelRunner:
             guesses = out.spec_token_ids.get(request.request_id, [])
             input_ids += request.token_ids_slice(start, end - len(guesses)) + guesses
             positions += range(start, end)
-            blocks = request.block_ids
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             if end - len(guesses) == request.num_tokens and request.max_tokens > 0:
                 inputs.sampling_requests.append(request)
                 inputs.guesses.append(guesses)
@@ -202,59 +193,15 @@ class ModelRunner:
         if not input_ids:
             return None
 
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
-        positions_t = self._tensor(positions)
-        if self.attention_kernel:
-            everyone = decodes + prefills
-            widest = max(len(r.block_ids) for r in everyone)
-            meta.block_tables = self._tensor([r.block_ids + [0] * (widest - len(r.block_ids)) for r in everyone])
-            meta.token_table = self._tensor(token_table)
-            meta.context_lens = positions_t + 1
-        else:
-            self._add_pytorch_metadata(meta, decodes, prefills, counts)
-        inputs.input_ids, inputs.positions, inputs.meta = self._tensor(input_ids), positions_t, meta
+        meta = self.attention_backend.build_metadata(
+            [ScheduledSequence(r.block_ids, r.num_computed_tokens, counts[r.request_id]) for r in decodes + prefills])
+        inputs.input_ids, inputs.positions, inputs.meta = self._tensor(input_ids), self._tensor(positions), meta
         return inputs
 
-    def _add_pytorch_metadata(self, meta: AttentionMetadata, decodes: list[Request], prefills: list[Request],
-                              counts: dict[str, int]) -> None:
-        bs = self.block_size
-        if decodes:
-            self._add_pytorch_decodes(meta, [r.block_ids for r in decodes], [r.num_computed_tokens for r in decodes])
-        query_start = len(decodes)
-        for request in prefills:
-            n = counts[request.request_id]
-            start = request.num_computed_tokens
-            seq_len = start + n
-            mask = None
-            if start > 0:  # earlier context in the cache: query i sees keys up to its own position
-                q_pos = torch.arange(start, seq_len, device=self.device)
-                mask = torch.arange(seq_len, device=self.device)[None, :] <= q_pos[:, None]
-            table = self._tensor(request.block_ids[: -(-seq_len // bs)])
-            meta.prefills.append(PrefillChunk(query_start, n, seq_len, table, mask))
-            query_start += n
-
-    def _add_pytorch_decodes(self, meta: AttentionMetadata, block_tables: list[list[int]],
-                             positions: list[int]) -> None:
-        widest = max(len(blocks) for blocks in block_tables)
-        meta.num_decode_tokens = len(positions)
-        meta.decode_block_tables = self._tensor([blocks + [0] * (widest - len(blocks)) for blocks in block_tables])
-        key_pos = torch.arange(widest * self.block_size, device=self.device)
-        meta.decode_mask = (key_pos[None, :] <= self._tensor(positions)[:, None])[:, None, None, :]
-
     def decode_metadata(self, block_tables: list[list[int]], positions: list[int]) -> AttentionMetadata:
-        """Attention metadata of a batch of one-token decodes at ``positions`` (a draft model's guessing steps),
-        for either attention path."""
-        bs = self.block_size
-        slots = [blocks[p // bs] * bs + p % bs for blocks, p in zip(block_tables, positions)]
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
-        if self.attention_kernel:
-            widest = max(len(blocks) for blocks in block_tables)
-            meta.block_tables = self._tensor([blocks + [0] * (widest - len(blocks)) for blocks in block_tables])
-            meta.token_table = self._tensor(list(range(len(positions))))
-            meta.context_lens = self._tensor(positions) + 1
-        else:
-            self._add_pytorch_decodes(meta, block_tables, positions)
-        return meta
+        """Attention metadata of a batch of one-token decodes at ``positions`` (a draft model's guessing steps)."""
+        return self.attention_backend.build_metadata(
+            [ScheduledSequence(blocks, p, 1) for blocks, p in zip(block_tables, positions)])
 
     def _score(self, hidden: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
         """Logprobs of ``token_ids[i]`` under the logits of ``hidden[i]``, a bounded slice of rows at a time."""

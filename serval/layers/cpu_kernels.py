@@ -1,7 +1,9 @@
 """C++ kernels for the CPU (``csrc/``), built on first use with torch's extension builder and cached per CPU kind.
 
 Built with ``-march=native``: the compiler picks AVX2 or AVX-512 for the machine it runs on. If the build fails
-(no compiler), ``load()`` says why once and returns None, and callers use their PyTorch path.
+(no compiler), ``load()`` says why once and returns None, and callers use their PyTorch path. Callers ask
+``for_device``, the one place that decides whether a tensor's op takes a kernel (tests/layers/test_attention_backends.py
+checks that no other module asks ``load`` itself).
 ``SERVAL_CPU_ISA=avx2`` builds the AVX2 paths instead (``-march=x86-64-v3``: AVX2, FMA, F16C) on a machine that
 has AVX-512, so that the paths of AVX2-only CPUs are tested and measured everywhere.
 """
@@ -44,6 +46,12 @@ def load() -> ModuleType | None:
             logger.warning("CPU kernels not built (%s); using the PyTorch attention path", exc)
     _state["module"] = module
     return module
+
+
+def for_device(device: torch.device) -> ModuleType | None:
+    """The kernels for tensors on ``device``: the loaded module on the CPU; None on other devices, where the kernels
+    cannot be built, or with SERVAL_CPU_KERNELS=0 (the caller then takes its PyTorch path)."""
+    return load() if device.type == "cpu" else None
 
 
 def _build() -> ModuleType:

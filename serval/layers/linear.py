@@ -198,7 +198,7 @@ class BlockQuantLinear(nn.Module):
         return _row_invariant_forward(self, x, (self.format, *self.packed.shape))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+        kernels = cpu_kernels.for_device(x.device)
         if kernels is not None and kernels.block_panel_kernel_available():
             if self._panels is None:
                 self._panels = self.block_weight().panels()

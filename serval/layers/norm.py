@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
 
         On the CPU one C++ pass (``csrc/fused_ops.cpp``) does the add, the norm and the scale with the same
         roundings as the PyTorch lines below."""
-        if x.device.type == "cpu" and x.is_contiguous() and (kernels := cpu_kernels.load()) is not None:
+        if x.is_contiguous() and (kernels := cpu_kernels.for_device(x.device)) is not None:
             return kernels.add_rms_norm(x, residual, self.weight, self.eps)
         r = x if residual is None else x + residual
         # Normalised in float32, cast back, then scaled: the reference's order of rounding.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -48,8 +49,8 @@ class RotaryEmbedding(nn.Module):
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
         """The step's rotation, shared by every layer. The CPU kernel reads the tables by position; the PyTorch
         path gathers two [T, 1, D] tensors in ``dtype`` once here."""
-        if positions.device.type == "cpu" and cpu_kernels.load() is not None:
-            return RotaryStep(positions, self)
+        if (kernels := cpu_kernels.for_device(positions.device)) is not None:
+            return RotaryStep(positions, self, kernels=kernels)
         return RotaryStep(positions, self, self.cos[positions].unsqueeze(1).to(dtype),
                           self.sin[positions].unsqueeze(1).to(dtype))
 
@@ -65,11 +66,12 @@ class RotaryStep:
     table: RotaryEmbedding
     cos: torch.Tensor | None = None  # [T, 1, D] in the model dtype, for the PyTorch path
     sin: torch.Tensor | None = None
+    kernels: ModuleType | None = None  # the CPU kernels, which read the tables by position (then no cos and sin)
 
     def rotate_(self, x: torch.Tensor) -> torch.Tensor:
         """Rotates x [T, heads, D] in place (each token's heads contiguous) and returns it."""
-        if self.cos is None:
-            cpu_kernels.load().rotary_embedding_(x, self.positions, self.table.cos, self.table.sin)
+        if self.kernels is not None:
+            self.kernels.rotary_embedding_(x, self.positions, self.table.cos, self.table.sin)
             return x
         return x.copy_(RotaryEmbedding.apply(x, self.cos, self.sin))
 

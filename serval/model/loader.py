@@ -70,8 +70,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         model = PipelineStage(model, group)
     model.eval()
     probe_row_padding(model, dtype)
-    if torch.device(device).type == "cpu":
-        cpu_kernels.load()  # built now (once per machine), not in the middle of the first request
+    cpu_kernels.for_device(torch.device(device))  # built now (once per machine), not in the first request
     logger.info("loaded %s model %s (%s, %s, weights %s) in %.1f s", config.architecture, path.name, dtype, device,
                 quantization, time.perf_counter() - start)
     return model

@@ -20,6 +20,7 @@ from serval.engine.kv_cache import KVCacheManager
 from serval.engine.request import Request, RequestStatus
 from serval.engine.scheduler import Scheduler
 from serval.engine.spec_decode import NgramProposer, accept
+from serval.layers.attention.torch_reference import TorchReferenceBackend
 from serval.model.loader import load_model
 
 # -- the proposer and the rule ------------------------------------------------------------------------------------
@@ -195,7 +196,8 @@ def test_speculation_on_the_pytorch_attention_path(make_llm):
     greedy tokens as its own plain decode."""
     plain, spec = _engines(make_llm)
     for llm in (plain, spec):
-        llm.engine.runner.attention_kernel = False
+        runner = llm.engine.runner
+        runner.attention_backend = TorchReferenceBackend(runner.device, runner.kv_cache.dtype, runner.block_size)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(GROUNDED[:3], params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in spec.generate(GROUNDED[:3], params, use_tqdm=False)] == want

@@ -8,22 +8,22 @@ import pytest
 import torch
 
 from serval.layers import cpu_kernels
-from serval.layers.attention import AttentionMetadata, PrefillChunk, paged_attention
+from serval.layers.attention import AttentionBackend, ScheduledSequence, paged_attention, select_backend
+from serval.layers.attention.cpu_kernel import CpuKernelBackend
+from serval.layers.attention.torch_reference import TorchReferenceBackend
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 3, 9, 64
-PATHS = ["cpu_kernel", "float64"]  # the C++ kernel (per-token metadata), and the PyTorch float64 routine
+PATHS = ["cpu_kernel", "float64"]  # the C++ kernel backend (per-token metadata), and the PyTorch float64 reference
 
 
-def _per_token(meta: AttentionMetadata, tables: list[list[int]], rows: list[int], lens: list[int], path: str):
-    """Adds the C++ kernel's per-token metadata (the path the runner takes on the CPU); "runner_metadata" adds it
-    whether or not the kernel is there."""
-    if path in ("cpu_kernel", "runner_metadata"):
-        if path == "cpu_kernel" and cpu_kernels.load() is None:
-            pytest.skip("the C++ kernels could not be built here")
-        width = max(len(t) for t in tables)
-        meta.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-        meta.token_table, meta.context_lens = torch.tensor(rows), torch.tensor(lens)
-    return meta
+def _backend(path: str, dtype: torch.dtype) -> AttentionBackend:
+    """The backend of ``path``: "cpu_kernel" as the runner selects it on this CPU, "float64" the PyTorch one."""
+    if path == "float64":
+        return TorchReferenceBackend("cpu", dtype, BLOCK)
+    backend = select_backend("cpu", dtype, BLOCK)
+    if not isinstance(backend, CpuKernelBackend):
+        pytest.skip("the C++ kernels could not be built here")
+    return backend
 
 
 def _setup(dtype):
@@ -35,14 +35,10 @@ def _setup(dtype):
 
 def _decode(cache, queries, seqs: list[tuple[list[int], int]], path: str) -> torch.Tensor:
     """Decodes of several sequences in one batch; each is (block ids, its length including the new token)."""
-    max_blocks = max(len(blocks) for blocks, _ in seqs)
-    tables = torch.tensor([blocks + [0] * (max_blocks - len(blocks)) for blocks, _ in seqs])
-    lengths = torch.tensor([n for _, n in seqs])
     slots = torch.tensor([blocks[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for blocks, n in seqs])
     flat_k, flat_v = cache[0].view(-1, KV_HEADS, DIM), cache[1].view(-1, KV_HEADS, DIM)
-    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(seqs), decode_block_tables=tables,
-                             decode_mask=(torch.arange(max_blocks * BLOCK)[None] < lengths[:, None])[:, None, None])
-    _per_token(meta, [blocks for blocks, _ in seqs], list(range(len(seqs))), [n for _, n in seqs], path)
+    meta = _backend(path, queries.dtype).build_metadata([ScheduledSequence(blocks, n - 1, 1) for blocks, n in seqs])
+    assert torch.equal(meta.slot_mapping, slots)
     q = torch.stack([queries[n - 1] for _, n in seqs])
     return paged_attention(q, flat_k[slots], flat_v[slots], cache[0], cache[1], meta, DIM**-0.5)
 
@@ -51,10 +47,8 @@ def _prefill_chunk(cache, queries, blocks: list[int], start: int, end: int, path
     """Positions start..end-1 of one sequence as a prefill chunk over the cached context before them."""
     slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)])
     flat_k, flat_v = cache[0].view(-1, KV_HEADS, DIM), cache[1].view(-1, KV_HEADS, DIM)
-    mask = None if start == 0 else torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-    chunk = PrefillChunk(0, end - start, end, torch.tensor(blocks[: -(-end // BLOCK)]), mask)
-    meta = AttentionMetadata(slot_mapping=slots, prefills=[chunk])
-    _per_token(meta, [blocks], [0] * (end - start), list(range(start + 1, end + 1)), path)
+    meta = _backend(path, queries.dtype).build_metadata([ScheduledSequence(blocks, start, end - start)])
+    assert torch.equal(meta.slot_mapping, slots)
     return paged_attention(queries[start:end], flat_k[slots], flat_v[slots], cache[0], cache[1], meta, DIM**-0.5)
 
 
@@ -88,14 +82,20 @@ def test_attention_matches_a_float64_softmax(path):
 
 
 @torch.inference_mode()
-def test_without_the_kernel_the_runner_metadata_takes_the_float64_path(monkeypatch):
-    """SERVAL_CPU_KERNELS=0 (or a machine that cannot build it): the same metadata gives the float64 result."""
+def test_without_the_kernel_the_runner_selects_the_float64_path(monkeypatch):
+    """SERVAL_CPU_KERNELS=0 (or a machine that cannot build it): the backend the runner selects gives the float64
+    result."""
     cache, queries = _setup(torch.bfloat16)
     with_kernel = _prefill_chunk(cache, queries, [3, 7, 1], 0, 40, "cpu_kernel")
     monkeypatch.setenv("SERVAL_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_kernels, "_state", {})
     assert cpu_kernels.load() is None
-    fallback = _prefill_chunk(cache, queries, [3, 7, 1], 0, 40, "runner_metadata")
+    backend = select_backend("cpu", torch.bfloat16, BLOCK)
+    assert isinstance(backend, TorchReferenceBackend)
+    slots = torch.tensor([[3, 7, 1][p // BLOCK] * BLOCK + p % BLOCK for p in range(40)])
+    meta = backend.build_metadata([ScheduledSequence([3, 7, 1], 0, 40)])
+    fallback = paged_attention(queries[:40], cache[0].view(-1, KV_HEADS, DIM)[slots],
+                               cache[1].view(-1, KV_HEADS, DIM)[slots], cache[0], cache[1], meta, DIM**-0.5)
     assert torch.equal(fallback, _prefill_chunk(cache, queries, [3, 7, 1], 0, 40, "float64"))
     assert (fallback.float() - with_kernel.float()).abs().max() < 0.02  # two float32-accurate results in bf16
 
@@ -163,8 +163,9 @@ def test_a_sliding_window_row_equals_its_decode_and_a_float64_softmax_over_its_w
     flat_k, flat_v = k_cache.view(-1, KV_HEADS, head_dim), v_cache.view(-1, KV_HEADS, head_dim)
     blocks = table[0].tolist()
     slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(530, 600)])
-    mask = torch.arange(600)[None, :] <= torch.arange(530, 600)[:, None]
-    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, 70, 600, table[0], mask)])
+    meta = TorchReferenceBackend("cpu", torch.float32, BLOCK).build_metadata([ScheduledSequence(blocks, 530, 70)])
+    assert meta.prefills[0].mask.tolist() == (torch.arange(600)[None, :] <= torch.arange(530, 600)[:, None]).tolist()
+    assert torch.equal(meta.slot_mapping, slots)
     fallback = paged_attention(queries, flat_k[slots], flat_v[slots], k_cache, v_cache, meta, scale, window)
     assert (fallback.double() - want).abs().max() < 1e-5
 

@@ -25,6 +25,7 @@ from tiny_models import (
 )
 from transformers import AutoModelForCausalLM
 
+from serval.layers.attention.cpu_kernel import CpuKernelBackend, CpuKernelMetadata
 from serval.layers.linear import BlockQuantLinear
 from serval.model.loader import load_model, resolve_quantization
 from serval.model.registry import resolve_model_path
@@ -120,8 +121,9 @@ def test_decode_steps_match_full_forward(tiny_ours: torch.nn.Module) -> None:
     ids = random_ids(40)
     runner = new_runner(tiny_ours, 12, BLOCK, torch.float32)
     meta = build_step(runner, [SeqStep(ids[30:31], 30, SHUFFLED_BLOCKS)])[0].meta
-    if runner.attention_kernel:  # the CPU kernel: one query attending to its 31 keys
-        assert meta.token_table.tolist() == [0] and meta.context_lens.tolist() == [31] and not meta.prefills
+    if isinstance(runner.attention_backend, CpuKernelBackend):  # the CPU kernel: one query attending to its 31 keys
+        assert isinstance(meta, CpuKernelMetadata)  # per-token tables only: no decode tables, no prefill chunks
+        assert meta.token_table.tolist() == [0] and meta.context_lens.tolist() == [31]
     else:
         assert meta.num_decode_tokens == 1 and not meta.prefills  # a decode step, not a one-token chunk
     expected = full_logits(tiny_ours, ids)
@@ -137,7 +139,7 @@ def test_chunked_prefill_matches_full_forward(tiny_ours: torch.nn.Module) -> Non
     expected = full_logits(tiny_ours, ids)
     runner = new_runner(tiny_ours, 12, BLOCK, torch.float32)
     meta = build_step(runner, [SeqStep(ids[7:14], 7, SHUFFLED_BLOCKS)])[0].meta
-    if runner.attention_kernel:  # each query of a later chunk attends over the cache up to its own position
+    if isinstance(runner.attention_backend, CpuKernelBackend):  # each query of a later chunk attends over the cache
         assert meta.context_lens.tolist() == list(range(8, 15))
     else:
         assert meta.prefills[0].mask is not None  # later chunks attend over the cache
