@@ -90,6 +90,7 @@ def run_chat(engine, params: SamplingParams, system: str | None = None) -> int:
     """The interactive chat on ``engine`` (an LLMEngine). Ctrl-C during an answer stops that answer and returns to
     the prompt; at the prompt, Ctrl-C, Ctrl-D or an empty line quits."""
     from serval.chat import build_chat_prompt
+    from serval.sampling_params import prompt_room
 
     messages = [{"role": "system", "content": system}] if system else []
     print("serval chat — Ctrl-C stops an answer; an empty line, Ctrl-C or Ctrl-D quits", file=sys.stderr)
@@ -104,7 +105,7 @@ def run_chat(engine, params: SamplingParams, system: str | None = None) -> int:
             return 0
         messages.append({"role": "user", "content": line})
         try:
-            prompt = build_chat_prompt(engine.tokenizer, messages, engine.max_model_len - params.max_tokens,
+            prompt = build_chat_prompt(engine.tokenizer, messages, prompt_room(engine.max_model_len, params.max_tokens),
                                        engine.config.context_policy)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -43,6 +43,18 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
 
 
+# max_tokens when a request leaves it out: vLLM's SamplingParams default and OpenAI's documented one for
+# /v1/completions. (Chat leaves it None: up to the context, what OpenAI's chat API does.)
+DEFAULT_MAX_TOKENS = 16
+
+
+def prompt_room(max_model_len: int, max_tokens: int | None) -> int:
+    """How many prompt tokens fit in a context of ``max_model_len`` beside ``max_tokens`` generated ones: with
+    ``max_tokens`` None (up to the context) room for at least one; with 0 (the prompt only) the whole context.
+    At most 0: none."""
+    return max_model_len - (1 if max_tokens is None else max_tokens)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -66,7 +78,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
-    max_tokens: int | None = 16  # None: up to the context window; 0: run the prompt only (e.g. to score it)
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to the context window; 0: the prompt only (to score it)
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: only the prompt's own token)
     include_stop_str_in_output: bool = False

@@ -208,3 +208,81 @@ def test_nothing_points_outside_the_repository():
             if needle in text:
                 offenders.append(f"{path.relative_to(REPO)}: {needle}")
     assert offenders == []
+
+
+# The server's functions stay short enough to read on a screen; create_app only wires the routes to OpenAIServing.
+MAX_SERVER_FUNCTION_LINES = 80
+MAX_CREATE_APP_LINES = 120
+
+
+def _functions(path: Path) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, int]]:
+    """Every function in a file, nested ones included, with its length in lines."""
+    return [(node, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_server_functions_stay_short():
+    server = REPO / "serval" / "server"
+    app_functions = _functions(server / "app.py")
+    create_app, create_app_lines = next((n, lines) for n, lines in app_functions if n.name == "create_app")
+    routes = [(n, lines) for n, lines in app_functions if n is not create_app and n in set(ast.walk(create_app))]
+    too_long = [f"{path.name}::{node.name} ({lines} lines)" for path in sorted(server.glob("*.py"))
+                for node, lines in (app_functions if path.name == "app.py" else _functions(path))
+                if node is not create_app and lines > MAX_SERVER_FUNCTION_LINES]
+    assert too_long == []
+    assert create_app_lines <= MAX_CREATE_APP_LINES
+    assert len(routes) >= 10 and [n.name for n, lines in routes if lines > 12] == []  # the routes stay thin
+
+
+MAX_TOKENS_NAMES = {"max_tokens", "max_completion_tokens", "max_output_tokens"}
+
+
+def _max_tokens_defaults() -> list[str]:
+    """Every default given to a max_tokens field or argument in the server, the engine and SamplingParams, as
+    ``file:line value``."""
+    found = []
+    package = REPO / "serval"
+    paths = [*(package / "server").glob("*.py"), *(package / "engine").glob("*.py"), package / "sampling_params.py"]
+    for path in sorted(paths):
+        where = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in MAX_TOKENS_NAMES and node.value:
+                found.append(f"{where}:{node.lineno} {ast.unparse(node.value)}")
+            elif isinstance(node, ast.arguments):
+                args = node.posonlyargs + node.args
+                pairs = list(zip(args[len(args) - len(node.defaults):], node.defaults))
+                pairs += [(a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+                found += [f"{where}:{d.lineno} {ast.unparse(d)}" for a, d in pairs if a.arg in MAX_TOKENS_NAMES]
+    return found
+
+
+def test_max_tokens_has_one_default_literal_and_one_bound():
+    # The literal default lives once (sampling_params.DEFAULT_MAX_TOKENS: OpenAI's completions default, vLLM's);
+    # every other default of a max_tokens is that name or None (chat's: up to the context).
+    defaults = _max_tokens_defaults()
+    assert defaults and all(d.endswith((" DEFAULT_MAX_TOKENS", " None")) for d in defaults), defaults
+    assert re.search(r"^DEFAULT_MAX_TOKENS = 16\b", (REPO / "serval" / "sampling_params.py").read_text(), re.M)
+    # The HTTP bound of max_tokens and its other names is the one MaxTokens type (completions alone also take 0).
+    for name in ("protocol.py", "responses.py"):
+        for node in ast.walk(ast.parse((REPO / "serval" / "server" / name).read_text())):
+            if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in MAX_TOKENS_NAMES:
+                annotation = ast.unparse(node.annotation)
+                assert "MaxTokens" in annotation or "ge=0" in annotation, f"{name}:{node.lineno} {annotation}"
+
+
+def test_a_prompts_room_is_computed_in_one_function():
+    # prompt_room (sampling_params.py) is the one place that subtracts max_tokens from the context; whatever builds a
+    # chat prompt or checks a prompt against max_tokens calls it.
+    subtractions, callers = [], []
+    for path in sorted((REPO / "serval").rglob("*.py")):
+        for function, _ in _functions(path):
+            names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(function)
+                     if isinstance(n, (ast.Name, ast.Attribute))}
+            if function.name != "prompt_room":
+                subtractions += [f"{path.name}:{n.lineno}" for n in ast.walk(function)
+                                 if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub)
+                                 and "max_model_len" in ast.unparse(n.left) and "max_tokens" in ast.unparse(n.right)]
+            if "build_chat_prompt" in names and function.name != "build_chat_prompt":
+                callers.append((f"{path.name}::{function.name}", "prompt_room" in names))
+    assert subtractions == []
+    assert len(callers) >= 3 and [name for name, uses in callers if not uses] == []

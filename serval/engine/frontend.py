@@ -16,7 +16,7 @@ from serval.config import EngineConfig
 from serval.engine.core import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from serval.layers.sampler import TokenLogprobs
 from serval.outputs import CompletionOutput, RequestOutput
-from serval.sampling_params import SamplingParams
+from serval.sampling_params import SamplingParams, prompt_room
 from serval.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -126,11 +126,11 @@ class InputProcessor:
             raise ValueError(f"prompt is {num_prompt_tokens} tokens, more than max_num_batched_tokens="
                              f"{scheduler.max_num_batched_tokens}, and chunked prefill is off")
         # A prompt may fill the whole context only when nothing is generated after it (max_tokens 0).
-        if num_prompt_tokens > limit or (num_prompt_tokens == limit and params.max_tokens != 0):
+        if num_prompt_tokens > prompt_room(limit, 0 if params.max_tokens == 0 else None):
             raise ValueError(f"prompt is {num_prompt_tokens} tokens; this model's context is {limit} tokens")
         if params.max_tokens is None:
             return limit - num_prompt_tokens
-        if num_prompt_tokens + params.max_tokens > limit:
+        if num_prompt_tokens > prompt_room(limit, params.max_tokens):
             raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens is more "
                              f"than this model's context of {limit} tokens")
         return params.max_tokens

@@ -10,7 +10,7 @@ from serval.chat import build_chat_prompt
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from serval.engine.engine import LLMEngine
 from serval.outputs import RequestOutput
-from serval.sampling_params import SamplingParams
+from serval.sampling_params import SamplingParams, prompt_room
 
 Prompt = str | list[int]
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class LLM:
         params_list = self._params_list(sampling_params, len(conversations))
         prompts = []
         for conversation, params in zip(conversations, params_list):
-            room = self.engine.max_model_len - (params.max_tokens or 1)
+            room = prompt_room(self.engine.max_model_len, params.max_tokens)
             prompt = build_chat_prompt(self.tokenizer, conversation, room, self.engine.config.context_policy)
             if prompt.num_dropped_messages:
                 logger.warning("context window: dropped the %d oldest messages of a chat",

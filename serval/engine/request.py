@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from serval.sampling_params import SamplingParams
+from serval.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -39,7 +39,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    max_tokens: int = 16  # resolved: never past the context window
+    max_tokens: int = DEFAULT_MAX_TOKENS  # resolved: never past the context window
     priority: int = 0  # lower runs first
     group_id: str | None = None  # the n > 1 siblings of one prompt share it
     session_id: str | None = None  # a conversation whose KV outlives the request (KVCacheManager.pin_session)

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from serval.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
+from serval.sampling_params import DEFAULT_MAX_TOKENS, MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -37,6 +37,9 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_JSON_DEPTH = 64  # nesting of free JSON (schemas, tools, metadata): far past any real schema's
+# max_tokens and its other names (max_completion_tokens, the Responses API's max_output_tokens) at the edge. Whether
+# the prompt leaves room for it is the engine's check (prompt_room), once the prompt's length is known.
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
 class RequestModel(BaseModel):
@@ -194,7 +197,7 @@ class _SamplingFields(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_tokens: MaxTokens | None = None  # None: up to the context (chat's default, as OpenAI's)
     # None: not given; the model's default then (EngineClient.sampling_defaults), else OpenAI's.
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -268,7 +271,8 @@ class _SamplingFields(RequestModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)  # 0 only with echo: score the prompt
+    # 0 scores the prompt: only with echo (serving.py)
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = DEFAULT_MAX_TOKENS
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)  # only best_of == n (every sample returned): see _best_of
@@ -307,7 +311,7 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None

@@ -20,11 +20,11 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from serval.sampling_params import SamplingParams
 from serval.server.protocol import (
-    INT32_MAX,
     INT64_MAX,
     INT64_MIN,
     ChatCompletionRequest,
     FunctionName,
+    MaxTokens,
     OpenAIError,
     RequestModel,
     StreamOptions,
@@ -77,7 +77,7 @@ class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)  # None: the model's default (as chat's)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
@@ -352,18 +352,8 @@ async def stream_events(chat_sse: AsyncIterator[str], response: dict, on_done) -
                     for e in close_text():
                         yield e
                     calls.append(call)
-                    item = function_call_item(call, status="in_progress")
-                    item["arguments"] = ""
-                    output.append(item)
-                    index = len(output) - 1
-                    yield event("response.output_item.added", output_index=index, item=dict(item))
-                    arguments = call["function"]["arguments"]
-                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                delta=arguments)
-                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                arguments=arguments)
-                    item.update(arguments=arguments, status="completed")
-                    yield event("response.output_item.done", output_index=index, item=item)
+                    for e in _function_call_events(event, output, call):
+                        yield e
                 finish_reason = choice.get("finish_reason") or finish_reason
     finally:  # a client gone mid-stream: closing the chat stream aborts the request
         await chat_sse.aclose()
@@ -377,6 +367,23 @@ async def stream_events(chat_sse: AsyncIterator[str], response: dict, on_done) -
     on_done(response, turn)
     yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                 response=response)
+
+
+def _function_call_events(event, output: list[dict], call: dict) -> list[str]:
+    """A tool call's events: it comes whole in one chat delta, so its item is added, filled and done at once."""
+    item = function_call_item(call, status="in_progress")
+    item["arguments"] = ""
+    output.append(item)
+    index = len(output) - 1
+    arguments = call["function"]["arguments"]
+    events = [event("response.output_item.added", output_index=index, item=dict(item)),
+              event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                    delta=arguments),
+              event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                    arguments=arguments)]
+    item.update(arguments=arguments, status="completed")
+    events.append(event("response.output_item.done", output_index=index, item=item))
+    return events
 
 
 def now() -> int:
