@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from serval.config import ModelConfig
+from serval.model.gguf_file import ARCHITECTURES as GGUF_ARCHITECTURES
 
 # config.json's ``architectures`` (or, without it, ``model_type``) → family.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -30,7 +31,7 @@ def read_hf_config(path: Path) -> ModelConfig:
     family = ARCHITECTURES.get(archs[0]) or _MODEL_TYPES.get(archs[0])
     if family is None:
         raise ValueError(f"{path}: architecture {archs[0]!r} is not supported (safetensors directories: "
-                         f"{', '.join(ARCHITECTURES)}; GGUF files: llama, gemma3)")
+                         f"{', '.join(ARCHITECTURES)}; GGUF files: {', '.join(GGUF_ARCHITECTURES)})")
     if raw.get("attention_bias") and family != "qwen2":
         # Llama's and Qwen3's flag also puts a bias on o_proj, which the decoder does not have.
         raise ValueError(f"{path}: attention_bias is not supported for {archs[0]}")
