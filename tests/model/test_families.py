@@ -1,6 +1,7 @@
-"""Llama (3's RoPE scaling), Qwen2, Qwen3 and Mistral from Hugging Face safetensors directories: tiny random models
-built with transformers' own classes give transformers' logits in float32 and its greedy text through the engine,
-and their greedy output does not change with batching or chunking in the default dtype."""
+"""Llama (3's RoPE scaling), Qwen2, Qwen3, Mistral, Phi-3 (fused checkpoint tensors, LongRoPE) and Gemma 2 (soft-capped
+attention and logits) from Hugging Face safetensors directories: tiny random models built with transformers' own
+classes give transformers' logits in float32 and its greedy text through the engine, and their greedy output does
+not change with batching or chunking in the default dtype."""
 
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ def test_every_family_is_read_from_its_architecture_name(family):
     model = load_model(directory, torch.float32)
     assert model.config.architecture == name
     attention = model.layers[0].self_attn
-    assert (attention.qkv_proj_bias is not None) == (name == "qwen2")
+    assert (getattr(attention, "qkv_proj_bias", None) is not None) == (name == "qwen2")
     assert (attention.q_norm is not None) == (name == "qwen3")
-    windows = {"qwen2": [None, 8, 8], "mistral": [8, 8, 8]}.get(name, [None, None, None])
-    assert [layer.self_attn.window for layer in model.layers] == windows
+    assert getattr(attention, "softcap", None) == (2.0 if name == "gemma2" else None)
+    windows = {"qwen2": [None, 8, 8], "mistral": [8, 8, 8], "phi3": [8, 8, 8], "gemma2": [8, None, 8]}
+    assert [layer.self_attn.window for layer in model.layers] == windows.get(name, [None, None, None])
 
 
 def test_fp32_logits_match_transformers(family):
@@ -65,6 +67,15 @@ def test_fp32_logits_match_transformers(family):
             layer.self_attn.window = None
         unwindowed = full_logits(ours, LONG)
         assert (unwindowed - want).abs().max() > 100 * FP32_REL * want.abs().max()
+        for layer, window in zip(ours.layers, windows):
+            layer.self_attn.window = window
+    if name == "gemma2":  # each cap decides the logits too
+        for layer in ours.layers:
+            layer.self_attn.softcap = None
+        assert (full_logits(ours, LONG) - want).abs().max() > 100 * FP32_REL * want.abs().max()
+        ours = load_model(directory, torch.float32)
+        ours.config.final_logit_softcapping = None
+        assert (full_logits(ours, LONG) - want).abs().max() > 100 * FP32_REL * want.abs().max()
 
 
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
