@@ -11,11 +11,13 @@ import pytest
 import torch
 from real_model import MODEL_PATH, requires_model
 from test_llama import FP32_REL, assert_logits_close, random_ids
-from tiny_models import FAMILY_OVERRIDES, full_logits, hf_logits, save_family_dir
+from tiny_models import FAMILY_OVERRIDES, full_logits, hf_logits, save_family_dir, tiny_family
+from transformers import DynamicCache
 
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig
 from serval.engine.engine import LLMEngine
 from serval.engine.llm import LLM
+from serval.layers.rotary import RotaryEmbedding
 from serval.model.hf_config import ARCHITECTURES
 from serval.model.loader import load_model
 from serval.sampling_params import SamplingParams
@@ -133,3 +135,44 @@ def test_default_dtype_greedy_is_batch_invariant_and_chunked(family):
     chunked = _llm(directory, model, tokenizer, "auto", max_num_batched_tokens=7)
     assert tokens(chunked, PROMPTS) == alone
     assert chunked.engine.stats.num_steps > len(PROMPTS) + greedy.max_tokens  # the long prompts were cut
+
+
+def test_phi3_longrope_gives_transformers_logits_inside_and_past_the_original_context(hf_tokenizer, tmp_path):
+    """Phi-3's LongRoPE (original context 64 of 256 positions). Inside it: a 60-token prompt's logits are
+    transformers' (short factors, and the attention factor on cos and sin), and greedy text is its generate's. Past
+    it, each position rotates by its own factors (the long ones from 64 on): the logits of positions 56-79 are those
+    of transformers' forward fed one token at a time over its cache, which switches to the long factors there too.
+    (transformers' generate instead drops its cache at the crossing and recomputes the whole sequence with the long
+    factors; this engine keeps the cache.)"""
+    gen = torch.Generator().manual_seed(3)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(8, generator=gen)).tolist(),
+            "long_factor": (4 + 12 * torch.rand(8, generator=gen)).tolist()}
+    hf = tiny_family("phi3", num_hidden_layers=2, vocab_size=len(hf_tokenizer), rope_parameters=rope,
+                     original_max_position_embeddings=64, max_position_embeddings=256)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf_tokenizer.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, torch.float32)
+    assert ours.config.rope_scaling["rope_type"] == "longrope"
+    prompt = random_ids(80, seed=7, vocab=49152)
+    assert_logits_close(full_logits(ours, prompt[:60]), hf_logits(hf, prompt[:60]), FP32_REL)
+
+    llm = _llm(tmp_path, ours, Tokenizer.load(tmp_path))
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids = torch.tensor([prompt[:40]])
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                             min_new_tokens=16, pad_token_id=0)[0, 40:].tolist()
+    assert llm.generate([prompt[:40]], greedy, use_tqdm=False)[0].outputs[0].token_ids == theirs
+
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        hf(input_ids=torch.tensor([prompt[:56]]), cache=cache, use_cache=True)
+        stepped = torch.cat([hf(input_ids=torch.tensor([[prompt[p]]]), position_ids=torch.tensor([[p]]), cache=cache,
+                                use_cache=True).logits[0] for p in range(56, 80)])
+    assert_logits_close(full_logits(ours, prompt)[56:], stepped, FP32_REL)
+    # The long factors decide those logits: with the short ones past position 64 too, they are far off.
+    head_dim, max_position, theta, scaling = ours.rotary.args
+    table = RotaryEmbedding(head_dim, max_position, theta, {**scaling, "long_factor": scaling["short_factor"]})
+    ours.rotary.cos, ours.rotary.sin = table.cos, table.sin
+    assert (full_logits(ours, prompt)[56:] - stepped).abs().max() > 100 * FP32_REL * stepped.abs().max()
