@@ -63,10 +63,9 @@ def tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 # Each family's tiny model for the end-to-end tests: three layers, SmolLM2's vocabulary (its tokenizer is saved beside
 # the weights), and what sets the family apart switched on where a config may leave it off: Llama 3's RoPE scaling
 # (past 64 positions), Qwen2's sliding window on its layers from 1 on, Mistral's and Phi-3's on every layer, Gemma 2's
-# on layers 0 and 2; windows of 8 keys, shorter than the prompts. Gemma 2's caps bind on these weights (its default
-# attention cap, 50, would hardly ever; the logits reach ~135 uncapped, so the final cap of 50 bends the top ones
-# without tying them), its attention scale is not the head size's, and it ties its head to the embedding as its
-# checkpoints do.
+# on layers 0 and 2; windows of 8 keys, shorter than the prompts. Gemma 2's caps bind on these weights (its defaults,
+# 50 and 30, would hardly ever; its logits reach ~10 uncapped) and its attention scale is not the head size's. (Its
+# head stays untied: tied to these random embeddings, scaled by sqrt(hidden), it would only repeat the last token.)
 FAMILY_OVERRIDES = {
     "llama": {"rope_parameters": LLAMA3_ROPE},
     "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
@@ -74,7 +73,7 @@ FAMILY_OVERRIDES = {
     "mistral": {"sliding_window": 8},
     "phi3": {"sliding_window": 8},
     "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
-               "final_logit_softcapping": 50.0, "tie_word_embeddings": True},
+               "final_logit_softcapping": 8.0},
 }
 
 
