@@ -82,7 +82,7 @@ def _rope_scaling(raw: dict, family: str) -> dict | None:
         return scaling
     if (scaling.get("rope_type") or scaling.get("type")) not in ("longrope", "su", "yarn"):
         raise ValueError(f"Phi-3 rope scaling {scaling!r} is not supported (longrope only)")
-    original = scaling.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    original = scaling.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", 4096))
     return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original}
 
 
