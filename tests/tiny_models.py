@@ -1,6 +1,6 @@
-"""Tiny random Llamas (and Qwen2, Qwen3, Mistral) built in the test (Hugging Face reference, safetensors and GGUF
-forms), and helpers that drive a model over a paged KV cache through the engine's own ModelRunner, without a
-scheduler."""
+"""Tiny random Llamas (and Qwen2, Qwen3, Mistral, Phi-3, Gemma 2) built in the test (Hugging Face reference,
+safetensors and GGUF forms), and helpers that drive a model over a paged KV cache through the engine's own
+ModelRunner, without a scheduler."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -45,7 +49,8 @@ def tiny_llama(seed: int = 0, **overrides) -> HFLlama:
 
 # The Hugging Face classes of each family model/hf_config.py reads: (config class, model class).
 HF_FAMILIES = {"llama": (LlamaConfig, HFLlama), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "phi3": (Phi3Config, Phi3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM)}
 
 
 def tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -57,13 +62,18 @@ def tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
 # Each family's tiny model for the end-to-end tests: three layers, SmolLM2's vocabulary (its tokenizer is saved beside
 # the weights), and what sets the family apart switched on where a config may leave it off: Llama 3's RoPE scaling
-# (past 64 positions), Qwen2's sliding window on its layers from 1 on, Mistral's on every layer; windows of 8 keys,
-# shorter than the prompts.
+# (past 64 positions), Qwen2's sliding window on its layers from 1 on, Mistral's and Phi-3's on every layer, Gemma 2's
+# on layers 0 and 2; windows of 8 keys, shorter than the prompts. Gemma 2's caps bind on these weights (its defaults,
+# 50 and 30, would hardly ever; its logits reach ~10 uncapped) and its attention scale is not the head size's. (Its
+# head stays untied: tied to these random embeddings, scaled by sqrt(hidden), it would only repeat the last token.)
 FAMILY_OVERRIDES = {
     "llama": {"rope_parameters": LLAMA3_ROPE},
     "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     "qwen3": {"head_dim": 16},
     "mistral": {"sliding_window": 8},
+    "phi3": {"sliding_window": 8},
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+               "final_logit_softcapping": 8.0},
 }
 
 

@@ -92,7 +92,7 @@ class GGUFModelFile:
                          sliding_window=int(self.field(f"{arch}.attention.sliding_window")),
                          rope_local_theta=10000.0,
                          query_pre_attn_scalar=float(self.field(f"{arch}.attention.key_length", hidden // heads)),
-                         final_logit_softcapping=self.field(f"{arch}.final_logit_softcapping"))
+                         final_logit_softcapping=self.field(f"{arch}.final_logit_softcapping"), qk_norm=True)
         return ModelConfig(
             **extra,
             vocab_size=int(vocab),
