@@ -92,7 +92,7 @@ class GGUFModelFile:
                          sliding_window=int(self.field(f"{arch}.attention.sliding_window")),
                          rope_local_theta=10000.0,
                          query_pre_attn_scalar=float(self.field(f"{arch}.attention.key_length", hidden // heads)),
-                         final_logit_softcapping=self.field(f"{arch}.final_logit_softcapping"), qk_norm=True)
+                         final_logit_softcapping=self.field(f"{arch}.final_logit_softcapping"))
         return ModelConfig(
             **extra,
             vocab_size=int(vocab),
@@ -112,7 +112,7 @@ class GGUFModelFile:
             architecture=arch,
             name=str(self.field("general.name", self.path.stem)),
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),  # per-head q/k RMSNorm
         )
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
