@@ -51,16 +51,19 @@ class ModelConfig:
     eos_token_id: int | None = None
     architecture: str = "llama"
     name: str = ""
-    # Gemma 3: most layers attend to a sliding window of keys with their own RoPE base; "sliding_attention" or
-    # "full_attention" per layer; attention scaled by query_pre_attn_scalar^-0.5; logits soft-capped.
+    # Gemma 2 and 3: most layers attend to a sliding window of keys (Gemma 3's with their own RoPE base);
+    # "sliding_attention" or "full_attention" per layer; attention scaled by query_pre_attn_scalar^-0.5; logits
+    # soft-capped, and (Gemma 2) attention scores too: cap * tanh(x / cap).
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     # Options of the Llama decoder that other families turn on (model/hf_config.py): biases on the q/k/v projection
-    # (Qwen2), a per-head RMSNorm of queries and keys before RoPE (Qwen3). A Llama-decoder layer whose
-    # ``layer_types`` entry is "sliding_attention" sees the last ``sliding_window`` keys (Mistral, windowed Qwen).
+    # (Qwen2), a per-head RMSNorm of queries and keys before RoPE (Qwen3; Gemma 3's layers too). A layer whose
+    # ``layer_types`` entry is "sliding_attention" sees the last ``sliding_window`` keys (Mistral, Phi-3, windowed
+    # Qwen, Gemma).
     qkv_bias: bool = False
     qk_norm: bool = False
 

@@ -1,6 +1,6 @@
-"""Tiny random Llamas (and Qwen2, Qwen3, Mistral) built in the test (Hugging Face reference, safetensors and GGUF
-forms), and helpers that drive a model over a paged KV cache through the engine's own ModelRunner, without a
-scheduler."""
+"""Tiny random Llamas (and Qwen2, Qwen3, Mistral, Phi-3, Gemma 2) built in the test (Hugging Face reference,
+safetensors and GGUF forms), and helpers that drive a model over a paged KV cache through the engine's own
+ModelRunner, without a scheduler."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -45,7 +49,8 @@ def tiny_llama(seed: int = 0, **overrides) -> HFLlama:
 
 # The Hugging Face classes of each family model/hf_config.py reads: (config class, model class).
 HF_FAMILIES = {"llama": (LlamaConfig, HFLlama), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "phi3": (Phi3Config, Phi3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM)}
 
 
 def tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -57,13 +62,18 @@ def tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
 # Each family's tiny model for the end-to-end tests: three layers, SmolLM2's vocabulary (its tokenizer is saved beside
 # the weights), and what sets the family apart switched on where a config may leave it off: Llama 3's RoPE scaling
-# (past 64 positions), Qwen2's sliding window on its layers from 1 on, Mistral's on every layer; windows of 8 keys,
-# shorter than the prompts.
+# (past 64 positions), Qwen2's sliding window on its layers from 1 on, Mistral's and Phi-3's on every layer, Gemma 2's
+# on layers 0 and 2; windows of 8 keys, shorter than the prompts. Gemma 2's caps bind on these weights (its defaults,
+# 50 and 30, would hardly ever; its logits reach ~10 uncapped) and its attention scale is not the head size's. (Its
+# head stays untied: tied to these random embeddings, scaled by sqrt(hidden), it would only repeat the last token.)
 FAMILY_OVERRIDES = {
     "llama": {"rope_parameters": LLAMA3_ROPE},
     "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     "qwen3": {"head_dim": 16},
     "mistral": {"sliding_window": 8},
+    "phi3": {"sliding_window": 8},
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+               "final_logit_softcapping": 8.0},
 }
 
 
@@ -166,15 +176,28 @@ _GGUF_LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
+# llama.cpp's general.architecture for each Hugging Face model_type (its converter writes Mistral as "llama").
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
 def gguf_tensor_name(hf_name: str) -> str:
-    name = hf_name.removeprefix("model.").removesuffix(".weight")
+    """llama.cpp's name of a Hugging Face tensor (``.weight`` or ``.bias``)."""
+    name, _, kind = hf_name.removeprefix("model.").rpartition(".")
     if name.startswith("layers."):
         _, layer, sub = name.split(".", 2)
-        return f"blk.{layer}.{_GGUF_LAYER[sub]}.weight"
-    return {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[name] + ".weight"
+        return f"blk.{layer}.{_GGUF_LAYER[sub]}.{kind}"
+    return {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[name] + f".{kind}"
+
+
+def gguf_tokenizer_fields(path: Path) -> list[tuple]:
+    """(key, value, type, item type) of every ``tokenizer.*`` key of the GGUF file ``path``, to write into another."""
+    fields = gguf.GGUFReader(path).fields
+    return [(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+            for key, f in fields.items() if key.startswith("tokenizer.")]
 
 
 def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -212,24 +235,30 @@ def encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
     return with_scales(float(w.std()) / float(probe.std()))
 
 
-def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0) -> dict[str, np.ndarray]:
-    """Writes ``hf`` as llama.cpp's converter would, 2-D weights in ``qtype`` and norms in F32, RoPE scaling as the
-    converter records it (linear: header keys; llama3: a ``rope_freqs`` tensor). Returns the weights the file really
-    holds, under Hugging Face names, dequantized and un-permuted (what a correct loader must produce)."""
+def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0,
+               tokenizer: list[tuple] | None = None) -> dict[str, np.ndarray]:
+    """Writes ``hf`` (a Llama, Mistral, Qwen2 or Qwen3) as llama.cpp's converter would: its architecture and
+    tensor names (GGUF_ARCH), 2-D weights in ``qtype``, norms and biases in F32, q/k rows permuted for "llama" only,
+    no sliding window (the converter writes none for these), RoPE scaling as the converter records it (linear:
+    header keys; llama3: a ``rope_freqs`` tensor), and the ``tokenizer`` fields (gguf_tokenizer_fields) if given.
+    Returns the weights the file really holds, under Hugging Face names, dequantized and un-permuted (what a correct
+    loader must produce)."""
     cfg = hf.config
+    arch = GGUF_ARCH[cfg.model_type]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Qwen2's config has none
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{cfg.model_type}")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.head_dim)
-    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
@@ -239,9 +268,11 @@ def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0) -> dict[str, 
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
     elif rope.get("rope_type") == "llama3":
-        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg.head_dim, rope))
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, rope))
     elif rope.get("rope_type", "default") != "default":
         raise NotImplementedError(rope)
+    for key, value, vtype, item_type in tokenizer or []:
+        w.add_key_value(key, value, vtype, sub_type=item_type)
     stored: dict[str, np.ndarray] = {}
     for hf_name, param in hf.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -252,7 +283,7 @@ def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0) -> dict[str, 
             stored[hf_name] = array
             continue
         n_head = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
-        permuted = "q_proj" in hf_name or "k_proj" in hf_name
+        permuted = arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name)
         if permuted:
             array = permute_rope(array, n_head)
         data = encode(array, qtype, rng)

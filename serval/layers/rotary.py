@@ -1,4 +1,5 @@
-"""Rotary position embedding (the "rotate half" layout of Hugging Face Llama), with Llama-3 and linear scaling."""
+"""Rotary position embedding (the "rotate half" layout of Hugging Face Llama), with Llama-3, linear and LongRoPE
+(Phi-3) scaling."""
 
 from __future__ import annotations
 
@@ -34,17 +35,40 @@ def _inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> t
     raise ValueError(f"unsupported rope scaling type {kind!r}")
 
 
+def _angles(head_dim: int, max_position: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """[max_position, head_dim / 2] float64 rotation angle of each position and frequency, and the factor on cos and
+    sin (1 but for LongRoPE)."""
+    positions = torch.arange(max_position, dtype=torch.float64)
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if kind != "longrope":
+        return torch.outer(positions, _inverse_frequencies(head_dim, theta, scaling)), 1.0
+    # LongRoPE, as transformers computes it: each frequency divided by its factor, the short factors inside the
+    # original context and the long ones past it; cos and sin scaled by the attention factor. transformers picks one
+    # set for a whole forward by its last position (a prompt past the original context rotates all its tokens with
+    # the long factors); here each position has its own, so a token's rotation never depends on the tokens beside it
+    # (batches, chunks and cached prefixes agree). The two agree wherever a prompt fits the original context, as do
+    # transformers' generate and ours after it (each new token by its position).
+    original = scaling["original_max_position_embeddings"]
+    inv_freq = _inverse_frequencies(head_dim, theta, None)
+    short = torch.outer(positions, inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64))
+    long = torch.outer(positions, inv_freq / torch.tensor(scaling["long_factor"], dtype=torch.float64))
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return torch.where(positions[:, None] < original, short, long), attention_factor
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to queries and keys of a flat token batch, by absolute position."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.args = (head_dim, max_position, theta, scaling)  # to build the tables again (after a meta device)
-        inv_freq = _inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq).float()
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        angles, scale = _angles(head_dim, max_position, theta, scaling)
+        emb = torch.cat([angles, angles], dim=-1).float()
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
         """The step's rotation, shared by every layer. The CPU kernel reads the tables by position; the PyTorch

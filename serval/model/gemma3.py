@@ -1,12 +1,17 @@
-"""Gemma 3 (text): Llama's skeleton with Gemma's parts.
+"""Gemma 2 and Gemma 3 (text): Llama's skeleton with Gemma's parts, one definition for both.
 
 - embeddings scaled by sqrt(hidden) (rounded to the model's dtype first, as the reference does);
 - RMSNorm as ``x * (1 + w)`` in float32, and four norms a layer: before and after attention, before and after the
   MLP, each sublayer's output normed before it joins the residual stream;
-- per-head RMSNorm of queries and keys (QK-norm) before RoPE; attention scaled by query_pre_attn_scalar^-0.5;
-- interleaved attention: most layers see a sliding window of the last ``sliding_window`` keys and rotate with the
-  local RoPE base, every ``sliding_window_pattern``-th layer sees everything with the global base;
+- attention scaled by query_pre_attn_scalar^-0.5;
+- interleaved attention: some layers see a sliding window of the last ``sliding_window`` keys, the others see
+  everything (``layer_types``: Gemma 2 alternates them, Gemma 3 has one global layer in six);
 - GeGLU MLP (gelu with the tanh approximation), and logit soft-capping where the config has it.
+
+What sets them apart is in the config (``ModelConfig``): Gemma 3 norms each head's queries and keys before RoPE
+(``qk_norm``) and rotates its local layers with their own RoPE base (``rope_local_theta``); Gemma 2 soft-caps the
+attention scores (``attn_logit_softcapping``: the C++ CPU kernel cannot, so those layers run the PyTorch reference
+attention, layers/attention/cpu_kernel.py).
 """
 
 from __future__ import annotations
@@ -42,20 +47,24 @@ class Gemma3Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, config.hidden_size)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.window = config.sliding_window if sliding else None
+        self.softcap = config.attn_logit_softcapping
 
     def forward(self, rope: RotaryStep, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         qk = rope.rotate_(torch.cat([q, k], dim=1))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window,
+                              softcap=self.softcap)
         return self.o_proj(out.flatten(1))
 
 
@@ -96,8 +105,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                             config.rope_local_theta or config.rope_theta)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, sliding=kind == "sliding_attention")
-                                    for kind in config.layer_types)
+        kinds = config.layer_types or ["full_attention"] * config.num_layers
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, sliding=kind == "sliding_attention") for kind in kinds)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()

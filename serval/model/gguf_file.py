@@ -1,5 +1,5 @@
-"""Reads a Llama-family or Gemma 3 GGUF file: its header as a ModelConfig, its tensors dequantized under Hugging Face
-names."""
+"""Reads a GGUF file of an architecture llama.cpp writes (llama, which Mistral is written as too; qwen2; qwen3;
+gemma3): its header as a ModelConfig, its tensors dequantized under Hugging Face names."""
 
 from __future__ import annotations
 
@@ -37,7 +37,16 @@ _GEMMA3_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-ARCHITECTURES = ("llama", "gemma3")
+# Qwen3's layers: Qwen2's (whose q/k/v biases are blk.N.attn_{q,k,v}.bias) and a per-head RMSNorm of q and k.
+_QWEN3_LAYER_NAMES = {**_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_ARCH_LAYER_NAMES = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES,
+                     "gemma3": _GEMMA3_LAYER_NAMES}
+# general.architecture values that load. llama.cpp's converter writes MistralForCausalLM as "llama" and keeps no
+# sliding window (its LlamaModel has no such key; llama.cpp then attends to every key, and so does this loader).
+ARCHITECTURES = tuple(_ARCH_LAYER_NAMES)
+# Only for "llama" does the converter interleave each head's q/k rows (llama.cpp's RoPE there rotates adjacent
+# pairs); qwen2, qwen3 and gemma3 run NEOX RoPE on rows stored as Hugging Face has them (rotate-half).
+_ROPE_PERMUTED = ("llama",)
 # GGUF block types that the block kernel reads as stored: bytes per block of 32 weights.
 BLOCK_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
@@ -63,8 +72,11 @@ class GGUFModelFile:
         names = {t.name for t in self.reader.tensors}
         vocab = self.field(f"{arch}.vocab_size") or len(self.field("tokenizer.ggml.tokens"))
         scaling = None
-        if self.field(f"{arch}.rope.scaling.type") in ("linear",):
+        kind = self.field(f"{arch}.rope.scaling.type")
+        if kind == "linear":
             scaling = {"rope_type": "linear", "factor": float(self.field(f"{arch}.rope.scaling.factor"))}
+        elif kind not in (None, "none"):  # e.g. yarn (long-context Qwen2.5 files): refused, not silently dropped
+            raise ValueError(f"{self.path.name}: rope scaling {kind!r} is not supported (linear, llama3's rope_freqs)")
         freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is not None:
             # llama.cpp stores Llama 3.1+ RoPE scaling as one divisor per rotary frequency, not in the header.
@@ -99,10 +111,13 @@ class GGUFModelFile:
             eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
             architecture=arch,
             name=str(self.field("general.name", self.path.stem)),
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch in ("qwen3", "gemma3"),  # per-head q/k RMSNorm
         )
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor) pairs. q/k rows are put back from llama.cpp's RoPE order."""
+        """(Hugging Face name, float32 tensor) pairs. q/k rows of "llama" files are put back from llama.cpp's RoPE
+        order."""
         for tensor in self.reader.tensors:
             qtype = GGMLQuantizationType(tensor.tensor_type)
             if qtype.name not in SUPPORTED_TYPES:
@@ -113,12 +128,11 @@ class GGUFModelFile:
             shape = tuple(int(d) for d in reversed(tensor.shape))
             array = np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
             weight = torch.from_numpy(array)
-            if self.architecture == "gemma3":  # NEOX RoPE: no row permutation; norms stored as 1 + w
-                if name.endswith("norm.weight"):
-                    weight = weight - 1
-            elif name.endswith("q_proj.weight"):
+            if self.architecture == "gemma3" and name.endswith("norm.weight"):  # stored as 1 + w
+                weight = weight - 1
+            elif self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_heads)
-            elif name.endswith("k_proj.weight"):
+            elif self.architecture in _ROPE_PERMUTED and name.endswith("k_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_kv_heads)
             yield name, weight
 
@@ -134,9 +148,9 @@ class GGUFModelFile:
             in_features, out_features = (int(d) for d in tensor.shape)
             raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
             weight = _to_block_weight(qtype.name, raw.reshape(out_features, in_features // 32, -1), in_features)
-            if self.architecture == "llama" and name.endswith("q_proj.weight"):  # Gemma: NEOX RoPE, not permuted
+            if self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_heads)
-            elif self.architecture == "llama" and name.endswith("k_proj.weight"):
+            elif self.architecture in _ROPE_PERMUTED and name.endswith("k_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_kv_heads)
             yield name, weight
 
@@ -160,10 +174,10 @@ def _unpermute_blocks(weight: BlockWeight, num_heads: int) -> BlockWeight:
 
 
 def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m:
-        sub = (_GEMMA3_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES).get(m.group(2))
-        return None if sub is None else f"model.layers.{m.group(1)}.{sub}.weight"
+        sub = _ARCH_LAYER_NAMES[architecture].get(m.group(2))
+        return None if sub is None else f"model.layers.{m.group(1)}.{sub}.{m.group(3)}"
     m = re.fullmatch(r"(\w+)\.weight", gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
         base = _GLOBAL_NAMES[m.group(1)]

@@ -1,13 +1,14 @@
 """The Llama decoder (Llama 2/3, SmolLM, ...): RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Qwen2/2.5, Qwen3 and Mistral are this decoder with options that their config.json turns on (model/hf_config.py):
-q/k/v biases (``qkv_bias``), a per-head RMSNorm of queries and keys before RoPE (``qk_norm``), and sliding-window
-layers (``layer_types`` and ``sliding_window``).
+Qwen2/2.5, Qwen3, Mistral and Phi-3 are this decoder with options that their config.json turns on
+(model/hf_config.py): q/k/v biases (``qkv_bias``), a per-head RMSNorm of queries and keys before RoPE (``qk_norm``),
+sliding-window layers (``layer_types`` and ``sliding_window``), LongRoPE (``rope_scaling``). Phi-3's checkpoints store
+q/k/v and gate/up fused, as this decoder holds them: ``split_fused_weights`` names their parts as Llama's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -18,6 +19,30 @@ from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
 from serval.layers.norm import RMSNorm
 from serval.layers.rotary import RotaryEmbedding, RotaryStep
+
+
+def split_fused_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                        config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors with fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3) as their q/k/v and gate/up parts under
+    Llama's names (views, no copies), so that every later step of loading (tensor-parallel slices, the fusing load)
+    sees one naming; other tensors pass as they are."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    parts = {"self_attn.qkv_proj": [("self_attn.q_proj", q_size), ("self_attn.k_proj", kv_size),
+                                    ("self_attn.v_proj", kv_size)],
+             "mlp.gate_up_proj": [("mlp.gate_proj", config.intermediate_size),
+                                  ("mlp.up_proj", config.intermediate_size)]}
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        fused = next((f for f in parts if prefix.endswith(f)), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        names = [prefix.removesuffix(fused) + part for part, _ in parts[fused]]
+        sizes = [size for _, size in parts[fused]]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"weight {name!r}: {tensor.shape[0]} rows, not the {sum(sizes)} of its parts")
+        for part, piece in zip(names, tensor.split(sizes)):
+            yield f"{part}.{leaf}", piece
 
 
 class LlamaAttention(nn.Module):

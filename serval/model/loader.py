@@ -16,14 +16,15 @@ from serval.layers.linear import probe_row_padding, quantize_linears
 from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
 from serval.model.hf_config import read_hf_config
-from serval.model.llama import LlamaForCausalLM
+from serval.model.llama import LlamaForCausalLM, split_fused_weights
 from serval.model.parallel import PipelineStage, TensorParallelShard
 
 logger = logging.getLogger(__name__)
 
 # ModelConfig.architecture (a GGUF file's, or the family model/hf_config.py reads) → its model definition.
 _MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-                  "qwen3": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
+                  "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "gemma2": Gemma3ForCausalLM,
+                  "gemma3": Gemma3ForCausalLM}
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu", quantization: str = "auto",
@@ -41,7 +42,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         total = len(gguf.reader.tensors)
     else:
         config = read_hf_config(path)
-        weights = _safetensors_weights(path)
+        weights = split_fused_weights(_safetensors_weights(path), config)
         total = None
     model_cls = _MODEL_CLASSES[config.architecture]
     shard = TensorParallelShard(config, group.tensor_rank, group.tensor_size) if parallel else None

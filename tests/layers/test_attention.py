@@ -81,6 +81,40 @@ def test_attention_matches_a_float64_softmax(path):
     assert (got - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("path", PATHS)
+@torch.inference_mode()
+def test_soft_capped_scores_match_a_float64_softmax_and_stay_batch_invariant(path):
+    """Gemma 2's attention logit soft-capping (scores capped by softcap * tanh(s / softcap)), with a sliding window:
+    rows of a chunk are within float32 error of a float64 softmax of the capped scores, and a query's result is
+    bitwise the same as a decode alone, beside other decodes, or in a chunk. On the kernel's backend soft-capped
+    layers run the PyTorch reference: bitwise its result."""
+    cache, queries = _setup(torch.float32)
+    queries = queries * 4  # scores of several units, so that a cap of 2 changes them a lot
+    blocks, softcap, window, scale = [3, 7, 1], 2.0, 24, DIM**-0.5
+    flat_k, flat_v = cache[0].view(-1, KV_HEADS, DIM), cache[1].view(-1, KV_HEADS, DIM)
+
+    def attend(seqs: list[ScheduledSequence], q: torch.Tensor, backend: str = path) -> torch.Tensor:
+        meta = _backend(backend, q.dtype).build_metadata(seqs)
+        return paged_attention(q, flat_k[meta.slot_mapping], flat_v[meta.slot_mapping], cache[0], cache[1], meta,
+                               scale, window=window, softcap=softcap)
+
+    chunk = attend([ScheduledSequence(blocks, 30, 10)], queries[30:40])
+    keys = cache[0, blocks].flatten(0, 1)[:40].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    values = cache[1, blocks].flatten(0, 1)[:40].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", queries[30:40].double(), keys) * scale
+    capped = torch.tanh(scores / softcap) * softcap
+    q_pos, key_pos = torch.arange(30, 40)[:, None], torch.arange(40)[None, :]
+    outside = (key_pos > q_pos) | (key_pos <= q_pos - window)
+    want = torch.einsum("hqk,khd->qhd", capped.masked_fill(outside, float("-inf")).softmax(-1), values)
+    uncapped = torch.einsum("hqk,khd->qhd", scores.masked_fill(outside, float("-inf")).softmax(-1), values)
+    assert (chunk.double() - want).abs().max() < 1e-5 < (uncapped - want).abs().max() / 100
+    alone = attend([ScheduledSequence(blocks, 39, 1)], queries[39:40])
+    beside = attend([ScheduledSequence([0, 2, 4, 5], 60, 1), ScheduledSequence(blocks, 39, 1)],
+                    torch.stack([queries[60], queries[39]]))
+    assert torch.equal(alone[0], chunk[-1]) and torch.equal(beside[1], chunk[-1])
+    assert torch.equal(chunk, attend([ScheduledSequence(blocks, 30, 10)], queries[30:40], "float64"))
+
+
 @torch.inference_mode()
 def test_without_the_kernel_the_runner_selects_the_float64_path(monkeypatch):
     """SERVAL_CPU_KERNELS=0 (or a machine that cannot build it): the backend the runner selects gives the float64

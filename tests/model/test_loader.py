@@ -20,10 +20,11 @@ def test_load_model_is_annotated_with_every_type_it_returns():
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Phi3ForCausalLM"]}))
-    with pytest.raises(ValueError, match="'Phi3ForCausalLM' is not supported") as refused:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported") as refused:
         loader.load_model(tmp_path, torch.float32)
-    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+                 "Gemma2ForCausalLM"):
         assert name in str(refused.value)
 
 
@@ -46,7 +47,11 @@ SHAPE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hi
      ["full_attention"] * 3),  # transformers' max_window_layers default, 28, is past the last layer
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 8}, ["sliding_attention"] * 3),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None),
-], ids=["qwen2-off", "qwen2-from-layer-1", "qwen3-default-max-window-layers", "mistral", "mistral-none"])
+    ({"architectures": ["Phi3ForCausalLM"], "sliding_window": 8}, ["sliding_attention"] * 3),
+    ({"architectures": ["Gemma2ForCausalLM"], "sliding_window": 8},
+     ["sliding_attention", "full_attention", "sliding_attention"]),
+], ids=["qwen2-off", "qwen2-from-layer-1", "qwen3-default-max-window-layers", "mistral", "mistral-none", "phi3",
+        "gemma2-alternating"])
 def test_sliding_layers_from_a_config_json_without_layer_types(tmp_path, written, layer_types):
     """config.json files that transformers 4 wrote (most checkpoints on disk) carry no ``layer_types``: Qwen's
     use_sliding_window / max_window_layers and Mistral's sliding_window give the same list transformers derives."""
@@ -54,3 +59,28 @@ def test_sliding_layers_from_a_config_json_without_layer_types(tmp_path, written
     config = read_hf_config(tmp_path)
     assert config.layer_types == layer_types
     assert config.sliding_window == (8 if layer_types else None)
+
+
+def test_phi3s_older_longrope_form_and_gemma2s_defaults(tmp_path):
+    """Phi-3 files written before transformers 5 name LongRoPE "su" (or "longrope") in ``rope_scaling`` and keep the
+    original context beside it: read as one "longrope" dict. A Gemma 2 config.json that leaves out the caps, the
+    window and the tying gets transformers' defaults."""
+    factors = [1.0] * 8
+    (tmp_path / "config.json").write_text(json.dumps({
+        **SHAPE, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 64,
+        "rope_scaling": {"type": "su", "short_factor": factors, "long_factor": factors}}))
+    assert read_hf_config(tmp_path).rope_scaling == {"type": "su", "rope_type": "longrope", "short_factor": factors,
+                                                     "long_factor": factors, "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "architectures": ["Gemma2ForCausalLM"]}))
+    config = read_hf_config(tmp_path)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping, config.sliding_window) == (50.0, 30.0, 4096)
+    assert config.tie_word_embeddings and not config.qk_norm and config.layer_types[:2] == ["sliding_attention",
+                                                                                           "full_attention"]
+
+
+def test_a_partial_rotary_factor_is_refused(tmp_path):
+    """Phi-4-mini's Phi3ForCausalLM rotates three quarters of each head; RoPE here rotates whole heads."""
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "architectures": ["Phi3ForCausalLM"],
+                                                      "partial_rotary_factor": 0.75}))
+    with pytest.raises(ValueError, match="partial_rotary_factor is not supported"):
+        read_hf_config(tmp_path)

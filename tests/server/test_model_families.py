@@ -1,6 +1,7 @@
 """`serval serve --model DIR` on a Hugging Face safetensors directory of each architecture (tiny random Llama 3,
-Qwen2, Qwen3 and Mistral models with SmolLM2's tokenizer beside them): one streamed chat each through the official
-openai client answers transformers' greedy text, with the directory's chat template and its stop tokens."""
+Qwen2, Qwen3, Mistral, Phi-3 and Gemma 2 models with SmolLM2's tokenizer beside them): one streamed chat each
+through the official openai client answers transformers' greedy text, with the directory's chat template and its
+stop tokens."""
 
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ def _stop_position(tokens: list[int], eos: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(request, tmp_path_factory):
     """family -> (its server, the chat's prompt length through the directory's template as transformers renders
-    it, transformers' greedy tokens up to and with the stop id, their text); every server starts before any is
-    waited for, so their loads overlap."""
+    it, transformers' greedy tokens up to and with the stop id, their text), for the families whose test this run
+    selected; every server starts before any is waited for, so their loads overlap."""
+    selected = [item.callspec.params["family"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
     tokenizer = Tokenizer.load(MODEL_PATH)
     hf_tokenizer = tokenizer.hf_tokenizer
     eos = hf_tokenizer.eos_token_id
@@ -41,7 +44,7 @@ def served(tmp_path_factory):
     ids = torch.tensor([prompt])
     launched = {}
     try:
-        for family in FAMILY_OVERRIDES:
+        for family in selected:
             directory = tmp_path_factory.mktemp(family)
             hf = save_family_dir(directory, family, hf_tokenizer)
             with torch.no_grad():

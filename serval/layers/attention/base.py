@@ -65,9 +65,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
+               softcap: float | None = None) -> torch.Tensor:
         """Attention [T, H, D] of queries q [T, H, D] over the cache, which already holds this step's keys
-        (k and v are the same new keys, for a backend that reads them directly)."""
+        (k and v are the same new keys, for a backend that reads them directly); with ``softcap``, each scaled score
+        s becomes softcap * tanh(s / softcap) before the softmax."""
 
     def slot_mapping(self, seqs: list[ScheduledSequence]) -> torch.Tensor:
         """[T] the flat cache slot of each new token of ``seqs``."""
@@ -88,8 +90,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,  # attend to each query's last ``window`` keys only (a sliding-window layer)
+    softcap: float | None = None,  # scores soft-capped to (-softcap, softcap) by tanh (Gemma 2)
 ) -> torch.Tensor:
     """One layer's attention for a step: writes the new keys and values into the cache, then attends, by the backend
     that built ``meta``."""
     meta.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return meta.backend.attend(q, k, v, k_cache, v_cache, meta, scale, window)
+    return meta.backend.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)

@@ -66,7 +66,8 @@ class TorchReferenceBackend(AttentionBackend):
         write_kv(v_cache, v, slot_mapping)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: TorchReferenceMetadata, scale: float, window: int | None) -> torch.Tensor:
+               v_cache: torch.Tensor, meta: TorchReferenceMetadata, scale: float, window: int | None,
+               softcap: float | None = None) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[2]
         out = torch.empty_like(q)
         num_decodes = meta.num_decode_tokens
@@ -82,7 +83,7 @@ class TorchReferenceBackend(AttentionBackend):
             if window:  # each decode's position is its number of keys in context, minus one
                 positions = mask.sum(-1, keepdim=True) - 1
                 mask = mask & (torch.arange(mask.shape[-1], device=q.device) > positions - window)
-            attn = _attend(query, keys, values, mask, scale)
+            attn = _attend(query, keys, values, mask, scale, softcap)
             out[:num_decodes] = attn.view(num_decodes, -1, head_dim)
         for chunk in meta.prefills:
             start, end = chunk.query_start, chunk.query_start + chunk.query_len
@@ -102,19 +103,22 @@ class TorchReferenceBackend(AttentionBackend):
             query = q[start:end].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
                 num_kv_heads, -1, head_dim)
             rows_mask = mask[:, None, :].expand(-1, group, -1).reshape(q_len * group, -1)
-            attn = _attend(query, keys.transpose(0, 1), values.transpose(0, 1), rows_mask, scale)
+            attn = _attend(query, keys.transpose(0, 1), values.transpose(0, 1), rows_mask, scale, softcap)
             out[start:end] = attn.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1).reshape(q_len, -1,
                                                                                                    head_dim)
         return out
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v in float64, cast back to the query's dtype.
+            scale: float, softcap: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v in float64, cast back to the query's dtype; with ``softcap``, the scores
+    softcap * tanh(scores / softcap).
 
     query [..., M, dim], keys and values [..., L, dim], mask broadcastable to [..., M, L] (True: the key is in
     context)."""
     scores = torch.matmul(query.double(), keys.double().transpose(-1, -2)).mul_(scale)
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, values.double()).to(query.dtype)

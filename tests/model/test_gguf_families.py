@@ -1,0 +1,117 @@
+"""Qwen2, Qwen3 and Mistral from GGUF files written as llama.cpp's converter writes them (tiny_models.write_gguf:
+architectures qwen2, qwen3, and llama for Mistral; llama.cpp's tensor names; q/k rows permuted for llama only; the
+embedded SmolLM2's tokenizer and chat template in the header): float32 logits equal transformers' on the weights the
+file holds, and greedy chat text equals transformers' generate.
+
+llama.cpp's converter writes no sliding window for MistralForCausalLM (nor for Qwen2's), and llama.cpp then attends
+to every key: the Mistral here has a window of 8 keys in its config.json, and its GGUF file runs as transformers runs
+the same weights without one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from real_model import MODEL_PATH, requires_model
+from test_families import CHATS, LONG, _llm, hf_tokenizer_ids
+from test_llama import FP32_REL, assert_logits_close
+from tiny_models import full_logits, gguf_tokenizer_fields, hf_logits, tiny_family, write_gguf
+
+from serval.layers.linear import BlockQuantLinear
+from serval.model.gguf_file import GGUFModelFile
+from serval.model.loader import load_model
+from serval.sampling_params import SamplingParams
+from serval.tokenizer import Tokenizer
+
+pytestmark = requires_model  # the tokenizer fields are the embedded SmolLM2's
+
+# What sets each family apart, switched on: Qwen3's head_dim wider than hidden / heads (as in Qwen3-0.6B), so the
+# file carries attention.key_length; Mistral's window, which the file drops.
+FAMILIES = {"qwen2": {}, "qwen3": {"head_dim": 32}, "mistral": {"sliding_window": 8}}
+GGUF_ARCHITECTURE = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_fields() -> list[tuple]:
+    return gguf_tokenizer_fields(MODEL_PATH)
+
+
+def _tiny(name: str, **overrides) -> torch.nn.Module:
+    # SmolLM2's vocabulary and special ids, so that the copied tokenizer fits.
+    return tiny_family(name, num_hidden_layers=3, vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                       **{**FAMILIES[name], **overrides})
+
+
+def _reference(name: str, stored: dict) -> torch.nn.Module:
+    """transformers' model of ``name`` on the weights the file holds, without a sliding window (none is in the
+    file)."""
+    ref = _tiny(name, sliding_window=None) if name == "mistral" else _tiny(name)
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()}, strict=False)
+    return ref
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize(("qtype", "quantization"), [("F32", "none"), ("F16", "none"), ("Q8_0", "gguf")],
+                         ids=["F32", "F16", "Q8_0-in-place"])
+def test_fp32_logits_match_transformers(tmp_path: Path, name: str, qtype: str, quantization: str) -> None:
+    path = tmp_path / f"{name}.gguf"
+    stored = write_gguf(path, _tiny(name), qtype)
+    ours = load_model(path, torch.float32, quantization=quantization)
+    config = ours.config
+    assert (config.architecture, config.qkv_bias, config.qk_norm) == (GGUF_ARCHITECTURE[name], name == "qwen2",
+                                                                       name == "qwen3")
+    assert [layer.self_attn.window for layer in ours.layers] == [None] * 3
+    if quantization == "gguf":  # every linear reads the file's Q8_0 blocks, the biases and norms beside them
+        assert sum(isinstance(m, BlockQuantLinear) for m in ours.modules()) == 4 * config.num_layers + 1
+    want = hf_logits(_reference(name, stored), LONG)
+    got = full_logits(ours, LONG)
+    print(f"{name} {qtype}: max |ours - transformers| = {(got - want).abs().max():.3g}, logit scale "
+          f"{want.abs().max():.3g}")
+    assert_logits_close(got, want, FP32_REL)
+
+
+def test_qwen_query_rows_load_as_stored(tmp_path: Path) -> None:
+    """llama.cpp permutes q/k rows for arch llama only: a qwen2 file's rows are the model's as stored."""
+    stored = write_gguf(tmp_path / "qwen2.gguf", _tiny("qwen2"), "F32")
+    ours = load_model(tmp_path / "qwen2.gguf", torch.float32, quantization="none")
+    q_rows = ours.config.num_heads * ours.config.head_dim
+    loaded_q = ours.layers[0].self_attn.qkv_proj.weight[:q_rows]
+    assert torch.equal(loaded_q, torch.from_numpy(stored["model.layers.0.self_attn.q_proj.weight"]))
+
+
+def test_yarn_rope_scaling_is_refused(tmp_path: Path) -> None:
+    """llama.cpp writes long-context Qwen2 files with YaRN, which the rotary embedding lacks: refused, not dropped."""
+    writer = gguf.GGUFWriter(str(tmp_path / "yarn.gguf"), "qwen2")
+    for add, value in [(writer.add_embedding_length, 64), (writer.add_head_count, 4), (writer.add_vocab_size, 256),
+                       (writer.add_feed_forward_length, 128), (writer.add_block_count, 1),
+                       (writer.add_context_length, 256), (writer.add_rope_scaling_factor, 4.0)]:
+        add(value)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_tensor("token_embd.weight", np.zeros((256, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        GGUFModelFile(tmp_path / "yarn.gguf").model_config()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_chat_equals_transformers_generate(tmp_path: Path, tokenizer_fields: list[tuple], name: str) -> None:
+    """The tokenizer and chat template come from the file's own header; the Q8_0 blocks are read in place."""
+    path = tmp_path / f"{name}.gguf"
+    stored = write_gguf(path, _tiny(name), "Q8_0", tokenizer=tokenizer_fields)
+    hf, tokenizer = _reference(name, stored), Tokenizer.load(path)
+    assert "<|im_start|>" in tokenizer.chat_template
+    llm = _llm(path, load_model(path, torch.float32), tokenizer)
+    outputs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    for chat, output in zip(CHATS, outputs):
+        ids = torch.tensor([hf_tokenizer_ids(tokenizer, chat)])
+        assert output.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                                 eos_token_id=sorted(tokenizer.eos_token_ids), pad_token_id=tokenizer.eos_token_id)
+        assert output.outputs[0].token_ids == theirs[0, ids.shape[1]:].tolist()
