@@ -38,7 +38,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from serval.cluster.config import RayServeConfig
 from serval.cluster.policy import Replica, VariantRules, make_policy, prompt_text
-from serval.cluster.router import error_response, sse_error
+from serval.cluster.proxy import error_response, sse_error
 from serval.lifetime import ending_with_parent
 
 logger = logging.getLogger("serval.ray_serve")
