@@ -241,6 +241,7 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
           file=sys.stderr, flush=True)
     print(f"serval: sampling defaults {engine.sampling_defaults.describe()}; a request's own values win",
           file=sys.stderr, flush=True)
+    print(f"serval: chat template: {engine.tokenizer.chat_template_source}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            access_log=False,  # serval.requests has a line per request already
                                            # a backstop: the drain has aborted what still ran by then

@@ -13,9 +13,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Gemma 3's chat format, for GGUF files that carry no template: turns of <start_of_turn>{user|model}\n ...
+# Gemma's chat format, for Gemma 2 and 3 GGUF files that carry no template: turns of <start_of_turn>{user|model}\n ...
 # <end_of_turn>\n after <bos>, a system message prefixed to the first user turn, and roles that alternate.
-GEMMA3_CHAT_TEMPLATE = (
+GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
     "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
@@ -27,6 +27,29 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
+# The fallbacks for any other model whose files carry no chat template (named in the log and in /v1/models): ChatML
+# where the vocabulary has its two special tokens (the model likely saw it in training, as Qwen's base models did),
+# else one "role: content" line per message, after BOS, ending in "assistant:".
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+PLAIN_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+CHATML_FALLBACK = "fallback: ChatML (<|im_start|>role ... <|im_end|>)"
+PLAIN_FALLBACK = "fallback: plain 'role: content' lines"
+# Special tokens that end a turn, which llama.cpp stops at in any GGUF file whose vocabulary has them (llama-vocab.cpp's
+# end-of-generation set): a file's header often names only the end of the text as its eos (Phi-3's <|endoftext|>, not
+# its <|end|>).
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
+                      "<｜end▁of▁sentence｜>")
+# Where a Hugging Face directory's chat template lives: transformers 5 writes chat_template.jinja (and reads it
+# itself); processors wrote chat_template.json ({"chat_template": ...}); older tokenizers keep it in
+# tokenizer_config.json.
+CHAT_TEMPLATE_JSON = "chat_template.json"
 
 
 class Tokenizer:
@@ -36,7 +59,8 @@ class Tokenizer:
     clean-up), so :meth:`decode` and :class:`IncrementalDetokenizer` agree on the text.
     """
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None) -> None:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None,
+                 chat_template_source: str | None = None) -> None:
         self.hf_tokenizer = hf_tokenizer
         self._backend = hf_tokenizer.backend_tokenizer
         # len() counts added tokens too, so every id the tokenizer can produce is < vocab_size.
@@ -47,30 +71,37 @@ class Tokenizer:
         if self.eos_token_id is not None:
             ids.add(self.eos_token_id)
         self.eos_token_ids: set[int] = ids
-        self.chat_template: str | None = hf_tokenizer.chat_template or None
+        self.chat_template: str | dict | None = hf_tokenizer.chat_template or None
+        # Where the chat template came from, or which fallback stands in for it (the log, /v1/models).
+        self.chat_template_source: str = chat_template_source or ("the tokenizer" if self.chat_template else "none")
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
-        """Load from a ``.gguf`` file (tokenizer built from its metadata) or a Hugging Face model directory."""
+        """Load from a ``.gguf`` file (tokenizer built from its metadata) or a Hugging Face model directory, with the
+        model's own chat template and end-of-sequence ids; a model without a template gets a fallback (a warning
+        names it)."""
         path = Path(path).expanduser()
         if path.is_file() and path.suffix == ".gguf":
             hf = _load_hf_tokenizer(path.parent, gguf_file=path.name)
             meta = _gguf_scalar_metadata(path)
-            # llama.cpp's end-of-generation set: eos plus end-of-turn / end-of-message tokens.
+            # llama.cpp's end-of-generation set: eos, end-of-turn and end-of-message from the header, and the
+            # turn-ending special tokens of the vocabulary.
             keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            eos_ids = {int(meta[k]) for k in keys if isinstance(meta.get(k), int)}
-            if meta.get("general.architecture") == "gemma3":
-                # Gemma's turns end with <end_of_turn>; a file without a chat template gets Gemma 3's own.
-                eos_ids.add(hf.convert_tokens_to_ids("<end_of_turn>"))
-                hf.chat_template = hf.chat_template or GEMMA3_CHAT_TEMPLATE
-            return cls(hf, eos_ids)
-        if path.is_dir():
+            eos_ids = {int(meta[k]) for k in keys if isinstance(meta.get(k), int)} | _end_of_turn_ids(hf)
+            source = "tokenizer.chat_template in the GGUF header"
+            if not hf.chat_template and meta.get("general.architecture") in ("gemma2", "gemma3"):
+                hf.chat_template, source = GEMMA_CHAT_TEMPLATE, "Serval's Gemma template (the GGUF header has none)"
+        elif path.is_dir():
             hf = _load_hf_tokenizer(path)
-            if not hf.chat_template:
-                logger.warning("%s: the tokenizer config has no chat template, so chat requests are refused (400) and "
-                               "plain completions work", path)
-            return cls(hf, _hf_dir_eos_ids(path))
-        raise FileNotFoundError(f"tokenizer path {str(path)!r} is neither a .gguf file nor a directory")
+            eos_ids = _hf_dir_eos_ids(path)
+            source = _hf_dir_chat_template(path, hf)
+        else:
+            raise FileNotFoundError(f"tokenizer path {str(path)!r} is neither a .gguf file nor a directory")
+        if not hf.chat_template:
+            hf.chat_template, source, extra_eos = _fallback_chat_template(hf)
+            eos_ids |= extra_eos
+            logger.warning("%s: the model's files carry no chat template; chats use the %s", path, source)
+        return cls(hf, eos_ids, source)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the model's post-processor adds (e.g. BOS)."""
@@ -83,7 +114,8 @@ class Tokenizer:
     @property
     def chat_template_renders_tools(self) -> bool:
         """Whether the chat template takes a ``tools`` list (else tools are written into the prompt by hand)."""
-        return "tools" in (self.chat_template or "")
+        templates = self.chat_template if isinstance(self.chat_template, dict) else {"": self.chat_template or ""}
+        return any("tools" in template for template in templates.values())
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> str:
@@ -208,6 +240,39 @@ def _load_hf_tokenizer(directory: Path, gguf_file: str | None = None) -> Any:
     if getattr(hf, "backend_tokenizer", None) is None:
         raise ValueError(f"no fast (tokenizers) tokenizer could be built for {str(directory)!r}")
     return hf
+
+
+def _hf_dir_chat_template(directory: Path, hf: Any) -> str:
+    """Where ``hf``'s chat template came from (the file's name), after reading chat_template.json into it, which
+    transformers' tokenizers leave unread; "none" without a template."""
+    if (directory / "chat_template.jinja").is_file():
+        return "chat_template.jinja"
+    if hf.chat_template:
+        return "tokenizer_config.json"
+    file = directory / CHAT_TEMPLATE_JSON
+    if file.is_file():
+        template = json.loads(file.read_text()).get("chat_template")
+        if template:
+            hf.chat_template = template
+            return CHAT_TEMPLATE_JSON
+    return "none"
+
+
+def _fallback_chat_template(hf: Any) -> tuple[str, str, set[int]]:
+    """(template, its name, the end-of-turn ids it adds) for a tokenizer without a chat template."""
+    specials = _special_token_ids(hf)
+    if "<|im_start|>" in specials and "<|im_end|>" in specials:
+        return CHATML_TEMPLATE, CHATML_FALLBACK, {specials["<|im_end|>"]}
+    return PLAIN_CHAT_TEMPLATE, PLAIN_FALLBACK, set()
+
+
+def _special_token_ids(hf: Any) -> dict[str, int]:
+    return {token.content: token_id for token_id, token in hf.added_tokens_decoder.items() if token.special}
+
+
+def _end_of_turn_ids(hf: Any) -> set[int]:
+    specials = _special_token_ids(hf)
+    return {specials[text] for text in END_OF_TURN_TOKENS if text in specials}
 
 
 def _hf_dir_eos_ids(directory: Path) -> set[int]:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from serval.model.registry import resolve_model_path
-from serval.tokenizer import IncrementalDetokenizer, Tokenizer
+from serval.tokenizer import CHATML_FALLBACK, CHATML_TEMPLATE, IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.slow  # the real embedded GGUF
 
@@ -180,7 +180,8 @@ def test_load_hugging_face_directory(tok: Tokenizer, tmp_path) -> None:
 
 
 def test_a_directory_without_a_chat_template_says_so_in_the_log(tok: Tokenizer, tmp_path, caplog) -> None:
-    """The fallback where a tokenizer config has no chat template: named at load; chats refused, text still works."""
+    """The fallback where a tokenizer config has no chat template: named at load (ChatML: SmolLM2's vocabulary has
+    its tokens; tests/test_chat_templates.py has the rest); text still works."""
     tok.hf_tokenizer.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -188,8 +189,8 @@ def test_a_directory_without_a_chat_template_says_so_in_the_log(tok: Tokenizer, 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with caplog.at_level("WARNING", logger="serval.tokenizer"):
         hf_dir = Tokenizer.load(tmp_path)
-    assert hf_dir.chat_template is None
-    assert f"{tmp_path}: the tokenizer config has no chat template, so chat requests are refused" in caplog.text
-    with pytest.raises(ValueError, match="no chat template"):
-        hf_dir.apply_chat_template(QUESTION)
+    assert hf_dir.chat_template == CHATML_TEMPLATE and hf_dir.chat_template_source == CHATML_FALLBACK
+    assert f"{tmp_path}: the model's files carry no chat template; chats use the {CHATML_FALLBACK}" in caplog.text
+    assert hf_dir.render_chat(QUESTION) == ("<|im_start|>user\nWhat is the capital city of Korea?<|im_end|>\n"
+                                           "<|im_start|>assistant\n")
     assert hf_dir.encode("Seoul") == tok.encode("Seoul")

@@ -177,19 +177,25 @@ _GGUF_LAYER = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    # Phi-3's fused tensors (ffn_up holds gate and up)
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
+# Gemma's four norms a layer.
+_GGUF_GEMMA_LAYER = {**_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 # llama.cpp's general.architecture for each Hugging Face model_type (its converter writes Mistral as "llama").
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+             "gemma2": "gemma2"}
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     """llama.cpp's name of a Hugging Face tensor (``.weight`` or ``.bias``)."""
     name, _, kind = hf_name.removeprefix("model.").rpartition(".")
     if name.startswith("layers."):
         _, layer, sub = name.split(".", 2)
-        return f"blk.{layer}.{_GGUF_LAYER[sub]}.{kind}"
+        return f"blk.{layer}.{(_GGUF_GEMMA_LAYER if arch == 'gemma2' else _GGUF_LAYER)[sub]}.{kind}"
     return {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[name] + f".{kind}"
 
 
@@ -237,10 +243,13 @@ def encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
 
 def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0,
                tokenizer: list[tuple] | None = None) -> dict[str, np.ndarray]:
-    """Writes ``hf`` (a Llama, Mistral, Qwen2 or Qwen3) as llama.cpp's converter would: its architecture and
-    tensor names (GGUF_ARCH), 2-D weights in ``qtype``, norms and biases in F32, q/k rows permuted for "llama" only,
-    no sliding window (the converter writes none for these), RoPE scaling as the converter records it (linear:
-    header keys; llama3: a ``rope_freqs`` tensor), and the ``tokenizer`` fields (gguf_tokenizer_fields) if given.
+    """Writes ``hf`` (a Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma 2) as llama.cpp's converter would: its
+    architecture and tensor names (GGUF_ARCH), 2-D weights in ``qtype``, norms and biases in F32, q/k rows permuted
+    for "llama" only, no sliding window for Llama, Mistral and Qwen (the converter writes none for these), RoPE
+    scaling as the converter records it (linear: header keys; llama3: a ``rope_freqs`` tensor; Phi-3's LongRoPE: the
+    ``rope_factors_long/short`` tensors, the original context and attention factor in the header), Phi-3's fused
+    q/k/v and gate/up as they are, Gemma 2's norms as 1 + w, caps and window in the header and no head (the
+    converter drops it: the file is tied), and the ``tokenizer`` fields (gguf_tokenizer_fields) if given.
     Returns the weights the file really holds, under Hugging Face names, dequantized and un-permuted (what a correct
     loader must produce)."""
     cfg = hf.config
@@ -263,8 +272,22 @@ def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0,
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "phi3":  # 0: no window
+        w.add_sliding_window(cfg.sliding_window or 0)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    if arch == "gemma2":  # head_dim always, the caps and window; no RoPE base (llama.cpp's default, 10000)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
     rope = cfg.rope_parameters
-    if rope.get("rope_type") == "linear":
+    if rope.get("rope_type") == "longrope":
+        scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    elif rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
     elif rope.get("rope_type") == "llama3":
@@ -275,12 +298,13 @@ def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0,
         w.add_key_value(key, value, vtype, sub_type=item_type)
     stored: dict[str, np.ndarray] = {}
     for hf_name, param in hf.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if hf_name == "lm_head.weight" and (cfg.tie_word_embeddings or arch == "gemma2"):
             continue
         array = param.detach().float().numpy()
         if array.ndim == 1:
-            w.add_tensor(gguf_tensor_name(hf_name), array)
-            stored[hf_name] = array
+            shift = 1.0 if arch == "gemma2" and hf_name.endswith("norm.weight") else 0.0
+            w.add_tensor(gguf_tensor_name(hf_name, arch), array + shift)
+            stored[hf_name] = (array + shift) - shift  # what a loader reads back
             continue
         n_head = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
         permuted = arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name)
@@ -288,7 +312,7 @@ def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0,
             array = permute_rope(array, n_head)
         data = encode(array, qtype, rng)
         t = GGMLQuantizationType[qtype]
-        w.add_tensor(gguf_tensor_name(hf_name), data, raw_dtype=None if qtype == "F32" else t)
+        w.add_tensor(gguf_tensor_name(hf_name, arch), data, raw_dtype=None if qtype == "F32" else t)
         values = gguf.quants.dequantize(data, t).reshape(array.shape).astype(np.float32)
         stored[hf_name] = unpermute_rope(values, n_head) if permuted else values
     w.write_header_to_file()

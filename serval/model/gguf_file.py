@@ -1,5 +1,5 @@
-"""Reads a GGUF file of an architecture llama.cpp writes (llama, which Mistral is written as too; qwen2; qwen3;
-gemma3): its header as a ModelConfig, its tensors dequantized under Hugging Face names."""
+"""Reads a GGUF file of an architecture llama.cpp writes (llama, which Mistral is written as too; qwen2; qwen3; phi3;
+gemma2; gemma3): its header as a ModelConfig, its tensors dequantized under Hugging Face names."""
 
 from __future__ import annotations
 
@@ -39,13 +39,17 @@ _GEMMA3_LAYER_NAMES = {
 }
 # Qwen3's layers: Qwen2's (whose q/k/v biases are blk.N.attn_{q,k,v}.bias) and a per-head RMSNorm of q and k.
 _QWEN3_LAYER_NAMES = {**_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Phi-3's layers: q/k/v stored fused as attn_qkv and gate/up fused as ffn_up, under the fused Hugging Face names
+# (load_model splits them into Llama's parts, model/llama.py split_fused_weights).
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma 2's layers have Gemma 3's four norms (also stored as 1 + w) and no q/k norms.
 _ARCH_LAYER_NAMES = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES,
-                     "gemma3": _GEMMA3_LAYER_NAMES}
+                     "phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
 # general.architecture values that load. llama.cpp's converter writes MistralForCausalLM as "llama" and keeps no
 # sliding window (its LlamaModel has no such key; llama.cpp then attends to every key, and so does this loader).
 ARCHITECTURES = tuple(_ARCH_LAYER_NAMES)
 # Only for "llama" does the converter interleave each head's q/k rows (llama.cpp's RoPE there rotates adjacent
-# pairs); qwen2, qwen3 and gemma3 run NEOX RoPE on rows stored as Hugging Face has them (rotate-half).
+# pairs); the others run NEOX RoPE on rows stored as Hugging Face has them (rotate-half).
 _ROPE_PERMUTED = ("llama",)
 # GGUF block types that the block kernel reads as stored: bytes per block of 32 weights.
 BLOCK_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -77,19 +81,43 @@ class GGUFModelFile:
             scaling = {"rope_type": "linear", "factor": float(self.field(f"{arch}.rope.scaling.factor"))}
         elif kind not in (None, "none"):  # e.g. yarn (long-context Qwen2.5 files): refused, not silently dropped
             raise ValueError(f"{self.path.name}: rope scaling {kind!r} is not supported (linear, llama3's rope_freqs)")
-        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        freqs = self._vector("rope_freqs.weight")
         if freqs is not None:
             # llama.cpp stores Llama 3.1+ RoPE scaling as one divisor per rotary frequency, not in the header.
-            divisors = np.array(dequantize(freqs.data, GGMLQuantizationType(freqs.tensor_type)), dtype=np.float64)
-            scaling = {"rope_type": "divisors", "divisors": divisors.reshape(-1).tolist()}
+            scaling = {"rope_type": "divisors", "divisors": freqs}
+        long_factors = self._vector("rope_factors_long.weight")
+        if long_factors is not None:
+            # Phi-3's LongRoPE: the two factor lists as tensors, the original context and cos/sin factor in the header.
+            original = int(self.field(f"{arch}.rope.scaling.original_context_length"))
+            scaling = {"rope_type": "longrope", "long_factor": long_factors,
+                       "short_factor": self._vector("rope_factors_short.weight"),
+                       "original_max_position_embeddings": original}
+            attention_factor = self.field(f"{arch}.rope.scaling.attn_factor")
+            if attention_factor is not None:
+                scaling["attention_factor"] = float(attention_factor)
+        num_layers = int(self.field(f"{arch}.block_count"))
+        window = self.field(f"{arch}.attention.sliding_window")
         extra = {}
-        if arch == "gemma3":
+        if arch == "phi3" and window:
+            # Every layer slides, as transformers runs Phi-3 (llama.cpp has turned Phi's window off for now; 0 is its
+            # writer's "none", for Phi-4).
+            extra = dict(layer_types=["sliding_attention"] * num_layers, sliding_window=int(window))
+        elif arch == "gemma2":
+            head_dim = int(self.field(f"{arch}.attention.key_length", hidden // heads))
+            # Layers 0, 2, 4, ... slide. The header has no query_pre_attn_scalar: llama.cpp scales by the head size,
+            # but by hidden / heads for the 27B model (46 layers), as each model's config.json says.
+            extra = dict(layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                      for i in range(num_layers)],
+                         sliding_window=int(window) if window else 4096,  # (transformers' default)
+                         query_pre_attn_scalar=float(hidden // heads if num_layers == 46 else head_dim),
+                         final_logit_softcapping=self.field(f"{arch}.final_logit_softcapping"),
+                         attn_logit_softcapping=self.field(f"{arch}.attn_logit_softcapping"))
+        elif arch == "gemma3":
             # Not in the header: Gemma 3's fixed choices (a global layer every 6th, local RoPE base 10000, scale
             # by the head size), as llama.cpp and transformers assume them for these files.
-            num_layers = int(self.field(f"{arch}.block_count"))
             extra = dict(layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                       for i in range(num_layers)],
-                         sliding_window=int(self.field(f"{arch}.attention.sliding_window")),
+                         sliding_window=int(window),
                          rope_local_theta=10000.0,
                          query_pre_attn_scalar=float(self.field(f"{arch}.attention.key_length", hidden // heads)),
                          final_logit_softcapping=self.field(f"{arch}.final_logit_softcapping"))
@@ -98,7 +126,7 @@ class GGUFModelFile:
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{arch}.feed_forward_length")),
-            num_layers=int(self.field(f"{arch}.block_count")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(self.field(f"{arch}.attention.head_count_kv", heads)),
             head_dim=int(self.field(f"{arch}.attention.key_length", hidden // heads)),
@@ -115,6 +143,14 @@ class GGUFModelFile:
             qk_norm=arch in ("qwen3", "gemma3"),  # per-head q/k RMSNorm
         )
 
+    def _vector(self, name: str) -> list[float] | None:
+        """The values of the 1-D tensor ``name`` (RoPE factors), or None where the file has none."""
+        tensor = next((t for t in self.reader.tensors if t.name == name), None)
+        if tensor is None:
+            return None
+        values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
+        return np.array(values, dtype=np.float64).reshape(-1).tolist()
+
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor) pairs. q/k rows of "llama" files are put back from llama.cpp's RoPE
         order."""
@@ -128,7 +164,7 @@ class GGUFModelFile:
             shape = tuple(int(d) for d in reversed(tensor.shape))
             array = np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
             weight = torch.from_numpy(array)
-            if self.architecture == "gemma3" and name.endswith("norm.weight"):  # stored as 1 + w
+            if self.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # stored as 1 + w
                 weight = weight - 1
             elif self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_heads)
@@ -182,7 +218,7 @@ def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if m and m.group(1) in _GLOBAL_NAMES:
         base = _GLOBAL_NAMES[m.group(1)]
         return f"{base}.weight" if base == "lm_head" else f"model.{base}.weight"
-    return None  # e.g. rope_freqs: derived, not loaded
+    return None  # e.g. rope_freqs, rope_factors_*: read into the config, not loaded
 
 
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

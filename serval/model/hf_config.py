@@ -3,14 +3,17 @@
 Every family here but Gemma 2 is the Llama decoder (model/llama.py) with the options its config turns on; Gemma 2
 is the Gemma decoder (model/gemma3.py) without Gemma 3's options:
 
-| ``architectures``  | family  | options                                                                       |
-|--------------------|---------|-------------------------------------------------------------------------------|
-| LlamaForCausalLM   | llama   | rope scaling (llama3, linear)                                                 |
-| MistralForCausalLM | mistral | every layer sees the last ``sliding_window`` keys (when set)                  |
-| Qwen2ForCausalLM   | qwen2   | q/k/v biases; sliding layers from ``max_window_layers`` on if ``use_sliding_window`` |
-| Qwen3ForCausalLM   | qwen3   | per-head q/k RMSNorm; sliding layers as Qwen2                                 |
-| Phi3ForCausalLM    | phi3    | q/k/v and gate/up stored fused; LongRoPE scaling; sliding window as Mistral   |
-| Gemma2ForCausalLM  | gemma2  | attention and final logit soft-capping; sliding and global layers alternate   |
+| ``architectures``  | family  | GGUF (gguf_file.py) | options                                                         |
+|--------------------|---------|---------------------|-----------------------------------------------------------------|
+| LlamaForCausalLM   | llama   | llama               | rope scaling (llama3, linear; GGUF: rope_freqs)                 |
+| MistralForCausalLM | mistral | llama, no window    | every layer sees the last ``sliding_window`` keys (when set)    |
+| Qwen2ForCausalLM   | qwen2   | qwen2               | q/k/v biases; sliding layers from ``max_window_layers`` on if   |
+|                    |         |                     | ``use_sliding_window``                                          |
+| Qwen3ForCausalLM   | qwen3   | qwen3               | per-head q/k RMSNorm; sliding layers as Qwen2                   |
+| Phi3ForCausalLM    | phi3    | phi3                | q/k/v and gate/up stored fused; LongRoPE scaling (GGUF: the     |
+|                    |         |                     | rope_factors_long/short tensors); sliding window as Mistral     |
+| Gemma2ForCausalLM  | gemma2  | gemma2              | attention and final logit soft-capping; sliding and global      |
+|                    |         |                     | layers alternate                                                |
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     if path.suffix == ".gguf":
         gguf = GGUFModelFile(path)
         config = gguf.model_config()
-        weights = gguf.weights(config)
+        weights = split_fused_weights(gguf.weights(config), config)  # Phi-3's fused tensors
         total = len(gguf.reader.tensors)
     else:
         config = read_hf_config(path)
@@ -60,7 +60,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
             fresh = type(module)(*module.args)
             module.cos, module.sin = fresh.cos.to(device), fresh.sin.to(device)
     if quantization == "gguf":
-        blocks = gguf.block_weights(config)
+        blocks = split_fused_weights(gguf.block_weights(config), config)
         swapped = model.use_block_weights(blocks if shard is None else shard.shard_weights(blocks))
         logger.info("%d linears read the file's 4/8-bit blocks in place", swapped)
     elif quantization == "int8":

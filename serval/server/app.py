@@ -63,7 +63,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     async def models():
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": now(),
                                             "owned_by": "serval", "max_model_len": engine.max_model_len,
-                                            "sampling_defaults": engine.sampling_defaults.values}]}
+                                            "sampling_defaults": engine.sampling_defaults.values,
+                                            "chat_template": engine.tokenizer.chat_template_source}]}
 
     @app.api_route("/engine/state", methods=READ_METHODS)
     async def engine_state():

@@ -1,11 +1,12 @@
-"""Qwen2, Qwen3 and Mistral from GGUF files written as llama.cpp's converter writes them (tiny_models.write_gguf:
-architectures qwen2, qwen3, and llama for Mistral; llama.cpp's tensor names; q/k rows permuted for llama only; the
-embedded SmolLM2's tokenizer and chat template in the header): float32 logits equal transformers' on the weights the
-file holds, and greedy chat text equals transformers' generate.
+"""Qwen2, Qwen3, Mistral, Phi-3 and Gemma 2 from GGUF files written as llama.cpp's converter writes them
+(tiny_models.write_gguf: architectures qwen2, qwen3, phi3, gemma2, and llama for Mistral; llama.cpp's tensor names;
+q/k rows permuted for llama only; Phi-3's fused q/k/v and gate/up and its LongRoPE factors as tensors; Gemma 2's
+norms as 1 + w, caps and window in the header; the embedded SmolLM2's tokenizer and chat template in the header):
+float32 logits equal transformers' on the weights the file holds, and greedy chat text equals transformers' generate.
 
 llama.cpp's converter writes no sliding window for MistralForCausalLM (nor for Qwen2's), and llama.cpp then attends
 to every key: the Mistral here has a window of 8 keys in its config.json, and its GGUF file runs as transformers runs
-the same weights without one."""
+the same weights without one. Phi-3's and Gemma 2's files keep their windows, and each runs with it."""
 
 from __future__ import annotations
 
@@ -29,9 +30,15 @@ from serval.tokenizer import Tokenizer
 pytestmark = requires_model  # the tokenizer fields are the embedded SmolLM2's
 
 # What sets each family apart, switched on: Qwen3's head_dim wider than hidden / heads (as in Qwen3-0.6B), so the
-# file carries attention.key_length; Mistral's window, which the file drops.
-FAMILIES = {"qwen2": {}, "qwen3": {"head_dim": 32}, "mistral": {"sliding_window": 8}}
-GGUF_ARCHITECTURE = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+# file carries attention.key_length; Mistral's window, which the file drops; Phi-3's window, which it keeps; Gemma 2's
+# window, binding caps and narrow heads, its head tied (the converter writes none) to embeddings small enough that
+# greedy text does not only repeat a token, and its attention scaled by the head size (the header has no
+# query_pre_attn_scalar: llama.cpp assumes it).
+FAMILIES = {"qwen2": {}, "qwen3": {"head_dim": 32}, "mistral": {"sliding_window": 8}, "phi3": {"sliding_window": 8},
+            "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0,
+                       "final_logit_softcapping": 8.0, "tie_word_embeddings": True}}
+GGUF_ARCHITECTURE = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3", "gemma2": "gemma2"}
+WINDOWS = {"phi3": [8, 8, 8], "gemma2": [8, None, 8]}  # the others: none
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +48,12 @@ def tokenizer_fields() -> list[tuple]:
 
 def _tiny(name: str, **overrides) -> torch.nn.Module:
     # SmolLM2's vocabulary and special ids, so that the copied tokenizer fits.
-    return tiny_family(name, num_hidden_layers=3, vocab_size=49152, bos_token_id=1, eos_token_id=2,
-                       **{**FAMILIES[name], **overrides})
+    model = tiny_family(name, num_hidden_layers=3, vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                        **{**FAMILIES[name], **overrides})
+    if name == "gemma2":
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.125)
+    return model
 
 
 def _reference(name: str, stored: dict) -> torch.nn.Module:
@@ -63,7 +74,7 @@ def test_fp32_logits_match_transformers(tmp_path: Path, name: str, qtype: str, q
     config = ours.config
     assert (config.architecture, config.qkv_bias, config.qk_norm) == (GGUF_ARCHITECTURE[name], name == "qwen2",
                                                                        name == "qwen3")
-    assert [layer.self_attn.window for layer in ours.layers] == [None] * 3
+    assert [layer.self_attn.window for layer in ours.layers] == WINDOWS.get(name, [None] * 3)
     if quantization == "gguf":  # every linear reads the file's Q8_0 blocks, the biases and norms beside them
         assert sum(isinstance(m, BlockQuantLinear) for m in ours.modules()) == 4 * config.num_layers + 1
     want = hf_logits(_reference(name, stored), LONG)
@@ -115,3 +126,25 @@ def test_greedy_chat_equals_transformers_generate(tmp_path: Path, tokenizer_fiel
             theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                                  eos_token_id=sorted(tokenizer.eos_token_ids), pad_token_id=tokenizer.eos_token_id)
         assert output.outputs[0].token_ids == theirs[0, ids.shape[1]:].tolist()
+
+
+def test_phi3_longrope_from_its_factor_tensors(tmp_path: Path) -> None:
+    """Phi-3's LongRoPE as llama.cpp writes it (rope_factors_long/short tensors, the original context and attention
+    factor in the header; original context 64 of 256): a 60-token prompt's logits are transformers', and over 80
+    tokens, past the original context, the file's logits are those of the same weights from safetensors (whose
+    LongRoPE test_families.py checks against transformers there too)."""
+    gen = torch.Generator().manual_seed(3)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(8, generator=gen)).tolist(),
+            "long_factor": (4 + 12 * torch.rand(8, generator=gen)).tolist()}
+    hf = _tiny("phi3", rope_parameters=rope, original_max_position_embeddings=64, max_position_embeddings=256)
+    write_gguf(tmp_path / "phi3.gguf", hf, "F32")
+    hf.save_pretrained(tmp_path / "dir", safe_serialization=True)
+    ours, from_dir = load_model(tmp_path / "phi3.gguf", torch.float32), load_model(tmp_path / "dir", torch.float32)
+    scaling = ours.config.rope_scaling
+    assert (scaling["rope_type"], scaling["original_max_position_embeddings"]) == ("longrope", 64)
+    assert scaling["long_factor"] == pytest.approx(rope["long_factor"], rel=1e-6)
+    assert scaling["short_factor"] == pytest.approx(rope["short_factor"], rel=1e-6)
+    prompt = LONG[:60]
+    assert_logits_close(full_logits(ours, prompt), hf_logits(hf, prompt), FP32_REL)
+    assert_logits_close(full_logits(ours, LONG), full_logits(from_dir, LONG), FP32_REL)

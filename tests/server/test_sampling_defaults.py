@@ -53,6 +53,9 @@ def test_models_and_the_start_line_say_the_defaults_in_force(servers):
     assert entry["sampling_defaults"] == PRESET
     start_line = "sampling defaults temperature=0.2 top_p=0.9 (from Serval's preset for smollm2-135m-instruct)"
     assert start_line in server.log()
+    # Where the chat template came from, beside them: the embedded GGUF's own.
+    assert entry["chat_template"] == "tokenizer.chat_template in the GGUF header"
+    assert "serval: chat template: tokenizer.chat_template in the GGUF header" in server.log()
     assert servers["greedy"].client().models.list().data[0].to_dict()["sampling_defaults"] == {"temperature": 0.0}
 
 
