@@ -18,6 +18,7 @@ exited. Servers:
     .venv/bin/python benchmarks/run_peers.py --serval serval= --serval "serval-int8=--quantization int8"
     .venv/bin/python benchmarks/run_peers.py --servers serval,serval-no-spec --serval serval= \\
         --serval "serval-no-spec=--speculative-model none" --workloads grounded-1,grounded-16,chat-1,chat-16
+    .venv/bin/python benchmarks/run_peers.py --model gemma3-270m --servers serval,llama.cpp   # another GGUF
 
 Only ratios from one run mean anything: a shared machine's speed drifts between runs.
 
@@ -131,6 +132,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
 
     serval_cmd = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
                   "--served-model-name", MODEL_NAME, "--disable-log-requests"]
+    if args.model:
+        serval_cmd += ["--model", args.model]
     env = {"PYTHONPATH": str(ROOT)}
     found = []
     for i, variant in enumerate(args.serval or ["serval="]):
@@ -145,7 +148,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
     llama_server = Path(args.llama_server or peers / llama_dir / "bin" / "llama-server")
     if llama_server.exists():
         threads = str(os.cpu_count())  # its default counts physical cores only, which can be fewer on a VM
-        found.append(Server("llama.cpp", [str(llama_server), "-m", str(resolve_model_path(None)), "--host",
+        found.append(Server("llama.cpp", [str(llama_server), "-m", str(resolve_model_path(args.model)), "--host",
                                           "127.0.0.1", "--port", "{port}", "-np", str(SLOTS), "-c",
                                           str(SLOTS * args.llama_ctx_per_slot), "-t", threads, "-tb", threads,
                                           "--alias", MODEL_NAME,
@@ -308,6 +311,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", default=str(ROOT.parent / "peers"), help="where benchmarks/peers/setup.sh "
                         "put the peers")
+    parser.add_argument("--model", default=None,
+                        help="an embedded model's name or a GGUF file, for Serval and llama.cpp (default: the "
+                        "embedded default); vLLM reads --hf-dir, so leave it out (--servers) for another model")
     parser.add_argument("--llama-server", default=None,
                         help="llama-server binary (default: PEERS/llamacpp/bin; with --isa avx2, llamacpp-avx2)")
     parser.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
