@@ -66,6 +66,16 @@ class ModelConfig:
     # Qwen, Gemma).
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts (Mixtral, Qwen3-MoE; layers/moe.py): the layers listed in ``moe_layers`` replace the MLP by
+    # ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, of which a router picks
+    # ``num_experts_per_tok`` per token, their weights renormalized to sum to 1 if ``norm_topk_prob``. A rank under
+    # expert parallelism holds only the experts [start, end) of ``local_experts`` (None: all).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: list[int] | None = None
+    local_experts: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -73,6 +83,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be 1 to num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok!r}")
+        if self.moe_layers and self.moe_intermediate_size < 1:
+            raise ValueError(f"ModelConfig.moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 # ModelConfig.architecture (a GGUF file's, or the family model/hf_config.py reads) → its model definition.
 _MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                   "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "gemma2": Gemma3ForCausalLM,
-                  "gemma3": Gemma3ForCausalLM}
+                  "gemma3": Gemma3ForCausalLM, "mixtral": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM}
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu", quantization: str = "auto",
