@@ -351,6 +351,10 @@ class EngineConfig:
         "among them"))
     pipeline_parallel_size: int = field(default=1, metadata=flag(
         "split the layers into N stages, one process each (torch.distributed)"))
+    # A mixture-of-experts model under tensor parallelism: whole experts spread over the ranks (each holds its
+    # share, every rank routes every token, one all-reduce combines), rather than every expert sliced over them.
+    enable_expert_parallel: bool = field(default=False, metadata=flag(
+        "mixture-of-experts models: place whole experts on the tensor-parallel ranks instead of slicing each"))
     # Model parallelism across machines: tcp://HOST:PORT where rank 0 waits for the ranks (HOST must be reachable
     # from the other machines); None: a free loopback port, every rank on this machine.
     dist_init_method: str | None = field(default=None, metadata=flag(

@@ -1,7 +1,8 @@
 """Llama (3's RoPE scaling), Qwen2, Qwen3, Mistral, Phi-3 (fused checkpoint tensors, LongRoPE), Gemma 2 (soft-capped
-attention and logits), Mixtral and Qwen3-MoE (mixtures of experts; more in test_moe.py) from Hugging Face safetensors directories: tiny random models built with transformers' own
-classes give transformers' logits in float32 and its greedy text through the engine, and their greedy output does
-not change with batching or chunking in the default dtype."""
+attention and logits), Mixtral and Qwen3-MoE (mixtures of experts; more in test_moe.py) from Hugging Face safetensors
+directories: tiny random models built with transformers' own classes give transformers' logits in float32 and its
+greedy text through the engine, and their greedy output does not change with batching or chunking in the default
+dtype."""
 
 from __future__ import annotations
 
