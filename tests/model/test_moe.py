@@ -124,3 +124,39 @@ def test_experts_stored_stacked_load_as_per_expert_tensors(family, tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     ids = random_ids(24, seed=3)
     assert_logits_close(full_logits(load_model(tmp_path, torch.float32), ids), hf_logits(hf, ids), FP32_REL)
+
+
+class _Ranks:
+    """A stand-in for a ParallelGroup of two ranks: the first pass records each rank's expert slots, after which
+    ``all_reduce`` returns their float32 sum, as gloo's all-reduce of two tensors does."""
+
+    def __init__(self) -> None:
+        self.slots: list[torch.Tensor] = []
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.slots) < 2:
+            self.slots.append(x.clone())
+            return x
+        return self.slots[0] + self.slots[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, EngineConfig().torch_dtype], ids=str)
+def test_expert_parallel_ranks_combine_to_one_process_bits(dtype):
+    """Two ranks holding experts 0-1 and 2-3 each fill only their experts' slots (the rest stay zero), and the sum
+    over ranks, added slot by slot, is bitwise the one-process output: every sum is x + 0."""
+    _, whole = _blocks("mixtral")
+    whole = whole.to(dtype)
+    ranks = [SparseMoE(HIDDEN, WIDTH, EXPERTS, 2, True, local_experts=(r * 2, r * 2 + 2)).to(dtype) for r in (0, 1)]
+    group = _Ranks()
+    for r, rank in enumerate(ranks):
+        rank.gate.weight.copy_(whole.gate.weight)
+        rank.experts.gate_up_proj.copy_(whole.experts.gate_up_proj[r * 2: r * 2 + 2])
+        rank.experts.down_proj.copy_(whole.experts.down_proj[r * 2: r * 2 + 2])
+        rank.group = group
+    x = _zero_one_many(rows=20).to(dtype)
+    with torch.inference_mode():
+        for rank in ranks:
+            rank(x)  # records the rank's slots
+        assert all(s.abs().sum(-1).count_nonzero() < len(s) for s in group.slots)  # each filled only its share
+        combined = [rank(x) for rank in ranks]
+        assert torch.equal(combined[0], whole(x)) and torch.equal(combined[1], combined[0])
