@@ -82,15 +82,19 @@ class SparseMoE(nn.Module):
         flat = ids.flatten()  # slot s = token * k + j holds the token's j-th expert
         order = torch.argsort(flat, stable=True)  # the slots grouped by expert, in token order within each
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one device sync a layer
-        slots = torch.zeros(tokens * k, x.shape[1], dtype=torch.float32, device=x.device)
+        # Gathered once in expert order, so that each expert's rows (and their weights) are a slice: no gather or
+        # scatter per expert.
+        rows, row_weights = x[order // k], weights.flatten()[order, None]
+        outputs = torch.zeros(tokens * k, x.shape[1], dtype=torch.float32, device=x.device)
         start = sum(counts[: self.first_expert])
         for expert in range(self.first_expert, self.end_expert):
-            n = counts[expert]
-            if n:
-                chosen = order[start: start + n]
-                out = self.experts(expert - self.first_expert, x[chosen // k])
-                slots[chosen] = out.float() * weights.flatten()[chosen, None]
-                start += n
+            end = start + counts[expert]
+            if end > start:
+                out = self.experts(expert - self.first_expert, rows[start:end])
+                torch.mul(out.float(), row_weights[start:end], out=outputs[start:end])
+            start = end
+        slots = torch.empty_like(outputs)
+        slots[order] = outputs  # back to token order (slots of other ranks' experts stay zero)
         if self.group is not None:
             slots = self.group.all_reduce(slots)
         slots = slots.view(tokens, k, -1)
