@@ -57,7 +57,10 @@ class SparseMoE(nn.Module):
     """The MoE MLP of one layer: ``gate`` (the router, [num_experts, hidden]) and this rank's ``experts``.
 
     Routing as both families define it: a softmax over all experts' logits (in float32), the top ``top_k``, and
-    those k weights divided by their sum if ``renormalize`` (always for Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
+    those k weights divided by their sum if ``renormalize`` (always for Mixtral; Qwen3-MoE's ``norm_topk_prob``).
+    The weights stay float32 and the weighted outputs are summed in float32, rounded to the model dtype once
+    (transformers' Qwen3-MoE rounds the weights to the model dtype first: the same in float32, a rounding apart in
+    bfloat16)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
                  local_experts: tuple[int, int] | None = None) -> None:
