@@ -251,8 +251,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            expert, name, offset, size = self._expert_slot(name) if ".experts." in name else (None,
-                                                                                              *self._merged_name(name))
+            if ".experts." in name:  # one expert's matrix in its layer's stack
+                expert, name, offset, size = self._expert_slot(name)
+            else:
+                expert, (name, offset, size) = None, self._merged_name(name)
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             param = params[name].data if expert is None else params[name].data[expert]
