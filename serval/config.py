@@ -66,6 +66,16 @@ class ModelConfig:
     # Qwen, Gemma).
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts (Mixtral, Qwen3-MoE; layers/moe.py): the layers listed in ``moe_layers`` replace the MLP by
+    # ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, of which a router picks
+    # ``num_experts_per_tok`` per token, their weights renormalized to sum to 1 if ``norm_topk_prob``. A rank under
+    # expert parallelism holds only the experts [start, end) of ``local_experts`` (None: all).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: list[int] | None = None
+    local_experts: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -73,6 +83,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be 1 to num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok!r}")
+        if self.moe_layers and self.moe_intermediate_size < 1:
+            raise ValueError(f"ModelConfig.moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -336,6 +351,10 @@ class EngineConfig:
         "among them"))
     pipeline_parallel_size: int = field(default=1, metadata=flag(
         "split the layers into N stages, one process each (torch.distributed)"))
+    # A mixture-of-experts model under tensor parallelism: whole experts spread over the ranks (each holds its
+    # share, every rank routes every token, one all-reduce combines), rather than every expert sliced over them.
+    enable_expert_parallel: bool = field(default=False, metadata=flag(
+        "mixture-of-experts models: place whole experts on the tensor-parallel ranks instead of slicing each"))
     # Model parallelism across machines: tcp://HOST:PORT where rank 0 waits for the ranks (HOST must be reachable
     # from the other machines); None: a free loopback port, every rank on this machine.
     dist_init_method: str | None = field(default=None, metadata=flag(

@@ -1,5 +1,5 @@
-"""Tiny random Llamas (and Qwen2, Qwen3, Mistral, Phi-3, Gemma 2) built in the test (Hugging Face reference,
-safetensors and GGUF forms), and helpers that drive a model over a paged KV cache through the engine's own
+"""Tiny random Llamas (and Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Mixtral, Qwen3-MoE) built in the test (Hugging Face
+reference, safetensors and GGUF forms), and helpers that drive a model over a paged KV cache through the engine's own
 ModelRunner, without a scheduler."""
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -50,7 +54,8 @@ def tiny_llama(seed: int = 0, **overrides) -> HFLlama:
 # The Hugging Face classes of each family model/hf_config.py reads: (config class, model class).
 HF_FAMILIES = {"llama": (LlamaConfig, HFLlama), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-               "phi3": (Phi3Config, Phi3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM)}
+               "phi3": (Phi3Config, Phi3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+               "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
 
 
 def tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -66,6 +71,8 @@ def tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 # on layers 0 and 2; windows of 8 keys, shorter than the prompts. Gemma 2's caps bind on these weights (its defaults,
 # 50 and 30, would hardly ever; its logits reach ~10 uncapped) and its attention scale is not the head size's. (Its
 # head stays untied: tied to these random embeddings, scaled by sqrt(hidden), it would only repeat the last token.)
+# The mixtures of experts have 8 experts of which each token takes 2: Mixtral's weights renormalized and its window on
+# every layer; Qwen3-MoE's not renormalized (its default), with narrower experts and layer 1 a dense MLP.
 FAMILY_OVERRIDES = {
     "llama": {"rope_parameters": LLAMA3_ROPE},
     "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
@@ -74,6 +81,9 @@ FAMILY_OVERRIDES = {
     "phi3": {"sliding_window": 8},
     "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
                "final_logit_softcapping": 8.0},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "mlp_only_layers": [1]},
 }
 
 
@@ -99,8 +109,8 @@ def _randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
                 param.copy_(torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):  # Qwen2's q/k/v biases, large enough to matter
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
-            else:  # Linear [out, in]
-                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+            else:  # Linear [out, in], or stacked experts [experts, out, in]
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
     return model
 
 

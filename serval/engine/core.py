@@ -152,7 +152,7 @@ class EngineCore:
         self.ranks = start_ranks(config, str(model_path)) if config.world_size > 1 else None
         self.group = self.ranks.group if self.ranks is not None else None
         self.model = model or load_model(model_path, config.torch_dtype, config.device, config.quantization,
-                                         self.group)
+                                         self.group, config.enable_expert_parallel)
         model_config = self.model.config
         cache = config.cache
         num_blocks = cache.num_blocks or int(

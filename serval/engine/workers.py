@@ -97,7 +97,8 @@ def run_worker(rank: int, world_size: int, init_method: str, device: str, model_
         group.close()
         raise RuntimeError(f"rank {rank}: {model_path} is {model_identity(model_path)} (name, bytes); rank 0 "
                            f"serves {identity}: every rank needs the same model file")
-    model = load_model(Path(model_path), config.torch_dtype, group.device, config.quantization, group)
+    model = load_model(Path(model_path), config.torch_dtype, group.device, config.quantization, group,
+                       config.enable_expert_parallel)
     num_blocks = group.broadcast()  # rank 0 sizes the cache (the scheduler's blocks are every rank's)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, config.kv_cache_torch_dtype, group.device,
                          group)

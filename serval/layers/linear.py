@@ -218,6 +218,8 @@ def probe_row_padding(model: nn.Module, dtype: torch.dtype) -> None:
         if isinstance(module, (Linear, Int8Linear, BlockQuantLinear)) and module.min_rows is None:
             device = next(itertools.chain(module.parameters(), module.buffers())).device
             module(torch.zeros(1, module.in_features, dtype=dtype, device=device))
+        elif hasattr(module, "probe_row_padding") and module.min_rows is None:  # stacked experts (layers/moe.py)
+            module.probe_row_padding(dtype)
 
 
 QUANTIZATIONS = ("int8",)

@@ -14,6 +14,14 @@ is the Gemma decoder (model/gemma3.py) without Gemma 3's options:
 |                    |         |                     | rope_factors_long/short tensors); sliding window as Mistral     |
 | Gemma2ForCausalLM  | gemma2  | gemma2              | attention and final logit soft-capping; sliding and global      |
 |                    |         |                     | layers alternate                                                |
+| MixtralForCausalLM | mixtral | -                   | every MLP a mixture of experts (layers/moe.py); sliding window  |
+|                    |         |                     | as Mistral                                                      |
+| Qwen3MoeForCausalLM | qwen3_moe | -               | Qwen3's q/k RMSNorm; MoE MLPs but in ``mlp_only_layers`` and  |
+|                    |         |                     | off ``decoder_sparse_step``; sliding window on every layer if   |
+|                    |         |                     | ``use_sliding_window``                                          |
+
+Routing as each defines it: Mixtral a softmax over all experts, the top k, renormalized to sum to 1; Qwen3-MoE the
+same, renormalized only if ``norm_topk_prob``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from serval.model.gguf_file import ARCHITECTURES as GGUF_ARCHITECTURES
 
 # config.json's ``architectures`` (or, without it, ``model_type``) → family.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
+                 "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}
 
 
@@ -69,7 +78,8 @@ def read_hf_config(path: Path) -> ModelConfig:
         layer_types=layer_types,
         sliding_window=window,
         qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        **_experts(raw, family, num_layers),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if gemma2 else None,
         # transformers' defaults where a Gemma 2 config.json leaves them out; null there turns a cap off.
         final_logit_softcapping=raw.get("final_logit_softcapping", 30.0) if gemma2 else None,
@@ -97,12 +107,12 @@ def _sliding_layers(raw: dict, family: str, num_layers: int) -> tuple[int | None
     ``sliding_window``, or Qwen's ``use_sliding_window`` (often false beside a ``sliding_window`` value that then
     means nothing) and ``max_window_layers``, which the rules below turn into the same list."""
     window = raw.get("sliding_window", 4096 if family == "gemma2" else None)  # (transformers' Gemma 2 default)
-    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
     if family == "llama" or window is None:
         return None, None
     layer_types = raw.get("layer_types")
-    if layer_types is None and family in ("mistral", "phi3"):
+    if layer_types is None and family in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         layer_types = ["sliding_attention"] * num_layers
     elif layer_types is None and family == "gemma2":  # layers 0, 2, 4, ... slide
         layer_types = ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)]
@@ -112,3 +122,21 @@ def _sliding_layers(raw: dict, family: str, num_layers: int) -> tuple[int | None
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     return window, list(layer_types)
+
+
+def _experts(raw: dict, family: str, num_layers: int) -> dict:
+    """The mixture-of-experts fields of ModelConfig (none for a dense family), with transformers' defaults where
+    config.json leaves a field out. Older files name the expert count ``num_experts`` (Qwen3-MoE), newer ones
+    ``num_local_experts`` for both families."""
+    if family not in ("mixtral", "qwen3_moe"):
+        return {}
+    mixtral = family == "mixtral"
+    experts = raw.get("num_local_experts", raw.get("num_experts", 8 if mixtral else 128))
+    if mixtral:  # every layer's MLP, each expert as wide as ``intermediate_size``
+        layers, width, renormalize = list(range(num_layers)), raw["intermediate_size"], True
+    else:
+        step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or [])
+        layers = [i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0]
+        width, renormalize = raw.get("moe_intermediate_size", 768), raw.get("norm_topk_prob", False)
+    return dict(num_experts=experts, num_experts_per_tok=raw.get("num_experts_per_tok", 2 if mixtral else 8),
+                moe_intermediate_size=width, norm_topk_prob=renormalize, moe_layers=layers)

@@ -2,8 +2,10 @@
 
 Qwen2/2.5, Qwen3, Mistral and Phi-3 are this decoder with options that their config.json turns on
 (model/hf_config.py): q/k/v biases (``qkv_bias``), a per-head RMSNorm of queries and keys before RoPE (``qk_norm``),
-sliding-window layers (``layer_types`` and ``sliding_window``), LongRoPE (``rope_scaling``). Phi-3's checkpoints store
-q/k/v and gate/up fused, as this decoder holds them: ``split_fused_weights`` names their parts as Llama's.
+sliding-window layers (``layer_types`` and ``sliding_window``), LongRoPE (``rope_scaling``), a mixture-of-experts MLP in
+the layers of ``moe_layers`` (Mixtral, Qwen3-MoE: layers/moe.py). Phi-3's checkpoints store q/k/v and gate/up fused,
+as this decoder holds them: ``split_fused_weights`` names their parts as Llama's, and the experts' tensors under
+Qwen3-MoE's per-expert names whatever form the checkpoint stores them in.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from serval.config import ModelConfig
 from serval.layers.activation import silu_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
+from serval.layers.moe import SparseMoE
 from serval.layers.norm import RMSNorm
 from serval.layers.rotary import RotaryEmbedding, RotaryStep
 
@@ -31,10 +34,10 @@ def split_fused_weights(weights: Iterable[tuple[str, torch.Tensor | BlockWeight]
                                     ("self_attn.v_proj", kv_size)],
              "mlp.gate_up_proj": [("mlp.gate_proj", config.intermediate_size),
                                   ("mlp.up_proj", config.intermediate_size)]}
-    for name, tensor in weights:
+    for name, tensor in _expert_weights(weights, config):
         prefix, _, leaf = name.rpartition(".")
         fused = next((f for f in parts if prefix.endswith(f)), None)
-        if fused is None:
+        if fused is None or ".experts." in name:
             yield name, tensor
             continue
         names = [prefix.removesuffix(fused) + part for part, _ in parts[fused]]
@@ -47,6 +50,33 @@ def split_fused_weights(weights: Iterable[tuple[str, torch.Tensor | BlockWeight]
             piece = (tensor.slice(slice(start, start + size)) if isinstance(tensor, BlockWeight)
                      else tensor[start:start + size])
             yield f"{part}.{leaf}", piece
+
+
+# Mixtral's names of its MoE tensors (hub checkpoints, and what transformers 5 saves) → Qwen3-MoE's.
+_MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+def _expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                    config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Experts' tensors under one naming, ``mlp.experts.{i}.gate_proj/up_proj/down_proj.weight`` (and the router
+    ``mlp.gate.weight``): Mixtral's ``block_sparse_moe.experts.{i}.w1/w3/w2`` renamed, and the stacked 3-D form of
+    transformers 5's modules (``mlp.experts.gate_up_proj`` [experts, 2 * width, hidden], ``mlp.experts.down_proj``
+    [experts, hidden, width]) split into each expert's views."""
+    width = config.moe_intermediate_size
+    for name, tensor in weights:
+        if "block_sparse_moe." in name:
+            for old, new in _MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
+        prefix, _, leaf = name.rpartition(".experts.")
+        if leaf == "gate_up_proj":
+            for i, expert in enumerate(tensor):
+                yield f"{prefix}.experts.{i}.gate_proj.weight", expert[:width]
+                yield f"{prefix}.experts.{i}.up_proj.weight", expert[width:]
+        elif leaf == "down_proj":
+            for i, expert in enumerate(tensor):
+                yield f"{prefix}.experts.{i}.down_proj.weight", expert
+        else:
+            yield name, tensor
 
 
 class LlamaAttention(nn.Module):
@@ -102,12 +132,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None, sparse: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = (SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                              config.num_experts_per_tok, config.norm_topk_prob, config.local_experts)
+                    if sparse else LlamaMLP(config))
 
     def forward(self, rope: RotaryStep, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +157,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         kinds = config.layer_types or ["full_attention"] * config.num_layers
+        sparse = set(config.moe_layers or ())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, config.sliding_window if kind == "sliding_attention" else None)
-            for kind in kinds)
+            LlamaDecoderLayer(config, config.sliding_window if kind == "sliding_attention" else None, i in sparse)
+            for i, kind in enumerate(kinds))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
@@ -166,6 +199,20 @@ class LlamaForCausalLM(nn.Module):
                 return ".".join(parts[:-2] + [f"{merged}_bias"]), offset, size
             return ".".join(parts[:-2] + [merged, parts[-1]]), offset, size
         return name, None, None
+
+    def _expert_slot(self, name: str) -> tuple[int, str, int, int]:
+        """Where an expert's tensor (``layers.0.mlp.experts.5.up_proj.weight``) goes: (the expert's place among
+        this model's experts, the layer's stacked parameter, row offset, rows)."""
+        cfg = self.config
+        prefix, _, rest = name.partition(".experts.")
+        expert, kind, _ = rest.split(".")
+        first, end = cfg.local_experts or (0, cfg.num_experts)
+        if not first <= int(expert) < end:
+            raise ValueError(f"unexpected weight {name!r}: this model holds experts {first} to {end - 1}")
+        width = cfg.moe_intermediate_size
+        stacked, offset, rows = {"gate_proj": ("gate_up_proj", 0, width), "up_proj": ("gate_up_proj", width, width),
+                                 "down_proj": ("down_proj", 0, cfg.hidden_size)}[kind]
+        return int(expert) - first, f"{prefix}.experts.{stacked}", offset, rows
 
     def use_block_weights(self, blocks: Iterable[tuple[str, BlockWeight]]) -> int:
         """Swaps each linear whose every shard ``blocks`` holds, all in one block format, for a BlockQuantLinear
@@ -208,16 +255,21 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            name, offset, size = self._merged_name(name)
+            if ".experts." in name:  # one expert's matrix in its layer's stack
+                expert, name, offset, size = self._expert_slot(name)
+            else:
+                expert, (name, offset, size) = None, self._merged_name(name)
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            param = params[name]
-            target = param.data if offset is None else param.data[offset: offset + size]
+            param = params[name].data if expert is None else params[name].data[expert]
+            target = param if offset is None else param[offset: offset + size]
             if target.shape != tensor.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
             target.copy_(tensor)
-            loaded.add(name if offset is None else f"{name}:{offset}")
-        expected = sum(3 if ".qkv_proj" in n else 2 if ".gate_up_proj" in n else 1 for n in params
+            loaded.add(":".join(str(part) for part in (name, expert, offset) if part is not None))
+        experts = len(range(*(cfg.local_experts or (0, cfg.num_experts))))
+        expected = sum(3 if ".qkv_proj" in n else 2 * experts if ".experts.gate_up_proj" in n
+                       else experts if ".experts.down_proj" in n else 2 if ".gate_up_proj" in n else 1 for n in params
                        if not (n == "lm_head.weight" and cfg.tie_word_embeddings))
         if len(loaded) != expected:
             raise ValueError(f"checkpoint is missing weights: loaded {len(loaded)} of {expected} tensors")

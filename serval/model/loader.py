@@ -24,14 +24,16 @@ logger = logging.getLogger(__name__)
 # ModelConfig.architecture (a GGUF file's, or the family model/hf_config.py reads) → its model definition.
 _MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                   "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "gemma2": Gemma3ForCausalLM,
-                  "gemma3": Gemma3ForCausalLM}
+                  "gemma3": Gemma3ForCausalLM, "mixtral": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM}
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu", quantization: str = "auto",
-               group: ParallelGroup | None = None) -> LlamaForCausalLM | Gemma3ForCausalLM | PipelineStage:
+               group: ParallelGroup | None = None,
+               expert_parallel: bool = False) -> LlamaForCausalLM | Gemma3ForCausalLM | PipelineStage:
     """The model in ``dtype`` on ``device``; ``quantization`` as EngineConfig.quantization describes. With a
     ``group`` of several ranks: this rank's tensor-parallel shard of its pipeline stage (model/parallel.py), wrapped
-    in a PipelineStage when there are several stages."""
+    in a PipelineStage when there are several stages; ``expert_parallel`` (EngineConfig.enable_expert_parallel):
+    the shard holds whole experts, not a slice of each."""
     start = time.perf_counter()
     parallel = group is not None and group.tensor_size > 1
     quantization = resolve_quantization(path, device, dtype, quantization)
@@ -45,7 +47,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         weights = split_fused_weights(_safetensors_weights(path), config)
         total = None
     model_cls = _MODEL_CLASSES[config.architecture]
-    shard = TensorParallelShard(config, group.tensor_rank, group.tensor_size) if parallel else None
+    if expert_parallel and not config.moe_layers:
+        raise ValueError(f"{path.name}: --enable-expert-parallel needs a mixture-of-experts model, not "
+                         f"{config.architecture}")
+    shard = TensorParallelShard(config, group.tensor_rank, group.tensor_size, expert_parallel) if parallel else None
     if shard is not None:
         weights = shard.shard_weights(weights)
     with torch.device("meta"):

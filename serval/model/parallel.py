@@ -6,6 +6,10 @@ sum their parts. Pipeline parallelism (``PipelineStage``, at the end): each rank
   only its KV heads. o_proj's outputs are partial sums: one all-reduce.
 - MLP: gate/up rows and down columns sliced (the SiLU-gated product is per column, so no exchange between them);
   down's outputs are partial sums: one all-reduce.
+- Mixture-of-experts layers (layers/moe.py): every rank routes every token (the hidden states are whole on every
+  rank). Each expert is sliced as the MLP is (its gate/up rows and down columns), or, with expert parallelism, the
+  experts are spread whole over the ranks (rank r holds its ``partition`` of them); either way each rank's share of
+  every token's expert slots is summed over the ranks in one float32 all-reduce.
 - The head is vocabulary-parallel: each rank scores a slice of the vocabulary and the slices are gathered, so the
   sampler on rank 0 sees every logit. The embedding stays whole on every rank (a lookup, no compute to split).
 
@@ -25,13 +29,18 @@ from torch import nn
 from serval.config import ModelConfig
 from serval.distributed import ParallelGroup, partition
 from serval.layers.linear import BlockWeight
+from serval.layers.moe import SparseMoE
 
 WeightLike = torch.Tensor | BlockWeight
 
 
+# The families whose layers these splits know (the Llama decoder, with or without experts).
+PARALLEL_ARCHITECTURES = ("llama", "mixtral", "qwen3_moe")
+
+
 def _check_split(cfg: ModelConfig, kind: str, parts: int, available: int, what: str) -> None:
-    if cfg.architecture != "llama":
-        raise ValueError(f"{kind} parallelism supports the Llama family, not {cfg.architecture}")
+    if cfg.architecture not in PARALLEL_ARCHITECTURES:
+        raise ValueError(f"{kind} parallelism supports {', '.join(PARALLEL_ARCHITECTURES)}, not {cfg.architecture}")
     if parts > available:
         raise ValueError(f"{kind}_parallel_size {parts} is more than the model's {available} {what}")
 
@@ -47,11 +56,13 @@ def _take(weight: WeightLike, rows: slice, columns: slice) -> WeightLike | None:
 
 @dataclasses.dataclass
 class TensorParallelShard:
-    """What rank ``rank`` of ``world_size`` holds of a model of shape ``config``."""
+    """What rank ``rank`` of ``world_size`` holds of a model of shape ``config``; ``expert_parallel``: whole experts
+    (a share of them), else a slice of every expert."""
 
     config: ModelConfig
     rank: int
     world_size: int
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -61,14 +72,24 @@ class TensorParallelShard:
         self.q_heads = (self.kv_heads[0] * group, self.kv_heads[1] * group)
         self.intermediate = partition(cfg.intermediate_size, self.world_size, self.rank)
         self.vocab = partition(cfg.vocab_size, self.world_size, self.rank)
+        self.experts = (0, cfg.num_experts)
+        self.expert_intermediate = (0, cfg.moe_intermediate_size)
+        if self.expert_parallel:
+            _check_split(cfg, "expert", self.world_size, cfg.num_experts, "experts")
+            self.experts = partition(cfg.num_experts, self.world_size, self.rank)
+        elif cfg.moe_layers:
+            self.expert_intermediate = partition(cfg.moe_intermediate_size, self.world_size, self.rank)
         self.vocab_sizes = [end - start for start, end in
                             (partition(cfg.vocab_size, self.world_size, r) for r in range(self.world_size))]
 
     def local_config(self) -> ModelConfig:
         """The model shape this rank builds (the head is replaced after: see ``build``)."""
-        return dataclasses.replace(self.config, num_heads=self.q_heads[1] - self.q_heads[0],
+        cfg = self.config
+        return dataclasses.replace(cfg, num_heads=self.q_heads[1] - self.q_heads[0],
                                    num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
                                    intermediate_size=self.intermediate[1] - self.intermediate[0],
+                                   moe_intermediate_size=self.expert_intermediate[1] - self.expert_intermediate[0],
+                                   local_experts=self.experts if cfg.moe_layers else None,
                                    tie_word_embeddings=False)
 
     def build(self, model_cls) -> nn.Module:
@@ -87,10 +108,17 @@ class TensorParallelShard:
         inter, vocab, whole = slice(*self.intermediate), slice(*self.vocab), slice(None)
         by_kind = {"q_proj": (q, whole), "k_proj": (kv, whole), "v_proj": (kv, whole), "o_proj": (whole, q),
                    "gate_proj": (inter, whole), "up_proj": (inter, whole), "down_proj": (whole, inter)}
+        expert_inter = slice(*self.expert_intermediate)
+        by_expert_kind = {"gate_proj": (expert_inter, whole), "up_proj": (expert_inter, whole),
+                          "down_proj": (whole, expert_inter)}
         for name, weight in weights:
             kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
             bare = name.removeprefix("model.")
-            if kind in by_kind:
+            if ".experts." in name:  # layers.L.mlp.experts.E.gate_proj.weight
+                expert = int(name.split(".experts.")[1].split(".")[0])
+                if self.experts[0] <= expert < self.experts[1]:
+                    yield name, weight if self.expert_parallel else _take(weight, *by_expert_kind[kind])
+            elif kind in by_kind:
                 cut = _take(weight, *by_kind[kind])
                 if cut is not None:
                     yield name, cut
@@ -104,10 +132,14 @@ class TensorParallelShard:
                 yield name, weight
 
     def parallelize(self, model: nn.Module, group: ParallelGroup) -> nn.Module:
-        """Wraps the layers whose outputs are partial (o_proj, down_proj: all-reduce) or sliced (the head:
-        gather)."""
+        """Wraps the layers whose outputs are partial (o_proj, down_proj, the experts' slots: all-reduce) or sliced
+        (the head: gather)."""
         for layer in model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.group = group
             for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+                if not hasattr(parent, name):  # a SparseMoE: summed above
+                    continue
                 linear = getattr(parent, name)
                 # Block-format linears can hand over their float32 sums: the partial products then meet unrounded
                 # and the total rounds to the model dtype once, as the single-process product does.

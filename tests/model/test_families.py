@@ -1,7 +1,8 @@
-"""Llama (3's RoPE scaling), Qwen2, Qwen3, Mistral, Phi-3 (fused checkpoint tensors, LongRoPE) and Gemma 2 (soft-capped
-attention and logits) from Hugging Face safetensors directories: tiny random models built with transformers' own
-classes give transformers' logits in float32 and its greedy text through the engine, and their greedy output does
-not change with batching or chunking in the default dtype."""
+"""Llama (3's RoPE scaling), Qwen2, Qwen3, Mistral, Phi-3 (fused checkpoint tensors, LongRoPE), Gemma 2 (soft-capped
+attention and logits), Mixtral and Qwen3-MoE (mixtures of experts; more in test_moe.py) from Hugging Face safetensors
+directories: tiny random models built with transformers' own classes give transformers' logits in float32 and its
+greedy text through the engine, and their greedy output does not change with batching or chunking in the default
+dtype."""
 
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ def test_every_family_is_read_from_its_architecture_name(family):
     assert model.config.architecture == name
     attention = model.layers[0].self_attn
     assert (getattr(attention, "qkv_proj_bias", None) is not None) == (name == "qwen2")
-    assert (attention.q_norm is not None) == (name == "qwen3")
+    assert (attention.q_norm is not None) == (name in ("qwen3", "qwen3_moe"))
     assert getattr(attention, "softcap", None) == (2.0 if name == "gemma2" else None)
-    windows = {"qwen2": [None, 8, 8], "mistral": [8, 8, 8], "phi3": [8, 8, 8], "gemma2": [8, None, 8]}
+    windows = {"qwen2": [None, 8, 8], "mistral": [8, 8, 8], "phi3": [8, 8, 8], "gemma2": [8, None, 8],
+               "mixtral": [8, 8, 8]}
     assert [layer.self_attn.window for layer in model.layers] == windows.get(name, [None, None, None])
 
 

@@ -1,7 +1,7 @@
 """`serval serve --model DIR` on a Hugging Face safetensors directory of each architecture (tiny random Llama 3,
-Qwen2, Qwen3, Mistral, Phi-3 and Gemma 2 models with SmolLM2's tokenizer beside them): one streamed chat each
-through the official openai client answers transformers' greedy text, with the directory's chat template and its
-stop tokens."""
+Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Mixtral and Qwen3-MoE models with SmolLM2's tokenizer beside them): one
+streamed chat each through the official openai client answers transformers' greedy text, with the directory's chat
+template and its stop tokens."""
 
 from __future__ import annotations
 
