@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 
 # AutoAWQ packs output columns 8c..8c+7 of a word in this order: nibble j holds column 8c + AWQ_PACK_ORDER[j].
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+# Linears that read the same input as another: the one whose order they share.
+_SAME_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                      "gate_up_proj")
 
@@ -41,9 +43,10 @@ def _pack(values: np.ndarray, axis: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32))
 
 
-def pack_linear(spec: QuantSpec, out_features: int, in_features: int,
-                rng: np.random.Generator) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-    """Random 4-bit weights of one linear [out, in]: (its checkpoint tensors by part name, w float64 [out, in])."""
+def pack_linear(spec: QuantSpec, out_features: int, in_features: int, rng: np.random.Generator,
+                shuffle: np.ndarray | None = None) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    """Random 4-bit weights of one linear [out, in]: (its checkpoint tensors by part name, w float64 [out, in]).
+    With desc_act, inputs go to groups in the order ``shuffle`` (a permutation; random if not given)."""
     groups = in_features // spec.group_size
     q = rng.integers(0, 16, size=(in_features, out_features))  # [in, out], as both formats store it
     # Scales that give weights of std ~1/sqrt(in) (|q - zero| is ~4.6 on average).
@@ -60,7 +63,7 @@ def pack_linear(spec: QuantSpec, out_features: int, in_features: int,
         zeros = stored + (1 if spec.checkpoint_format == "gptq" else 0)  # v1's "zero + 1"
         g = np.arange(in_features) // spec.group_size
         if spec.desc_act:
-            g = g[rng.permutation(in_features)]
+            g = g[rng.permutation(in_features) if shuffle is None else shuffle]
         w = s[g] * (q - zeros[g])
         tensors = {"qweight": _pack(q, 0), "qzeros": _pack(stored, 1),
                    "g_idx": torch.from_numpy(g.astype(np.int32))}
@@ -74,11 +77,16 @@ def save_quantized_dir(directory: Path, hf: torch.nn.Module, spec: QuantSpec, se
     dense reference); returns ``hf``."""
     rng = np.random.default_rng(seed)
     tensors = {}
+    # desc_act: linears that read the same input (q/k/v, gate/up) share its group order, as GPTQ gives them.
+    shuffles: dict[str, np.ndarray] = {}
     with torch.no_grad():
         for name, param in hf.state_dict().items():
             prefix, _, leaf = name.rpartition(".")
-            if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LINEARS:
-                parts, w = pack_linear(spec, *param.shape, rng)
+            block, _, linear = prefix.rpartition(".")
+            if leaf == "weight" and linear in QUANTIZED_LINEARS:
+                reads = f"{block}.{_SAME_INPUT.get(linear, linear)}"
+                shuffle = shuffles.setdefault(reads, rng.permutation(param.shape[1]))
+                parts, w = pack_linear(spec, *param.shape, rng, shuffle)
                 tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
                 param.copy_(torch.from_numpy(w))  # exact: float32 holds an fp16 scale times a small integer
             else:

@@ -18,9 +18,13 @@ Loaded two ways: dequantized exactly (float32 holds s * (q - z) without rounding
 the CPU kernel's 4-bit blocks (layers/linear.py BlockWeight "q4": 32 inputs per block, w = d * q + m, d and m
 float16): a group of 128 is four blocks with the same d = s and m = -s * z. That m rounds to float16: exact when z
 is a power of two (symmetric GPTQ: z = 8), else off by at most half a float16 ulp of s * z, under 2^-11 * 15 s, less
-than 1/128 of a quantization step (tests/model/test_gptq_awq.py measures it). A linear whose groups cannot be
-blocks of 32 in input order (GPTQ's desc_act: g_idx not i // group_size; or a group size not a multiple of 32)
-is dequantized and runs dense.
+than 1/128 of a quantization step (tests/model/test_gptq_awq.py measures it).
+
+GPTQ's desc_act ("act order") assigns inputs to groups out of order (g_idx is not i // group_size): its inputs are
+sorted by group, so each group is a run of whole blocks, and the layer takes its activations in that order
+(InputPermuted: one index_select per call). Fused q/k/v or gate/up parts must share one order (GPTQ quantizes them on
+the same inputs, so they do), and tensor parallelism keeps such a linear dense (a rank's input columns would not be
+a run of the permuted ones); so does a group size that is not a multiple of 32.
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from serval.layers.linear import BLOCK_SIZE, BlockWeight
+from serval.config import ModelConfig
+from serval.layers.linear import BLOCK_SIZE, BlockQuantLinear, BlockWeight
+from serval.model.llama import LlamaForCausalLM, split_fused_weights
+from serval.model.parallel import TensorParallelShard
 
 METHODS = ("gptq", "awq")
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -58,11 +66,13 @@ class WeightQuantization:
         for name, item in self._linears(weights):
             yield name, item.dequantize() if isinstance(item, QuantizedLinear) else item
 
-    def block_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, BlockWeight]]:
-        """``<linear>.weight`` → BlockWeight of every quantized linear whose groups are blocks of 32 in input order."""
+    def block_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, BlockWeight, torch.Tensor | None]]:
+        """(``<linear>.weight``, its BlockWeight, the input order the blocks are in: None for the weight's own) of
+        every quantized linear whose groups make whole blocks of 32."""
         for name, item in self._linears(weights):
-            if isinstance(item, QuantizedLinear) and (block := item.block_weight()) is not None:
-                yield name, block
+            if isinstance(item, QuantizedLinear) and (blocks := item.block_weight()) is not None:
+                yield name, *blocks
 
     def _linears(self, weights: Iterable[tuple[str, torch.Tensor]]
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedLinear]]:
@@ -123,20 +133,42 @@ class QuantizedLinear:
         zeros = self.zeros.float()[self.groups].t()
         return scales * (self.q.float() - zeros)
 
-    def block_weight(self) -> BlockWeight | None:
-        """The kernel's "q4" blocks: d = scale, m = -scale * zero (rounded to float16); None where a block of 32
-        inputs would span two groups."""
+    def block_weight(self) -> tuple[BlockWeight, torch.Tensor | None] | None:
+        """The kernel's "q4" blocks (d = scale, m = -scale * zero rounded to float16), and the order of the inputs
+        they hold: None for the weight's own, else a permutation (GPTQ's desc_act: inputs sorted by group, so each
+        group is a run of whole blocks; the activations must be taken in that order). None where groups cannot
+        make whole blocks of 32."""
         out_features, in_features = self.q.shape
-        in_order = torch.equal(self.groups, torch.arange(in_features) // self.group_size)
-        if not in_order or self.group_size % BLOCK_SIZE or in_features % BLOCK_SIZE:
+        contiguous = torch.arange(in_features) // self.group_size
+        order = None
+        if not torch.equal(self.groups, contiguous):
+            order = torch.argsort(self.groups, stable=True)
+            if not torch.equal(self.groups[order], contiguous):  # groups of other sizes: no run of whole blocks
+                return None
+        if self.group_size % BLOCK_SIZE or in_features % BLOCK_SIZE:
             return None
-        q = self.q.view(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
+        q = self.q if order is None else self.q[:, order]
+        q = q.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
         packed = q[..., :16] | (q[..., 16:] << 4)  # byte i: weight i (low nibble) and i + 16 (high)
-        block_group = self.groups[::BLOCK_SIZE]
+        block_group = contiguous[::BLOCK_SIZE]
         d = self.scales[block_group].t()
         m = (-(self.scales.float() * self.zeros.float()))[block_group].t().to(torch.float16)
         scales = torch.stack([d, m], dim=-1).contiguous().view(torch.int16)
-        return BlockWeight("q4", packed.contiguous(), scales, in_features)
+        return BlockWeight("q4", packed.contiguous(), scales, in_features), order
+
+
+class InputPermuted(nn.Module):
+    """A linear whose weight columns are stored in another order than its inputs (GPTQ's desc_act read as blocks):
+    y = linear(x[..., order])."""
+
+    def __init__(self, linear: nn.Module, order: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("order", order.to(device=next(linear.buffers()).device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.index_select(-1, self.order))
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -185,3 +217,30 @@ def read_weight_quantization(path: Path) -> WeightQuantization | None:
         raise refuse("checkpoint_format", "gptq or gptq_v2")
     return WeightQuantization("gptq", group_size, 1 if checkpoint_format == "gptq" else 0)
 
+
+def use_checkpoint_blocks(model: LlamaForCausalLM, blocks: Iterable[tuple[str, BlockWeight, torch.Tensor | None]],
+                          config: ModelConfig, shard: TensorParallelShard | None = None) -> int:
+    """Swaps each of ``model``'s linears whose parts ``blocks`` (WeightQuantization.block_weights) holds for a
+    BlockQuantLinear (a tensor-parallel rank's slices with a ``shard``); returns how many. A linear stored in another
+    input order takes its inputs in that order (InputPermuted), when all its fused parts share it and the linear is
+    whole (no tensor parallelism: a rank's columns would not be a run of the permuted ones); else it stays dense."""
+    parts: list[tuple[str, str, BlockWeight]] = []  # (model module, checkpoint name, blocks)
+    orders: dict[str, list[torch.Tensor | None]] = {}
+    for name, weight, order in blocks:
+        for part, piece in split_fused_weights([(name, weight)], config):
+            module = model._merged_name(part.removeprefix("model."))[0].removesuffix(".weight")
+            parts.append((module, part, piece))
+            orders.setdefault(module, []).append(order)
+    usable = {}
+    for module, found in orders.items():
+        first = found[0]
+        if all(o is None for o in found) or (first is not None and shard is None and
+                                             all(o is not None and torch.equal(o, first) for o in found)):
+            usable[module] = first
+    chosen = [(part, piece) for module, part, piece in parts if module in usable]
+    swapped = model.use_block_weights(chosen if shard is None else shard.shard_weights(chosen))
+    for module, order in usable.items():
+        layer = model.get_submodule(module)
+        if order is not None and isinstance(layer, BlockQuantLinear):
+            model.set_submodule(module, InputPermuted(layer, order))
+    return swapped

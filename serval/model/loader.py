@@ -16,7 +16,7 @@ from serval.layers.linear import probe_row_padding, quantize_linears
 from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
 from serval.model.gptq_awq import METHODS as CHECKPOINT_METHODS
-from serval.model.gptq_awq import read_weight_quantization
+from serval.model.gptq_awq import read_weight_quantization, use_checkpoint_blocks
 from serval.model.hf_config import read_hf_config
 from serval.model.llama import LlamaForCausalLM, split_fused_weights
 from serval.model.parallel import PipelineStage, TensorParallelShard
@@ -69,8 +69,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         swapped = model.use_block_weights(blocks if shard is None else shard.shard_weights(blocks))
         logger.info("%d linears read the file's 4/8-bit blocks in place", swapped)
     elif quantization in CHECKPOINT_METHODS:  # the same 4-bit blocks, from the checkpoint's groups
-        blocks = split_fused_weights(checkpoint.block_weights(_safetensors_weights(path, checkpoint.is_part)), config)
-        swapped = model.use_block_weights(blocks if shard is None else shard.shard_weights(blocks))
+        blocks = checkpoint.block_weights(_safetensors_weights(path, checkpoint.is_part))
+        swapped = use_checkpoint_blocks(model, blocks, config, shard)
         logger.info("%d linears read the %s checkpoint's 4-bit groups as blocks", swapped, quantization)
     elif quantization == "int8":
         quantize_linears(model, quantization)
