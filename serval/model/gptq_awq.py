@@ -98,12 +98,12 @@ class WeightQuantization:
     def _unpack(self, prefix: str, parts: dict[str, torch.Tensor]) -> QuantizedLinear:
         qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
         if self.method == "gptq":  # [in/8, out]: inputs along the packed dimension
-            q = _nibbles(qweight.t()).t()  # [in, out]
+            q = _nibbles(qweight.t())
             zeros = _nibbles(qzeros)
         else:  # [in, out/8]: outputs along it, interleaved
-            q = _awq_order(_nibbles(qweight))
+            q = _awq_order(_nibbles(qweight)).t()
             zeros = _awq_order(_nibbles(qzeros))
-        in_features, out_features = q.shape
+        out_features, in_features = q.shape
         if scales.shape[1] != out_features or zeros.shape != scales.shape:
             raise ValueError(f"quantized linear {prefix!r}: qweight {tuple(qweight.shape)}, qzeros "
                              f"{tuple(qzeros.shape)} and scales {tuple(scales.shape)} do not fit together")
@@ -113,8 +113,8 @@ class WeightQuantization:
             groups = parts["g_idx"].long()
         if groups.shape != (in_features,) or int(groups.max()) >= scales.shape[0]:
             raise ValueError(f"quantized linear {prefix!r}: g_idx does not fit its {scales.shape[0]} groups")
-        return QuantizedLinear(q.t().contiguous(), scales.to(torch.float16),
-                               zeros.to(torch.int16) + self.zero_offset, groups, group_size)
+        return QuantizedLinear(q.contiguous(), scales.float(), zeros.to(torch.int16) + self.zero_offset, groups,
+                               group_size)
 
 
 @dataclass
@@ -122,14 +122,15 @@ class QuantizedLinear:
     """One linear's 4-bit weights, unpacked: w[o, i] = scales[g, o] * (q[o, i] - zeros[g, o]), g = groups[i]."""
 
     q: torch.Tensor  # uint8 [out, in], 0..15
-    scales: torch.Tensor  # float16 [groups, out]
+    scales: torch.Tensor  # float32 [groups, out], as stored (float16 in both formats' checkpoints)
     zeros: torch.Tensor  # int16 [groups, out], the stored zeros plus the format's offset
     groups: torch.Tensor  # int64 [in]: each input's group
     group_size: int
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [out, in], exact: an 11-bit scale times an integer of at most 5 bits."""
-        scales = self.scales.float()[self.groups].t()
+        """float32 [out, in], exact for float16 (or bfloat16) scales: an 11-bit significand times an integer of at
+        most 5 bits."""
+        scales = self.scales[self.groups].t()
         zeros = self.zeros.float()[self.groups].t()
         return scales * (self.q.float() - zeros)
 
@@ -151,8 +152,8 @@ class QuantizedLinear:
         q = q.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
         packed = q[..., :16] | (q[..., 16:] << 4)  # byte i: weight i (low nibble) and i + 16 (high)
         block_group = contiguous[::BLOCK_SIZE]
-        d = self.scales[block_group].t()
-        m = (-(self.scales.float() * self.zeros.float()))[block_group].t().to(torch.float16)
+        d = self.scales[block_group].t().to(torch.float16)
+        m = (-(self.scales * self.zeros.float()))[block_group].t().to(torch.float16)  # exact product, rounded once
         scales = torch.stack([d, m], dim=-1).contiguous().view(torch.int16)
         return BlockWeight("q4", packed.contiguous(), scales, in_features), order
 
