@@ -23,9 +23,9 @@ from serval.layers.rotary import RotaryEmbedding, RotaryStep
 
 def split_fused_weights(weights: Iterable[tuple[str, torch.Tensor | BlockWeight]],
                         config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
-    """Checkpoint tensors with fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3) as their q/k/v and gate/up parts under
-    Llama's names (views, no copies), so that every later step of loading (tensor-parallel slices, the fusing load)
-    sees one naming (a GPTQ/AWQ checkpoint's 4-bit blocks too, split at rows); other tensors pass as they are."""
+    """Checkpoint tensors (or a GGUF file's BlockWeights) with fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3) as
+    their q/k/v and gate/up parts under Llama's names (views, no copies), so that every later step of loading
+    (tensor-parallel slices, the fusing load) sees one naming; other tensors pass as they are."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     parts = {"self_attn.qkv_proj": [("self_attn.q_proj", q_size), ("self_attn.k_proj", kv_size),
                                     ("self_attn.v_proj", kv_size)],
@@ -42,11 +42,11 @@ def split_fused_weights(weights: Iterable[tuple[str, torch.Tensor | BlockWeight]
         rows = tensor.out_features if isinstance(tensor, BlockWeight) else tensor.shape[0]
         if rows != sum(sizes):
             raise ValueError(f"weight {name!r}: {rows} rows, not the {sum(sizes)} of its parts")
-        start = 0
-        for part, size in zip(names, sizes):
-            rows = slice(start, start + size)
-            yield f"{part}.{leaf}", tensor.slice(rows) if isinstance(tensor, BlockWeight) else tensor[rows]
-            start += size
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        for part, start, size in zip(names, starts, sizes):
+            piece = (tensor.slice(slice(start, start + size)) if isinstance(tensor, BlockWeight)
+                     else tensor[start:start + size])
+            yield f"{part}.{leaf}", piece
 
 
 class LlamaAttention(nn.Module):
