@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -15,6 +15,8 @@ from serval.layers import cpu_kernels
 from serval.layers.linear import probe_row_padding, quantize_linears
 from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
+from serval.model.gptq_awq import METHODS as CHECKPOINT_METHODS
+from serval.model.gptq_awq import read_weight_quantization, use_checkpoint_blocks
 from serval.model.hf_config import read_hf_config
 from serval.model.llama import LlamaForCausalLM, split_fused_weights
 from serval.model.parallel import PipelineStage, TensorParallelShard
@@ -44,7 +46,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         total = len(gguf.reader.tensors)
     else:
         config = read_hf_config(path)
-        weights = split_fused_weights(_safetensors_weights(path), config)
+        checkpoint = read_weight_quantization(path)  # GPTQ / AWQ: their linears dequantized, exactly
+        tensors = _safetensors_weights(path)
+        weights = split_fused_weights(tensors if checkpoint is None else checkpoint.dequantized_weights(tensors),
+                                      config)
         total = None
     model_cls = _MODEL_CLASSES[config.architecture]
     if expert_parallel and not config.moe_layers:
@@ -68,6 +73,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         blocks = split_fused_weights(gguf.block_weights(config), config)
         swapped = model.use_block_weights(blocks if shard is None else shard.shard_weights(blocks))
         logger.info("%d linears read the file's 4/8-bit blocks in place", swapped)
+    elif quantization in CHECKPOINT_METHODS:  # the same 4-bit blocks, from the checkpoint's groups
+        blocks = checkpoint.block_weights(_safetensors_weights(path, checkpoint.is_part))
+        swapped = use_checkpoint_blocks(model, blocks, config, shard)
+        logger.info("%d linears read the %s checkpoint's 4-bit groups as blocks", swapped, quantization)
     elif quantization == "int8":
         quantize_linears(model, quantization)
     if shard is not None:
@@ -85,14 +94,23 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
 def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dtype,
                          quantization: str) -> str:
     """"auto" becomes "gguf" for a GGUF file with block-format matrices on the CPU (where the kernel runs; on a
-    GPU the blocks would only be dequantized again), else "none". Measured on an AVX-512 + bf16 CPU
+    GPU the blocks would only be dequantized again), "gptq" or "awq" for such a checkpoint on the CPU (the same
+    4-bit blocks), else "none". Measured on an AVX-512 + bf16 CPU
     (benchmarks/bench_engine.py, 2 threads): bfloat16 1.8x the dense tokens/s on one stream and 0.97x at 16
     streams; float32 5.1x and 1.3x."""
     if quantization == "gguf" and path.suffix != ".gguf":
         raise ValueError(f"{path.name}: --quantization gguf needs a GGUF file")
+    checkpoint = read_weight_quantization(path)
+    if quantization in CHECKPOINT_METHODS and (checkpoint is None or checkpoint.method != quantization):
+        raise ValueError(f"{path.name}: --quantization {quantization} needs a directory whose config.json has "
+                         f"quantization_config.quant_method {quantization!r}")
     if quantization != "auto":
         return quantization
-    if path.suffix != ".gguf" or torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu":
+        return "none"
+    if checkpoint is not None:
+        return checkpoint.method
+    if path.suffix != ".gguf":
         return "none"
     types = {GGMLQuantizationType(t.tensor_type).name for t in GGUFModelFile(path).reader.tensors}
     return "gguf" if types & BLOCK_FORMATS.keys() else "none"
@@ -113,7 +131,9 @@ def _progress(weights: Iterator[tuple[str, torch.Tensor]], label: str,
     yield from tqdm(weights, desc=f"loading {label}", total=total, unit="tensor", leave=False, delay=1.0)
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The directory's tensors (those whose name ``keep`` accepts), floating ones as float32, integer ones (GPTQ's
+    and AWQ's packed nibbles) as stored."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -122,4 +142,6 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).float()
+                if keep is None or keep(name):
+                    tensor = f.get_tensor(name)
+                    yield name, tensor.float() if tensor.is_floating_point() else tensor
