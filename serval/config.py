@@ -319,11 +319,13 @@ class EngineConfig:
         "context length in tokens (default: the model's own, if the KV cache holds it)"))
     context_policy: str = field(default="error", metadata=flag(
         "a chat longer than the context: reject it, or drop the oldest turns", choices=CONTEXT_POLICIES))
-    # "auto": the file's own 4/8-bit blocks (GGUF Q4_0, Q4_1, Q8_0) on the CPU, where a C++ kernel reads them
+    # "auto": the file's own 4- to 8-bit blocks (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on the CPU,
+    # where a C++ kernel reads them
     # (see serval.model.loader.resolve_quantization), else "none";
     # "none": dequantize to dtype; "gguf": the file's blocks; "int8": weight-only int8 with per-row scales.
     quantization: str = field(default="auto", metadata=flag(
-        "weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q8_0 read in place by a CPU kernel), dequantized to "
+        "weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K read in place by a CPU "
+        "kernel), dequantized to "
         "--dtype (none), or weight-only int8 (int8); auto: gguf on the CPU for a GGUF file with such blocks, else "
         "none", choices=QUANTIZATION_CHOICES))
     cache: CacheConfig = field(default_factory=CacheConfig)
