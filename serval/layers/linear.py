@@ -159,10 +159,10 @@ class BlockWeight:
             return self.packed.view(torch.int8)
         q = torch.cat([self.packed[..., :16] & 15, self.packed[..., :16] >> 4], dim=-1)
         e = EXTRA_BITS[self.format]
-        if e:
-            position = torch.arange(32)
-            byte = self.packed[..., 16 + position // (8 // e)]
-            q |= ((byte >> (e * (position % (8 // e))).to(torch.uint8)) & ((1 << e) - 1)) << 4
+        if e:  # byte b's bits e i and up: code b (8 / e) + i's
+            shifts = torch.arange(0, 8, e, dtype=torch.uint8)
+            high = (self.packed[..., 16:, None] >> shifts) & ((1 << e) - 1)
+            q |= high.view(q.shape) << 4
         return q
 
     def scale_values(self) -> torch.Tensor:
@@ -186,16 +186,16 @@ class BlockWeight:
         or float32 [P, G, 2 or 1, 16]); see csrc/panel_linear.cpp."""
         n, groups = self.packed.shape[:2]
         p = -(-n // 32) * 2
-        codes = self.codes().view(torch.uint8)
-        q = F.pad(codes, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, 32).permute(0, 2, 3, 1)
+        rows = self.packed  # per row and block: the bytes of one column of a panel, in the panel's order
         if self.format != "q8":  # input positions 2i and 2i + 1 share a byte: low and high nibble
-            nibbles = (q[:, :, 0::2] & 15) | ((q[:, :, 1::2] & 15) << 4)
+            q = self.codes()
+            rows = (q[..., 0::2] & 15) | ((q[..., 1::2] & 15) << 4)
             e = EXTRA_BITS[self.format]
-            if e:  # row 16 + k // (8 / e): position k's high bits at bit e (k % (8 / e))
-                high = (q >> 4).reshape(p, groups, 4 * e, 8 // e, 16)
-                shifts = torch.arange(0, 8, e, dtype=torch.uint8)[:, None]
-                nibbles = torch.cat([nibbles, (high << shifts).sum(3, dtype=torch.uint8)], dim=2)
-            q = nibbles
+            if e:  # byte 16 + k // (8 / e): position k's high bits at bit e (k % (8 / e))
+                high = (q >> 4).view(n, groups, 4 * e, 8 // e)
+                shifts = torch.arange(0, 8, e, dtype=torch.uint8)
+                rows = torch.cat([rows, (high << shifts).sum(-1, dtype=torch.uint8)], dim=-1)
+        q = F.pad(rows, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, -1).permute(0, 2, 3, 1)
         scales = F.pad(self.scales, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, -1).permute(0, 2, 3, 1)
         floats = torch.float32 if self.format in FLOAT32_SCALES else torch.float16
         return q.contiguous(), scales.contiguous().view(floats)
