@@ -334,15 +334,15 @@ class EngineConfig:
         "context length in tokens (default: the model's own, if the KV cache holds it)"))
     context_policy: str = field(default="error", metadata=flag(
         "a chat longer than the context: reject it, or drop the oldest turns", choices=CONTEXT_POLICIES))
-    # "auto": the file's own 4/8-bit blocks (GGUF Q4_0, Q4_1, Q8_0) on the CPU, where a C++ kernel reads them,
-    # or a GPTQ/AWQ checkpoint's 4-bit groups as the same kernel's blocks (see
+    # "auto": the file's own 4- to 8-bit blocks (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on the CPU,
+    # where a C++ kernel reads them, or a GPTQ/AWQ checkpoint's 4-bit groups as the same kernel's blocks (see
     # serval.model.loader.resolve_quantization), else "none"; "none": dequantize to dtype; "gguf": the file's
     # blocks; "gptq", "awq": the checkpoint's; "int8": weight-only int8 with per-row scales.
     quantization: str = field(default="auto", metadata=flag(
-        "weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q8_0 read in place by a CPU kernel) or as a GPTQ or "
-        "AWQ checkpoint's 4-bit groups (gptq, awq: the same kernel), dequantized to --dtype (none), or weight-only "
-        "int8 (int8); auto: gguf, gptq or awq on the CPU for a file or directory with such weights, else none",
-        choices=QUANTIZATION_CHOICES))
+        "weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K read in place by a CPU "
+        "kernel) or as a GPTQ or AWQ checkpoint's 4-bit groups (gptq, awq: the same kernel), dequantized to --dtype "
+        "(none), or weight-only int8 (int8); auto: gguf, gptq or awq on the CPU for a file or directory with such "
+        "weights, else none", choices=QUANTIZATION_CHOICES))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

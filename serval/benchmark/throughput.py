@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serval's dtype; transformers runs in the dtype it resolves to")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
-                        help="Serval's weights: auto (a GGUF's 4/8-bit blocks as stored, on the CPU), none "
+                        help="Serval's weights: auto (a GGUF's quantized blocks as stored, on the CPU), none "
                         "(dequantized), gguf, int8 (weight-only)")
     parser.add_argument("--num-prompts", type=int, default=16, help="prompts generated as one batch")
     parser.add_argument("--input-words", default="10:40", help="prompt length range in words, LOW:HIGH")

@@ -111,49 +111,94 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.weight_int8.to(x.dtype)) * self.scales  # no fused kernel there: dequantize
 
 
-BLOCK_SIZE = 32  # weights per GGUF block, along the input dimension
+BLOCK_SIZE = 32  # weights per block, along the input dimension
+# Bits of each code above its nibble, per BlockWeight.format (q8's codes are whole signed bytes).
+EXTRA_BITS = {"q4": 0, "q5": 1, "q4f": 0, "q5f": 1, "q6f": 2}
+FLOAT32_SCALES = ("q4f", "q5f", "q6f")
 
 
 @dataclass
 class BlockWeight:
     """A weight [out_features, in_features] in blocks of 32 along the input dimension, as GGUF stores it.
 
-    ``format`` "q4": packed [N, G, 16] (byte i of a block: weight i in the low nibble, i + 16 in the high one),
-    scales [N, G, 2] float16 bits (d, m), w = d * q + m. "q8": packed [N, G, 32] signed bytes q, scales
-    [N, G, 1], w = d * q."""
+    ``format`` "q8": packed [N, G, 32] signed bytes q, scales [N, G, 1] float16 d, w = d * q (Q8_0).
+    The others hold unsigned codes q of 4 to 6 bits: packed [N, G, 16 + 4 e] where byte i of the first 16 holds
+    code i in the low nibble and code i + 16 in the high one, and the 4 e bytes after them the e bits above the
+    nibbles (code i's at bit e i of them, little-endian), e = EXTRA_BITS[format].
+    "q4" (Q4_0, Q4_1), "q5" (Q5_0, Q5_1): scales [N, G, 2] float16 (d, m), w = d * q + m.
+    "q4f" (Q4_K), "q5f" (Q5_K): scales [N, G, 2] float32 (d, m), w = d * q + m; the file's float16 super-block
+    scales times its 6-bit sub-block scales and mins, which float32 holds exactly.
+    "q6f" (Q6_K): scales [N, G, 2] float32: d of codes 0-15 and of 16-31, w = d * (q - 32)."""
 
     format: str
     packed: torch.Tensor  # uint8
-    scales: torch.Tensor  # int16: float16 bit patterns, so that casting a model to a dtype leaves them alone
+    # float16 (int16) or float32 (int32) bit patterns, so that casting a model to a dtype leaves them alone
+    scales: torch.Tensor
     in_features: int
 
     @property
     def out_features(self) -> int:
         return self.packed.shape[0]
 
+    @staticmethod
+    def from_codes(format: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int) -> BlockWeight:
+        """The weight with codes [N, G, 32] (uint8, below 2^(4 + e)) and scales [N, G, k] (float16 or float32
+        values) packed as ``format`` lays them out."""
+        e = EXTRA_BITS[format]
+        nibbles = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)
+        if e:
+            high = (codes >> 4).view(*codes.shape[:2], 4 * e, 8 // e)
+            shifts = torch.arange(0, 8, e, dtype=torch.uint8)
+            nibbles = torch.cat([nibbles, (high << shifts).sum(-1, dtype=torch.uint8)], dim=-1)
+        bits = torch.int32 if format in FLOAT32_SCALES else torch.int16
+        return BlockWeight(format, nibbles.contiguous(), scales.contiguous().view(bits), in_features)
+
+    def codes(self) -> torch.Tensor:
+        """Each weight's code, [N, G, 32]: uint8, or int8 for q8."""
+        if self.format == "q8":
+            return self.packed.view(torch.int8)
+        q = torch.cat([self.packed[..., :16] & 15, self.packed[..., :16] >> 4], dim=-1)
+        e = EXTRA_BITS[self.format]
+        if e:  # byte b's bits e i and up: code b (8 / e) + i's
+            shifts = torch.arange(0, 8, e, dtype=torch.uint8)
+            high = (self.packed[..., 16:, None] >> shifts) & ((1 << e) - 1)
+            q |= high.view(q.shape) << 4
+        return q
+
+    def scale_values(self) -> torch.Tensor:
+        """The scales as float32, [N, G, 1 or 2]."""
+        return self.scales.view(torch.float32 if self.format in FLOAT32_SCALES else torch.float16).float()
+
     def dequantize(self) -> torch.Tensor:
         """The weights as float32 [N, in_features], exactly as the file defines them."""
-        scales = self.scales.view(torch.float16).float()
-        if self.format == "q4":
-            q = torch.cat([self.packed & 15, self.packed >> 4], dim=-1).float()
+        scales, q = self.scale_values(), self.codes().float()
+        if self.format == "q8":
+            w = q * scales
+        elif self.format == "q6f":  # one product: rounded once, as the kernel's fma(q, d, -32 d)
+            w = (q - 32) * scales.repeat_interleave(16, dim=-1)
+        else:  # q * d is exact (at most 5 + 17 bits): rounded once, as the kernel's fma
             w = q * scales[..., :1] + scales[..., 1:]
-        else:
-            w = self.packed.view(torch.int8).float() * scales
         return w.reshape(self.out_features, -1)[:, : self.in_features]
 
     def panels(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The same blocks laid out for ``block_panel_linear``: 16 output columns side by side per input position
-        (rows padded with zero weights to a multiple of 32). Returns (panels uint8 [P, G, 16 or 32, 16], scales
-        float16 [P, G, 2 or 1, 16]); see csrc/panel_linear.cpp."""
+        (rows padded with zero weights to a multiple of 32). Returns (panels uint8 [P, G, rows, 16], scales float16
+        or float32 [P, G, 2 or 1, 16]); see csrc/panel_linear.cpp."""
         n, groups = self.packed.shape[:2]
         p = -(-n // 32) * 2
-        q = torch.cat([self.packed & 15, self.packed >> 4], dim=-1) if self.format == "q4" else self.packed
-        q = F.pad(q, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, 32).permute(0, 2, 3, 1)
-        if self.format == "q4":  # input positions 2i and 2i + 1 share a byte: low and high nibble
-            q = q.reshape(p, groups, 16, 2, 16)
-            q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
+        rows = self.packed  # per row and block: the bytes of one column of a panel, in the panel's order
+        if self.format != "q8":  # input positions 2i and 2i + 1 share a byte: low and high nibble
+            q = self.codes()
+            rows = (q[..., 0::2] & 15) | ((q[..., 1::2] & 15) << 4)
+            e = EXTRA_BITS[self.format]
+            if e:  # byte 16 + k // (8 / e): position k's high bits at bit e (k % (8 / e))
+                high = (q >> 4).view(n, groups, 4 * e, 8 // e)
+                shifts = torch.arange(0, 8, e, dtype=torch.uint8)
+                rows = torch.cat([rows, (high << shifts).sum(-1, dtype=torch.uint8)], dim=-1)
+        q = F.pad(rows, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, -1).permute(0, 2, 3, 1)
         scales = F.pad(self.scales, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, -1).permute(0, 2, 3, 1)
-        return q.contiguous(), scales.contiguous().view(torch.float16)
+        floats = torch.float32 if self.format in FLOAT32_SCALES else torch.float16
+        return q.contiguous(), scales.contiguous().view(floats)
 
     def slice(self, rows: slice = slice(None), columns: slice = slice(None)) -> BlockWeight:
         """Rows and input columns of the weight (a tensor-parallel shard); columns only at block boundaries."""
@@ -171,44 +216,69 @@ class BlockWeight:
         return BlockWeight(parts[0].format, torch.cat([p.packed for p in parts]),
                            torch.cat([p.scales for p in parts]), parts[0].in_features)
 
+    @staticmethod
+    def fuse(parts: list[BlockWeight]) -> list[BlockWeight]:
+        """The rows of ``parts`` stacked, as runs of one format each: a fused matrix whose shards the file stores in
+        different types (Gemma 3's Q4_K_M: q and k Q5_0, v Q8_0) keeps each in its own blocks."""
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("block weights of different widths cannot be fused")
+        runs = [[parts[0]]]
+        for part in parts[1:]:
+            if part.format == runs[-1][-1].format:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return [BlockWeight.concat(run) for run in runs]
+
 
 class BlockQuantLinear(nn.Module):
-    """A linear whose weights stay in the file's 4- or 8-bit blocks (GGUF Q4_0 / Q4_1 / Q8_0).
+    """A linear whose weights stay in the file's 4- to 8-bit blocks (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and the
+    K-quants Q4_K / Q5_K / Q6_K).
 
     On the CPU a C++ kernel reads the blocks: 0.6 bytes a weight for Q4_1 instead of 2 for bfloat16, which is
     what a memory-bound decode step pays for. ``csrc/panel_linear.cpp`` (AVX-512, or AVX2 with FMA and F16C)
     reads them re-laid out in panels of 16 columns (built once here, without loss) and multiplies in float32
     FMAs by the file's exact weights, each row alone, so rows need no padding. Without the kernel (CUDA, no
     compiler, a CPU without AVX2) the weights are dequantized once to the activation dtype and used by a dense
-    matmul."""
+    matmul. A weight given as several parts (runs of rows in different formats, BlockWeight.fuse) is one kernel
+    call per part, their outputs side by side."""
 
-    def __init__(self, weight: BlockWeight) -> None:
+    def __init__(self, weight: BlockWeight | list[BlockWeight]) -> None:
         super().__init__()
-        self.format = weight.format
-        self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.register_buffer("packed", weight.packed.contiguous())
-        self.register_buffer("scales", weight.scales.contiguous())
+        parts = BlockWeight.fuse([weight] if isinstance(weight, BlockWeight) else weight)
+        self.formats = tuple(part.format for part in parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        for i, part in enumerate(parts):
+            self.register_buffer(f"packed{i}", part.packed.contiguous())
+            self.register_buffer(f"scales{i}", part.scales.contiguous())
         self.min_rows: int | None = None
         self._dense: torch.Tensor | None = None
-        self._panels: tuple[torch.Tensor, torch.Tensor] | None = None  # built on the first CPU call
+        self._panels: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # built on the first CPU call
         # float32 results where the kernel computes them so (the logits: in bfloat16, scores 1/8 apart tie)
         self.float_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _row_invariant_forward(self, x, (self.format, *self.packed.shape))
+        return _row_invariant_forward(self, x, (self.formats, self.out_features, self.in_features))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels.for_device(x.device)
         if kernels is not None and kernels.block_panel_kernel_available():
+            parts = self.block_weights()
             if self._panels is None:
-                self._panels = self.block_weight().panels()
-            return kernels.block_panel_linear(x, *self._panels, self.format, self.out_features, self.float_output)
+                self._panels = [part.panels() for part in parts]
+            outputs = [kernels.block_panel_linear(x, *panels, part.format, part.out_features, self.float_output)
+                       for part, panels in zip(parts, self._panels)]
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         if self._dense is None or self._dense.dtype != x.dtype:
-            self._dense = self.block_weight().dequantize().to(device=x.device, dtype=x.dtype)
+            dense = torch.cat([part.dequantize() for part in self.block_weights()])
+            self._dense = dense.to(device=x.device, dtype=x.dtype)
         return F.linear(x, self._dense)
 
-    def block_weight(self) -> BlockWeight:
-        return BlockWeight(self.format, self.packed.cpu(), self.scales.cpu(), self.in_features)
+    def block_weights(self) -> list[BlockWeight]:
+        """The weight's parts, each in one format, in row order."""
+        return [BlockWeight(fmt, getattr(self, f"packed{i}").cpu(), getattr(self, f"scales{i}").cpu(), self.in_features)
+                for i, fmt in enumerate(self.formats)]
 
 
 @torch.inference_mode()

@@ -51,8 +51,10 @@ ARCHITECTURES = tuple(_ARCH_LAYER_NAMES)
 # Only for "llama" does the converter interleave each head's q/k rows (llama.cpp's RoPE there rotates adjacent
 # pairs); the others run NEOX RoPE on rows stored as Hugging Face has them (rotate-half).
 _ROPE_PERMUTED = ("llama",)
-# GGUF block types that the block kernel reads as stored: bytes per block of 32 weights.
-BLOCK_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# GGUF block types that the block kernel reads as stored → its layout of them (BlockWeight.format).
+BLOCK_FORMATS = {"Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q8_0": "q8", "Q4_K": "q4f", "Q5_K": "q5f",
+                 "Q6_K": "q6f"}
+_SUPER_BLOCK = 256  # weights per K-quant block (Q4_K, Q5_K, Q6_K)
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
@@ -174,7 +176,7 @@ class GGUFModelFile:
 
 
     def block_weights(self, config: ModelConfig) -> Iterator[tuple[str, BlockWeight]]:
-        """(Hugging Face name, BlockWeight) of every matrix stored as Q4_0, Q4_1 or Q8_0: its blocks as stored,
+        """(Hugging Face name, BlockWeight) of every matrix stored in a type of BLOCK_FORMATS: its blocks as stored,
         repacked without loss for the block kernel (rows put back from llama.cpp's RoPE order like weights())."""
         for tensor in self.reader.tensors:
             qtype = GGMLQuantizationType(tensor.tensor_type)
@@ -183,7 +185,8 @@ class GGUFModelFile:
                 continue
             in_features, out_features = (int(d) for d in tensor.shape)
             raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-            weight = _to_block_weight(qtype.name, raw.reshape(out_features, in_features // 32, -1), in_features)
+            block = _SUPER_BLOCK if qtype.name.endswith("_K") else 32
+            weight = _to_block_weight(qtype.name, raw.reshape(out_features, in_features // block, -1), in_features)
             if self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_heads)
             elif self.architecture in _ROPE_PERMUTED and name.endswith("k_proj.weight"):
@@ -192,16 +195,67 @@ class GGUFModelFile:
 
 
 def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWeight:
-    """raw [N, G, bytes]: GGUF blocks (float16 d, [float16 m,] quants) as the block kernel's q4/q8 layout."""
+    """raw [N, blocks, bytes]: GGUF blocks (32 weights, or 256 for the K-quants) as the block kernel's layout of
+    blocks of 32 (BLOCK_FORMATS), without loss."""
+    n = raw.shape[0]
     if qtype == "Q4_1":  # d, m, 16 bytes of nibbles: already the kernel's layout
         weight = BlockWeight("q4", raw[..., 4:], raw[..., :4].contiguous().view(torch.int16), in_features)
     elif qtype == "Q4_0":  # d, nibbles; w = d (q - 8) = d q + m with m = -8 d (exact in float16)
         d = raw[..., :2].contiguous().view(torch.float16)
         scales = torch.cat([d, d * -8], dim=-1).view(torch.int16)
         weight = BlockWeight("q4", raw[..., 2:], scales, in_features)
-    else:  # Q8_0: d, 32 signed bytes
+    elif qtype == "Q8_0":  # d, 32 signed bytes
         weight = BlockWeight("q8", raw[..., 2:], raw[..., :2].contiguous().view(torch.int16), in_features)
+    elif qtype == "Q5_1":  # d, m, the fifth bits (little-endian 32 bits), nibbles
+        weight = BlockWeight("q5", torch.cat([raw[..., 8:], raw[..., 4:8]], dim=-1),
+                             raw[..., :4].contiguous().view(torch.int16), in_features)
+    elif qtype == "Q5_0":  # d, fifth bits, nibbles; w = d (q - 16) = d q + m with m = -16 d
+        d = raw[..., :2].contiguous().view(torch.float16)
+        scales = torch.cat([d.float(), d.float() * -16], dim=-1)
+        packed = torch.cat([raw[..., 6:], raw[..., 2:6]], dim=-1)
+        if torch.isfinite(scales.half()).all():  # -16 d is exact in float16 unless it overflows
+            weight = BlockWeight("q5", packed, scales.half().view(torch.int16), in_features)
+        else:
+            weight = BlockWeight("q5f", packed, scales.view(torch.int32), in_features)
+    elif qtype in ("Q4_K", "Q5_K"):
+        # d, dmin (float16), 12 bytes of 6-bit sub-block scales and mins, [Q5_K: 32 bytes of fifth bits,] 128 bytes
+        # of nibbles: byte l of each 32 holds weight l of sub-block 2j (low nibble) and of 2j + 1 (high).
+        d, dmin = (raw[..., i: i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+        sc, mn = _k_scale_min(raw[..., 4:16])
+        scales = torch.stack([d * sc, -(dmin * mn)], dim=-1)  # [N, blocks, 8, 2]: exact
+        qs = raw[..., -128:]
+        position = torch.arange(_SUPER_BLOCK)
+        sub, index = position // 32, position % 32
+        codes = (qs[..., 32 * (sub // 2) + index] >> (4 * (sub % 2)).to(torch.uint8)) & 15
+        if qtype == "Q5_K":  # weight i of sub-block s: bit s of byte i
+            codes |= ((raw[..., 16:48][..., index] >> sub.to(torch.uint8)) & 1) << 4
+        fmt = "q4f" if qtype == "Q4_K" else "q5f"
+        weight = BlockWeight.from_codes(fmt, codes.view(n, -1, 32), scales.view(n, -1, 2), in_features)
+    elif qtype == "Q6_K":
+        # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 weights), float16 d. Weight
+        # 128 h + 32 quarter + i: nibble of byte 64 h + 32 (quarter % 2) + i (high nibble for quarters 2-3),
+        # bits 2 quarter of byte 128 + 32 h + i.
+        position = torch.arange(_SUPER_BLOCK)
+        h, quarter, index = position // 128, position % 128 // 32, position % 32
+        low = (raw[..., 64 * h + 32 * (quarter % 2) + index] >> (4 * (quarter // 2)).to(torch.uint8)) & 15
+        high = (raw[..., 128 + 32 * h + index] >> (2 * quarter).to(torch.uint8)) & 3
+        d = raw[..., 208:210].contiguous().view(torch.float16).float()
+        scales = d * raw[..., 192:208].view(torch.int8).float()  # [N, blocks, 16]: exact
+        weight = BlockWeight.from_codes("q6f", (low | (high << 4)).view(n, -1, 32), scales.view(n, -1, 2),
+                                        in_features)
+    else:
+        raise ValueError(f"{qtype} has no block kernel layout")
     return BlockWeight(weight.format, weight.packed.contiguous(), weight.scales.contiguous(), in_features)
+
+
+def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's 12 bytes per block → the 8 sub-blocks' 6-bit scales and mins as float32: the first 4 in
+    the low 6 bits of bytes 0-3 and 4-7, the last 4 in the nibbles of bytes 8-11 with their top 2 bits in the top
+    bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    first, second, last = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([first & 63, (last & 15) | ((first >> 6) << 4)], dim=-1)
+    mn = torch.cat([second & 63, (last >> 4) | ((second >> 6) << 4)], dim=-1)
+    return sc.float(), mn.float()
 
 
 def _unpermute_blocks(weight: BlockWeight, num_heads: int) -> BlockWeight:

@@ -215,8 +215,9 @@ class LlamaForCausalLM(nn.Module):
         return int(expert) - first, f"{prefix}.experts.{stacked}", offset, rows
 
     def use_block_weights(self, blocks: Iterable[tuple[str, BlockWeight]]) -> int:
-        """Swaps each linear whose every shard ``blocks`` holds, all in one block format, for a BlockQuantLinear
-        on those blocks (a tied head takes the embedding's); returns how many were swapped."""
+        """Swaps each linear whose every shard ``blocks`` holds for a BlockQuantLinear on those blocks, shards in
+        different block formats each in their own (a tied head takes the embedding's); returns how many were
+        swapped."""
         cfg = self.config
         shards: dict[str, list[tuple[int, BlockWeight]]] = {}
         for name, weight in blocks:
@@ -231,10 +232,11 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, Linear):
                 continue
             try:
-                weight = BlockWeight.concat([w for _, w in sorted(parts, key=lambda p: p[0])])
-            except ValueError:  # shards in different formats: the layer stays dense
+                weight = BlockWeight.fuse([w for _, w in sorted(parts, key=lambda p: p[0])])
+            except ValueError:  # shards of different widths: the layer stays dense
                 continue
-            if (weight.out_features, weight.in_features) != (module.out_features, module.in_features):
+            if (sum(w.out_features for w in weight), weight[0].in_features) != (module.out_features,
+                                                                                 module.in_features):
                 continue  # a shard is stored in another type
             layer = BlockQuantLinear(weight).to(module.weight.device)
             layer.float_output = module_name == "lm_head"

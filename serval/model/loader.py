@@ -72,7 +72,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     if quantization == "gguf":
         blocks = split_fused_weights(gguf.block_weights(config), config)
         swapped = model.use_block_weights(blocks if shard is None else shard.shard_weights(blocks))
-        logger.info("%d linears read the file's 4/8-bit blocks in place", swapped)
+        logger.info("%d linears read the file's quantized blocks in place", swapped)
     elif quantization in CHECKPOINT_METHODS:  # the same 4-bit blocks, from the checkpoint's groups
         blocks = checkpoint.block_weights(_safetensors_weights(path, checkpoint.is_part))
         swapped = use_checkpoint_blocks(model, blocks, config, shard)
@@ -93,9 +93,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
 
 def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dtype,
                          quantization: str) -> str:
-    """"auto" becomes "gguf" for a GGUF file with block-format matrices on the CPU (where the kernel runs; on a
-    GPU the blocks would only be dequantized again), "gptq" or "awq" for such a checkpoint on the CPU (the same
-    4-bit blocks), else "none". Measured on an AVX-512 + bf16 CPU
+    """"auto" becomes "gguf" for a GGUF file with matrices in a type the block kernel reads (gguf_file.BLOCK_FORMATS:
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) on the CPU (where the kernel runs; on a GPU the
+    blocks would only be dequantized again), "gptq" or "awq" for such a checkpoint on the CPU (the same 4-bit
+    blocks), else "none". Measured on an AVX-512 + bf16 CPU
     (benchmarks/bench_engine.py, 2 threads): bfloat16 1.8x the dense tokens/s on one stream and 0.97x at 16
     streams; float32 5.1x and 1.3x."""
     if quantization == "gguf" and path.suffix != ".gguf":

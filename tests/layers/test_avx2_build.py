@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_block_quant_linear import activations, random_blocks
+from test_block_quant_linear import FORMATS, activations, random_blocks
 
 from serval.layers import cpu_kernels
 from serval.layers.attention import KV_CODE_DTYPES, new_kv_cache
@@ -30,12 +30,13 @@ def outputs(k) -> dict[str, torch.Tensor]:
     and 8-bit caches of each code dtype with the bytes quantize_kv_ wrote; a sliding window of 100 keys),
     silu(gate) * up, and a row argmax with ties and NaN."""
     out = {}
-    for fmt in ("q4", "q8"):
+    for fmt in FORMATS:  # q4, q8 and the GGUF types of the other layouts (q5, q4f, q5f, q6f)
         weight = random_blocks(fmt, 130, 576)
         for dtype in (torch.float32, torch.bfloat16):
             for rows in (1, 5, 7, 40):
-                x = activations(rows, 576, dtype)
-                out[f"linear {fmt} {dtype} {rows}"] = k.block_panel_linear(x, *weight.panels(), fmt, 130, False)
+                x = activations(rows, weight.in_features, dtype)
+                out[f"linear {fmt} {dtype} {rows}"] = k.block_panel_linear(x, *weight.panels(), weight.format, 130,
+                                                                           False)
     for head_dim in (64, 128, 256):
         gen = torch.Generator().manual_seed(head_dim)
         k_cache, v_cache = (torch.randn(48, 16, 3, head_dim, generator=gen) for _ in range(2))
@@ -86,7 +87,7 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
                    cwd=HERE.parents[1], timeout=900)
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
-    assert avx2.keys() == native.keys() and len(native) == 27 + 3 + 3 * 3 * 2
+    assert avx2.keys() == native.keys() and len(native) == 8 * len(FORMATS) + 11 + 3 + 3 * 3 * 2
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case
     assert native["argmax"].tolist()[1:4] == [100, 49153, 7]

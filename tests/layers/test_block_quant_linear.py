@@ -1,6 +1,6 @@
-"""The block kernel (GGUF Q4_0 / Q4_1 / Q8_0 weights read as stored): equal to float64 on the file's weights up to
-float32 summation, the same for a row alone or among any others, and lossless repacking (the same bits from its
-AVX2 and AVX-512 builds: test_avx2_build.py)."""
+"""The block kernel (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and the K-quants Q4_K / Q5_K / Q6_K read as stored):
+equal to float64 on the file's weights up to float32 summation, the same for a row alone or among any others, and
+lossless repacking (the same bits from its AVX2 and AVX-512 builds: test_avx2_build.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,39 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from serval.layers import cpu_kernels
-from serval.layers.linear import BlockQuantLinear, BlockWeight, padded_matmul
+from serval.layers.linear import EXTRA_BITS, BlockQuantLinear, BlockWeight, padded_matmul
 from serval.model.gguf_file import _to_block_weight
 
 kernels = cpu_kernels.load()
 
 
+# GGUF block types the kernel reads beside its own q4/q8 test layouts: bytes per block, offsets of float16 scales.
+GGUF_BLOCKS = {"Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "Q4_K": (256, 144, (0, 2)),
+               "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+FORMATS = ["q4", "q8", *GGUF_BLOCKS]
+
+
+def random_gguf_bytes(qtype: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """Valid random GGUF blocks [N, bytes per row]: random quants and sub-block scales, and float16 d (and dmin or m)
+    of a trained layer's size."""
+    block, size, halves = GGUF_BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (out_features, in_features // block, size), dtype=np.uint8)
+    for i, offset in enumerate(halves):  # d, then dmin (K) or m (Q5_1)
+        scale = 1e-4 if block == 256 else 3e-3
+        value = rng.uniform(0.2, 1, (out_features, in_features // block, 1)) * scale * (-1 if i and block == 32 else 1)
+        raw[..., offset: offset + 2] = value.astype(np.float16).view(np.uint8)
+    return raw.reshape(out_features, -1)
+
+
 def random_blocks(fmt: str, out_features: int, in_features: int, seed: int = 0) -> BlockWeight:
-    """Valid random blocks: scales of a trained layer's size (weights ~0.05), every code used."""
+    """Valid random blocks: scales of a trained layer's size (weights ~0.05), every code used. ``fmt``: a kernel
+    layout (q4, q8) or a GGUF type of GGUF_BLOCKS (whose in_features is rounded up to its block)."""
+    if fmt in GGUF_BLOCKS:
+        block = GGUF_BLOCKS[fmt][0]
+        in_features = -(-in_features // block) * block
+        raw = torch.from_numpy(random_gguf_bytes(fmt, out_features, in_features, seed))
+        return _to_block_weight(fmt, raw.view(out_features, in_features // block, -1), in_features)
     g = torch.Generator().manual_seed(seed)
     groups = -(-in_features // 32)
     if fmt == "q4":
@@ -43,17 +68,18 @@ needs_panels = pytest.mark.skipif(kernels is None or not kernels.block_panel_ker
 
 
 @needs_panels
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 37])
 @pytest.mark.parametrize("shape", [(200, 576), (37, 80)])  # a short last panel; a K the blocks pad
 def test_panel_kernel_equals_the_dequantized_weights(fmt, dtype, rows, shape):
     """The panel kernel multiplies by the file's exact weights in float32 FMAs: against float64, the error is
     float32 summation (K * 2^-24 of sum |x w|, far under 1e-4 here) plus the output's rounding to x's dtype."""
-    out_features, in_features = shape
-    weight = random_blocks(fmt, out_features, in_features)
+    out_features = shape[0]
+    weight = random_blocks(fmt, *shape)
+    in_features = weight.in_features
     x = activations(rows, in_features, dtype)
-    got = kernels.block_panel_linear(x, *weight.panels(), fmt, out_features, False)
+    got = kernels.block_panel_linear(x, *weight.panels(), weight.format, out_features, False)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     w = weight.dequantize().double()
     want = x.double() @ w.T
@@ -61,27 +87,28 @@ def test_panel_kernel_equals_the_dequantized_weights(fmt, dtype, rows, shape):
     bound = 1e-4 * (x.double().abs() @ w.abs().T) + rounding * want.abs()
     assert torch.all((got.double() - want).abs() <= bound)
     # The kernel rounds to bfloat16 itself: exactly as torch rounds its float32 results.
-    float_output = kernels.block_panel_linear(x, *weight.panels(), fmt, out_features, True)
+    float_output = kernels.block_panel_linear(x, *weight.panels(), weight.format, out_features, True)
     assert float_output.dtype == torch.float32 and torch.equal(float_output.to(dtype), got)
 
 
 @needs_panels
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_panel_layout_holds_the_same_weights(fmt):
     """Panels are a re-layout without loss: decoding through the kernel with one-hot rows gives every weight."""
     weight = random_blocks(fmt, 70, 96)
-    eye = torch.eye(96)
-    assert torch.equal(kernels.block_panel_linear(eye, *weight.panels(), fmt, 70, False).T, weight.dequantize())
+    eye = torch.eye(weight.in_features)
+    got = kernels.block_panel_linear(eye, *weight.panels(), weight.format, 70, False).T
+    assert torch.equal(got, weight.dequantize())
 
 
 @needs_panels
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_each_row_is_the_same_whatever_the_batch(fmt, dtype):
     """Batch invariance with no padding at all: every row count from 1 to 40 (all the tile remainders)."""
     layer = BlockQuantLinear(random_blocks(fmt, 130, 576))  # 130 columns: a short last column tile
-    x = activations(40, 576, dtype)
+    x = activations(40, layer.in_features, dtype)
     alone = torch.cat([layer(x[i: i + 1]) for i in range(len(x))])
     assert layer.min_rows == 1
     for rows in range(1, 41):
@@ -97,6 +124,31 @@ def test_gguf_blocks_repack_without_loss(qtype):
     want = dequantize(raw, GGMLQuantizationType[qtype])
     weight = _to_block_weight(qtype, torch.from_numpy(raw).reshape(6, 3, -1), 96)
     assert torch.equal(weight.dequantize(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_BLOCKS))
+def test_gguf_5_and_6_bit_and_k_quant_blocks_dequantize_as_gguf_py(qtype):
+    """Random valid Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (every code, every sub-block scale), repacked for the
+    kernel, dequantize to exactly what gguf-py reads from them; and a slice of whole blocks of 32 keeps them."""
+    raw = random_gguf_bytes(qtype, 9, 512, seed=4)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
+    block = GGUF_BLOCKS[qtype][0]
+    weight = _to_block_weight(qtype, torch.from_numpy(raw).view(9, 512 // block, -1), 512)
+    assert weight.format == {"Q5_0": "q5", "Q5_1": "q5", "Q4_K": "q4f", "Q5_K": "q5f", "Q6_K": "q6f"}[qtype]
+    assert torch.equal(weight.dequantize(), want)
+    assert torch.equal(weight.slice(slice(2, 7), slice(96, 352)).dequantize(), want[2:7, 96:352])
+    assert weight.codes().max() >= 2 ** (4 + EXTRA_BITS[weight.format]) - 1  # the high bits are in use
+
+
+def test_bytes_per_weight_of_the_k_quant_layouts():
+    """What the kernel reads per weight (codes and scales; the file: Q4_K 0.5625, Q5_K 0.6875, Q6_K 0.8203,
+    Q5_0 0.6875)."""
+    def per_weight(qtype: str) -> float:
+        panels, scales = random_blocks(qtype, 64, 512).panels()
+        return (panels.numel() + scales.numel() * scales.element_size()) / (64 * 512)
+
+    assert {q: per_weight(q) for q in GGUF_BLOCKS} == {"Q5_0": 0.75, "Q5_1": 0.75, "Q4_K": 0.75, "Q5_K": 0.875,
+                                                       "Q6_K": 1.0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -223,12 +223,13 @@ def test_gguf_weights_and_logits_match(tmp_path: Path, qtype: str) -> None:
     assert_logits_close(full_logits(ours, ids), hf_logits(ref, ids), FP32_REL)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_gguf_blocks_in_place_hold_the_files_weights(tmp_path: Path, qtype: str, tied: bool) -> None:
     """Every linear (fused q/k/v and gate/up, the head; a tied head from the embedding's blocks) reads the file's
     blocks, which dequantize to exactly the file's weights; logits match transformers on the same file."""
-    hf = tiny_llama(tie_word_embeddings=tied)
+    overrides = {k: TINY_K[k] for k in ("hidden_size", "intermediate_size")} if qtype in K_QUANTS else {}
+    hf = tiny_llama(tie_word_embeddings=tied, **overrides)
     stored = write_gguf(tmp_path / "tiny.gguf", hf, qtype)
     ours = load_model(tmp_path / "tiny.gguf", torch.float32, quantization="gguf")
     linears = {n: m for n, m in ours.named_modules() if isinstance(m, BlockQuantLinear)}
@@ -236,7 +237,7 @@ def test_gguf_blocks_in_place_hold_the_files_weights(tmp_path: Path, qtype: str,
     cfg = ours.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for name, layer in linears.items():
-        weight = layer.block_weight().dequantize()
+        weight = torch.cat([part.dequantize() for part in layer.block_weights()])
         prefix = f"model.{name.rsplit('.', 1)[0]}"
         if name.endswith("qkv_proj"):
             parts = {f"{prefix}.{p}.weight": w

@@ -1,10 +1,17 @@
-// y = x W^T with W in 4- or 8-bit blocks of 32 weights, laid out in panels of 16 output columns so that a
+// y = x W^T with W in 4- to 8-bit blocks of 32 weights, laid out in panels of 16 output columns so that a
 // decoded vector holds one input position of 16 columns: each output is then one float32 FMA chain over the
 // input positions in order, and a tile needs no horizontal sums.
 //
 // Panel layout (P = N padded to 32, divided by 16; G = blocks per row):
-//   q4: panels [P, G, 16, 16]: byte j of pair p holds column j's weight 2p (low nibble) and 2p + 1 (high);
-//       scales float16 [P, G, 2, 16] = (d, m) of the 16 columns; w = d * q + m.
+//   q4: panels [P, G, 16, 16]: byte j of pair p holds column j's code 2p (low nibble) and 2p + 1 (high);
+//       scales float16 [P, G, 2, 16] = (d, m) of the 16 columns; w = d * q + m (GGUF Q4_0, Q4_1).
+//   q5: q4's 16 rows and 4 rows of the fifth bit (row 16 + k / 8, bit k % 8 for position k); scales as q4's
+//       (GGUF Q5_0, Q5_1).
+//   q4f, q5f: q4's and q5's bytes with float32 scales [P, G, 2, 16] (GGUF Q4_K, Q5_K: the super-block's float16
+//       d and dmin times the 6-bit sub-block scale and min, exact in float32).
+//   q6f: q4's 16 rows and 8 rows of the two high bits (row 16 + k / 4, bits 2 (k % 4) and up); scales float32
+//       [P, G, 2, 16] = d of positions 0-15 and of 16-31 (Q6_K's float16 d times its int8 scale, exact);
+//       w = d * (q - 32), computed as fma(q, d, -32 d).
 //   q8: panels [P, G, 32, 16]: signed byte j of position k is column j's q; scales [P, G, 1, 16]; w = d * q.
 // (serval/layers/linear.py builds it from the GGUF layout without loss.)
 //
@@ -33,6 +40,14 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+
+// The block formats (BlockWeight.format in linear.py). Each block holds 32 input positions of 16 columns.
+enum Format : int { kQ8, kQ4, kQ5, kQ4F, kQ5F, kQ6F };
+// Bits above the nibble (5- and 6-bit codes), in bit-plane rows after the 16 nibble rows.
+constexpr int extra_bits(int f) { return f == kQ5 || f == kQ5F ? 1 : f == kQ6F ? 2 : 0; }
+constexpr bool half_scales(int f) { return f == kQ8 || f == kQ4 || f == kQ5; }
+constexpr int block_rows(int f) { return f == kQ8 ? 32 : 16 + 4 * extra_bits(f); }
+constexpr int scale_rows(int f) { return f == kQ8 ? 1 : 2; }
 
 // The vector operations the kernel is written in, for AVX-512 (16 lanes) or AVX2 (8 lanes). A tile is two
 // vectors wide (32 columns with AVX-512, 16 with AVX2) and has as many rows as the registers allow; each
@@ -100,42 +115,85 @@ inline void store_out(uint16_t* y, Vec v, int count) {
 #if defined(SERVAL_PANEL_KERNEL)
 constexpr int64_t kCols = 2 * kLanes;  // output columns of a tile
 
-inline Vec low_nibbles(__m128i b) { return unsigned_bytes(_mm_and_si128(b, _mm_set1_epi8(15))); }
-inline Vec high_nibbles(__m128i b) { return unsigned_bytes(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15))); }
 
 // Where a tile's two vectors of one block start: their bytes (one row of 16 bytes per input position, or per pair
-// of them for q4) and their float16 scales (d at s, m at s + 16).
+// of them for the nibble formats) and their scales (a row of 16 per scale, float16 or float32).
 struct Panels {
   const uint8_t* packed;
-  const uint16_t* scales;
-  int64_t groups, block_bytes, block_scales;  // per 16-column panel: bytes and float16 scales of one block
+  const uint8_t* scales;
+  int64_t groups, block_bytes, block_scale_bytes, scale_size;  // per 16-column panel, of one block
 
-  void block(int64_t tile, int64_t g, const uint8_t* q[2], const uint16_t* s[2]) const {
+  void block(int64_t tile, int64_t g, const uint8_t* q[2], const uint8_t* s[2]) const {
     for (int c = 0; c < 2; ++c) {
       const int64_t column = tile * kCols + c * kLanes;
       const int64_t index = (column / 16) * groups + g;
       q[c] = packed + index * block_bytes + column % 16;
-      s[c] = scales + index * block_scales + column % 16;
+      s[c] = scales + index * block_scale_bytes + (column % 16) * scale_size;
     }
   }
 };
 
-// One block (32 input positions) of a tile's columns, decoded to float32: out[k][0 .. kCols). The same
-// instructions as tile_inline's, so the same floats.
-template <bool kQ4>
-inline void decode_block(const uint8_t* const q[2], const uint16_t* const s[2], float* out) {
+template <int F>
+inline Vec load_scale(const uint8_t* s, int row) {
+  if constexpr (half_scales(F)) return load_halves(reinterpret_cast<const uint16_t*>(s) + row * 16);
+  else return vload(reinterpret_cast<const float*>(s) + row * 16);
+}
+
+// A block's scales per vector c and half of the block h (Q6_K's sub-blocks are 16 positions): w = d * q + m.
+// q8: w = d * q (signed). q6f: scales (d of positions 0-15, d of 16-31), m = -32 d (exact: a power of two).
+template <int F>
+inline void block_scales(const uint8_t* const s[2], Vec d[2][2], Vec m[2][2]) {
   for (int c = 0; c < 2; ++c) {
-    const Vec d = load_halves(s[c]);
-    if (kQ4) {
-      const Vec m = load_halves(s[c] + 16);
-      for (int pair = 0; pair < 16; ++pair) {
-        const __m128i b = load_bytes(q[c] + pair * 16);
-        vstore(out + (2 * pair) * kCols + c * kLanes, vfma(low_nibbles(b), d, m));
-        vstore(out + (2 * pair + 1) * kCols + c * kLanes, vfma(high_nibbles(b), d, m));
+    if constexpr (F == kQ6F) {
+      for (int h = 0; h < 2; ++h) {
+        d[c][h] = load_scale<F>(s[c], h);
+        m[c][h] = vmul(d[c][h], vset1(-32.f));
       }
     } else {
+      d[c][0] = d[c][1] = load_scale<F>(s[c], 0);
+      m[c][0] = m[c][1] = F == kQ8 ? vzero() : load_scale<F>(s[c], 1);
+    }
+  }
+}
+
+// Input positions 2 * pair and 2 * pair + 1 of one vector's columns, decoded to float32: the low and high nibble
+// of the pair's byte row, with the bits above them from the bit-plane rows (5-bit: row 16 + k / 8 holds position
+// k at bit k % 8; 6-bit: row 16 + k / 4 holds it at bits 2 (k % 4) and up).
+template <int F>
+inline void pair_weights(const uint8_t* q, int pair, Vec d, Vec m, Vec& even, Vec& odd) {
+  const __m128i b = load_bytes(q + pair * 16), nibble = _mm_set1_epi8(15);
+  __m128i lo = _mm_and_si128(b, nibble), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+  constexpr int e = extra_bits(F);
+  if constexpr (e > 0) {
+    constexpr int pairs_per_row = 4 / e;
+    // Shifts of 16-bit lanes: the bits kept below come from each byte's own low 2e bits.
+    const __m128i h = _mm_srl_epi16(load_bytes(q + (16 + pair / pairs_per_row) * 16),
+                                    _mm_cvtsi32_si128(2 * e * (pair % pairs_per_row)));
+    const __m128i top = _mm_set1_epi8(static_cast<char>(((1 << e) - 1) << 4));
+    lo = _mm_or_si128(lo, _mm_and_si128(_mm_slli_epi16(h, 4), top));
+    hi = _mm_or_si128(hi, _mm_and_si128(_mm_slli_epi16(h, 4 - e), top));
+  }
+  even = vfma(unsigned_bytes(lo), d, m);
+  odd = vfma(unsigned_bytes(hi), d, m);
+}
+
+// One block (32 input positions) of a tile's columns, decoded to float32: out[k][0 .. kCols). The same
+// instructions as tile_inline's, so the same floats.
+template <int F>
+inline void decode_block(const uint8_t* const q[2], const uint8_t* const s[2], float* out) {
+  Vec d[2][2], m[2][2];
+  block_scales<F>(s, d, m);
+  for (int c = 0; c < 2; ++c) {
+    if constexpr (F == kQ8) {
       for (int k = 0; k < kBlock; ++k)
-        vstore(out + k * kCols + c * kLanes, vmul(signed_bytes(load_bytes(q[c] + k * 16)), d));
+        vstore(out + k * kCols + c * kLanes, vmul(signed_bytes(load_bytes(q[c] + k * 16)), d[c][0]));
+    } else {
+      for (int pair = 0; pair < 16; ++pair) {
+        Vec even, odd;
+        pair_weights<F>(q[c], pair, d[c][pair / 8], m[c][pair / 8], even, odd);
+        vstore(out + (2 * pair) * kCols + c * kLanes, even);
+        vstore(out + (2 * pair + 1) * kCols + c * kLanes, odd);
+      }
     }
   }
 }
@@ -151,40 +209,33 @@ inline void store(Vec (&acc)[R][2], Out* y, int64_t N, int64_t n0) {
 
 // Few rows: each input position's weights are decoded into registers and used at once (the instructions of
 // decode_block, so the same floats; at one row, storing and reloading them cost a quarter of the time).
-template <bool kQ4, int R, typename Out>
+template <int F, int R, typename Out>
 void tile_inline(const Panels& w, int64_t tile, const float* x, int64_t ldx, Out* y, int64_t N) {
   Vec acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* q[2];
-    const uint16_t* s[2];
+    const uint8_t* s[2];
     w.block(tile, g, q, s);
-    Vec d[2], m[2];
-    for (int c = 0; c < 2; ++c) {
-      d[c] = load_halves(s[c]);
-      if (kQ4) m[c] = load_halves(s[c] + 16);
-    }
+    Vec d[2][2], m[2][2];
+    block_scales<F>(s, d, m);
     const float* xg = x + g * kBlock;
-    if (kQ4) {
-      for (int pair = 0; pair < 16; ++pair) {
-        Vec even[2], odd[2];
-        for (int c = 0; c < 2; ++c) {
-          const __m128i b = load_bytes(q[c] + pair * 16);
-          even[c] = vfma(low_nibbles(b), d[c], m[c]);
-          odd[c] = vfma(high_nibbles(b), d[c], m[c]);
-        }
-        for (int r = 0; r < R; ++r) {
-          const Vec xe = vset1(xg[r * ldx + 2 * pair]), xo = vset1(xg[r * ldx + 2 * pair + 1]);
-          for (int c = 0; c < 2; ++c) acc[r][c] = vfma(xo, odd[c], vfma(xe, even[c], acc[r][c]));
-        }
-      }
-    } else {
+    if constexpr (F == kQ8) {
       for (int k = 0; k < kBlock; ++k) {
         Vec wk[2];
-        for (int c = 0; c < 2; ++c) wk[c] = vmul(signed_bytes(load_bytes(q[c] + k * 16)), d[c]);
+        for (int c = 0; c < 2; ++c) wk[c] = vmul(signed_bytes(load_bytes(q[c] + k * 16)), d[c][0]);
         for (int r = 0; r < R; ++r) {
           const Vec xb = vset1(xg[r * ldx + k]);
           for (int c = 0; c < 2; ++c) acc[r][c] = vfma(xb, wk[c], acc[r][c]);
+        }
+      }
+    } else {
+      for (int pair = 0; pair < 16; ++pair) {
+        Vec even[2], odd[2];
+        for (int c = 0; c < 2; ++c) pair_weights<F>(q[c], pair, d[c][pair / 8], m[c][pair / 8], even[c], odd[c]);
+        for (int r = 0; r < R; ++r) {
+          const Vec xe = vset1(xg[r * ldx + 2 * pair]), xo = vset1(xg[r * ldx + 2 * pair + 1]);
+          for (int c = 0; c < 2; ++c) acc[r][c] = vfma(xo, odd[c], vfma(xe, even[c], acc[r][c]));
         }
       }
     }
@@ -208,11 +259,11 @@ void tile_buffered(const float* w, int64_t K, const float* x, int64_t ldx, Out* 
   store<R, Out>(acc, y, N, n0);
 }
 
-template <bool kQ4, int R, typename Out>
+template <int F, int R, typename Out>
 void rows_inline(int64_t rows, const Panels& w, int64_t tile, const float* x, int64_t ldx, Out* y, int64_t N) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_inline<kQ4, R, Out>(w, tile, x, ldx, y, N);
-    rows_inline<kQ4, R - 1, Out>(rows, w, tile, x, ldx, y, N);
+    if (rows == R) return tile_inline<F, R, Out>(w, tile, x, ldx, y, N);
+    rows_inline<F, R - 1, Out>(rows, w, tile, x, ldx, y, N);
   }
 }
 
@@ -225,12 +276,12 @@ void rows_buffered(int64_t rows, const float* panel, int64_t K, const float* x, 
   }
 }
 
-template <bool kQ4, typename Out>
+template <int F, typename Out>
 void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, Out* y) {
   const int64_t tiles = (N + kCols - 1) / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     if (M <= kTileRows) {
-      for (int64_t t = begin; t < end; ++t) rows_inline<kQ4, kTileRows, Out>(M, w, t, x, K, y, N);
+      for (int64_t t = begin; t < end; ++t) rows_inline<F, kTileRows, Out>(M, w, t, x, K, y, N);
       return;
     }
     // Many rows: the tile's weights are decoded once for all of them.
@@ -238,9 +289,9 @@ void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t 
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t g = 0; g < w.groups; ++g) {
         const uint8_t* q[2];
-        const uint16_t* s[2];
+        const uint8_t* s[2];
         w.block(t, g, q, s);
-        decode_block<kQ4>(q, s, panel + g * kBlock * kCols);
+        decode_block<F>(q, s, panel + g * kBlock * kCols);
       }
       int64_t r0 = 0;
       for (; r0 + kTileRows <= M; r0 += kTileRows)
@@ -249,7 +300,27 @@ void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t 
     }
   });
 }
+
+template <typename Out>
+void gemm_format(int format, const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, Out* y) {
+  switch (format) {
+    case kQ8: return gemm_panels<kQ8, Out>(x, M, K, w, N, y);
+    case kQ4: return gemm_panels<kQ4, Out>(x, M, K, w, N, y);
+    case kQ5: return gemm_panels<kQ5, Out>(x, M, K, w, N, y);
+    case kQ4F: return gemm_panels<kQ4F, Out>(x, M, K, w, N, y);
+    case kQ5F: return gemm_panels<kQ5F, Out>(x, M, K, w, N, y);
+    default: return gemm_panels<kQ6F, Out>(x, M, K, w, N, y);
+  }
+}
 #endif
+
+int format_index(const std::string& name) {
+  static const char* const names[] = {"q8", "q4", "q5", "q4f", "q5f", "q6f"};
+  for (int f = 0; f < 6; ++f)
+    if (name == names[f]) return f;
+  TORCH_CHECK(false, "unknown block format ", name, " (q8, q4, q5, q4f, q5f, q6f)");
+  return -1;
+}
 
 }  // namespace
 
@@ -261,21 +332,22 @@ bool block_panel_kernel_available() {
 #endif
 }
 
-// x [M, K] (float32 or bfloat16); panels uint8 [P, G, 16 (q4) or 32 (q8), 16], scales float16 [P, G, 2 or 1, 16]
-// with P * 16 >= N, P even and G * 32 >= K. Returns y [M, N] in x's dtype, or in float32 with float_output (logits:
-// rounding them to bfloat16 would tie tokens whose scores differ by less than 1/8 at magnitude 16).
+// x [M, K] (float32 or bfloat16); panels uint8 [P, G, rows, 16] (rows: 32 for q8, 16 for q4 and q4f, 20 for q5 and
+// q5f, 24 for q6f), scales [P, G, 2 (1 for q8), 16], float16 for q8, q4 and q5, float32 for q4f, q5f and q6f; P * 16
+// >= N, P even and G * 32 >= K. Returns y [M, N] in x's dtype, or in float32 with float_output (logits: rounding them
+// to bfloat16 would tie tokens whose scores differ by less than 1/8 at magnitude 16).
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                               const std::string& format, int64_t out_features, bool float_output) {
-  TORCH_CHECK(format == "q4" || format == "q8", "unknown block format ", format);
-  const bool q4 = format == "q4";
+  const int f = format_index(format);
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 4 &&
-                  panels.size(2) == (q4 ? 16 : 32) && panels.size(3) == 16 && panels.size(0) % 2 == 0,
-              "panels: uint8 [P (even), G, 16 or 32, 16]");
+                  panels.size(2) == block_rows(f) && panels.size(3) == 16 && panels.size(0) % 2 == 0,
+              "panels: uint8 [P (even), G, ", block_rows(f), ", 16] for ", format);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, groups = panels.size(1);
   TORCH_CHECK(panels.size(0) * 16 >= N && groups * kBlock >= K, "panels must cover the weight");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.numel() == panels.size(0) * groups * (q4 ? 2 : 1) * 16, "scales: float16 [P, G, 2 or 1, 16]");
+  TORCH_CHECK(scales.scalar_type() == (half_scales(f) ? at::kHalf : at::kFloat) && scales.is_contiguous() &&
+                  scales.numel() == panels.size(0) * groups * scale_rows(f) * 16,
+              "scales: [P, G, ", scale_rows(f), ", 16] ", half_scales(f) ? "float16" : "float32", " for ", format);
 #if defined(SERVAL_PANEL_KERNEL)
   // The activations in float32, rows padded with zeros to the blocks' width; converted here rather than by
   // aten ops: at one row a call's fixed costs are a good part of its time.
@@ -289,17 +361,16 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
       for (int64_t k = K; k < padded; ++k) xf[r * padded + k] = 0.f;
     }
   });
-  const Panels w{panels.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), groups,
-                 q4 ? 16 * 16 : 32 * 16, (q4 ? 2 : 1) * 16};
+  const int64_t scale_size = scales.element_size();
+  const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), groups,
+                 block_rows(f) * 16, scale_rows(f) * 16 * scale_size, scale_size};
   if (x.scalar_type() == at::kBFloat16 && !float_output) {
     at::Tensor y = at::empty({M, N}, x.options());
-    auto* yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-    q4 ? gemm_panels<true>(xf, M, padded, w, N, yb) : gemm_panels<false>(xf, M, padded, w, N, yb);
+    gemm_format(f, xf, M, padded, w, N, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
     return y;
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yf = y.data_ptr<float>();
-  q4 ? gemm_panels<true>(xf, M, padded, w, N, yf) : gemm_panels<false>(xf, M, padded, w, N, yf);
+  gemm_format(f, xf, M, padded, w, N, y.data_ptr<float>());
   return float_output ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "block_panel_linear needs AVX2 with FMA and F16C, or AVX-512 (check block_panel_kernel_available())");
