@@ -100,13 +100,19 @@ def test_greedy_text_equals_transformers_generate(family):
     tokenizer = Tokenizer.load(directory)
     assert "<|im_start|>" in tokenizer.chat_template
     llm = _llm(directory, load_model(directory, torch.float32), tokenizer)
-    outputs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert_chats_equal_generate(llm, hf, tokenizer)
+
+
+def assert_chats_equal_generate(llm, hf: torch.nn.Module, tokenizer: Tokenizer, max_tokens: int = 16) -> None:
+    """``llm``'s greedy answers to CHATS are transformers' ``generate`` on the same prompt ids, token for token."""
+    outputs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     for chat, output in zip(CHATS, outputs):
         ids = torch.tensor([hf_tokenizer_ids(tokenizer, chat)])
         assert output.prompt_token_ids == ids[0].tolist()
         with torch.no_grad():
-            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
-                                 eos_token_id=sorted(tokenizer.eos_token_ids), pad_token_id=tokenizer.eos_token_id)
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_tokens, eos_token_id=sorted(tokenizer.eos_token_ids),
+                                 pad_token_id=tokenizer.eos_token_id)
         theirs = theirs[0, ids.shape[1]:].tolist()
         assert output.outputs[0].token_ids == theirs
         assert output.outputs[0].text == tokenizer.decode(theirs)

@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 import torch
 from real_model import MODEL_PATH, requires_model
-from test_families import CHATS, LONG, _llm, hf_tokenizer_ids
+from test_families import LONG, _llm, assert_chats_equal_generate
 from test_llama import FP32_REL, assert_logits_close
 from tiny_models import full_logits, gguf_tokenizer_fields, hf_logits, tiny_family, write_gguf
 
 from serval.layers.linear import BlockQuantLinear
 from serval.model.gguf_file import GGUFModelFile
 from serval.model.loader import load_model
-from serval.sampling_params import SamplingParams
 from serval.tokenizer import Tokenizer
 
 pytestmark = requires_model  # the tokenizer fields are the embedded SmolLM2's
@@ -117,15 +116,7 @@ def test_greedy_chat_equals_transformers_generate(tmp_path: Path, tokenizer_fiel
     stored = write_gguf(path, _tiny(name), "Q8_0", tokenizer=tokenizer_fields)
     hf, tokenizer = _reference(name, stored), Tokenizer.load(path)
     assert "<|im_start|>" in tokenizer.chat_template
-    llm = _llm(path, load_model(path, torch.float32), tokenizer)
-    outputs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    for chat, output in zip(CHATS, outputs):
-        ids = torch.tensor([hf_tokenizer_ids(tokenizer, chat)])
-        assert output.prompt_token_ids == ids[0].tolist()
-        with torch.no_grad():
-            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
-                                 eos_token_id=sorted(tokenizer.eos_token_ids), pad_token_id=tokenizer.eos_token_id)
-        assert output.outputs[0].token_ids == theirs[0, ids.shape[1]:].tolist()
+    assert_chats_equal_generate(_llm(path, load_model(path, torch.float32), tokenizer), hf, tokenizer)
 
 
 def test_phi3_longrope_from_its_factor_tensors(tmp_path: Path) -> None:

@@ -52,6 +52,16 @@ def free_port() -> int:
 
 
 @dataclass
+def streamed_chat(client, messages: list[dict], max_tokens: int) -> tuple[list, str, list[str]]:
+    """A greedy streamed chat with usage on the server's one model: (chunks, text, finish reasons)."""
+    model = client.models.list().data[0].id
+    chunks = list(client.chat.completions.create(model=model, messages=messages, stream=True, temperature=0,
+                                                 max_tokens=max_tokens, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return chunks, text, finish
+
+
 class Server:
     """One `serval serve` subprocess; its stderr (the request log included) goes to ``log_path``."""
 

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 from real_model import MODEL_PATH, requires_model
-from serverproc import Server
+from serverproc import Server, streamed_chat
 from tiny_models import FAMILY_OVERRIDES, save_family_dir
 
 from serval.tokenizer import Tokenizer
@@ -70,13 +70,7 @@ def served(request, tmp_path_factory):
 @pytest.mark.parametrize("family", list(FAMILY_OVERRIDES))
 def test_a_streamed_chat_answers_transformers_greedy_text_and_stops_at_the_directorys_stop_id(served, family):
     server, prompt_tokens, want, want_text = served[family]
-    client = server.wait_ready().client()
-    model = client.models.list().data[0].id
-    stream = client.chat.completions.create(model=model, messages=CHAT, stream=True, temperature=0,
-                                            max_tokens=MAX_TOKENS, stream_options={"include_usage": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    chunks, text, finish = streamed_chat(server.wait_ready().client(), CHAT, MAX_TOKENS)
     # The stop id is an ordinary token here, so its text is part of the answer (the engine skips only special
     # tokens' text); the answer ends there, before max_tokens, as a stop.
     assert text == want_text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from real_model import MODEL_PATH, requires_model
-from serverproc import Server
+from serverproc import Server, streamed_chat
 from tiny_models import save_family_dir
 from tiny_quantized import QuantSpec, save_quantized_dir
 
@@ -46,14 +46,8 @@ def served(tmp_path_factory):
 
 def test_a_streamed_chat_on_a_gptq_checkpoint_answers_transformers_greedy_text(served):
     server, want, want_text = served
-    client = server.wait_ready().client()
-    model = client.models.list().data[0].id
-    stream = client.chat.completions.create(model=model, messages=CHAT, stream=True, temperature=0,
-                                            max_tokens=MAX_TOKENS, stream_options={"include_usage": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    chunks, text, finish = streamed_chat(server.wait_ready().client(), CHAT, MAX_TOKENS)
     assert text == want_text
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"] and chunks[-1].usage.completion_tokens == len(want)
     log = server.log()
     assert "loaded llama model" in log and "weights gptq" in log
