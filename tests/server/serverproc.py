@@ -51,7 +51,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
 def streamed_chat(client, messages: list[dict], max_tokens: int) -> tuple[list, str, list[str]]:
     """A greedy streamed chat with usage on the server's one model: (chunks, text, finish reasons)."""
     model = client.models.list().data[0].id
@@ -62,6 +61,7 @@ def streamed_chat(client, messages: list[dict], max_tokens: int) -> tuple[list, 
     return chunks, text, finish
 
 
+@dataclass
 class Server:
     """One `serval serve` subprocess; its stderr (the request log included) goes to ``log_path``."""
 
