@@ -27,7 +27,16 @@ if ! "$PEERS/llamacpp/bin/llama-server" --version >/dev/null 2>&1; then
     echo "llama.cpp: building llama-server (cmake, -j $JOBS)"
     # Static, so the one binary can be copied out of the build tree. No tests, examples, network (curl,
     # OpenSSL) or prebuilt web UI: the last is downloaded at build time, and nothing outside PyPI is reachable.
-    cmake -S "$src/vendor/llama.cpp" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    # -march=native turns on ggml's AMX path where the CPU lists AMX tiles, and that path segfaulted at the first
+    # matmul on such a VM (ggml_backend_amx_mul_mat): there, the AVX-512 instruction sets by name, AMX off.
+    isa_flags="-DGGML_NATIVE=ON"
+    if grep -q amx_tile /proc/cpuinfo; then
+        isa_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+            -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+            -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    fi
+    # shellcheck disable=SC2086 # isa_flags is a list of flags
+    cmake -S "$src/vendor/llama.cpp" -B "$src/build" -DCMAKE_BUILD_TYPE=Release $isa_flags \
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF > "$src/cmake.log" 2>&1 \
         || { tail -n 30 "$src/cmake.log"; exit 1; }
