@@ -189,6 +189,8 @@ _GGUF_LAYER = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     # Phi-3's fused tensors (ffn_up holds gate and up)
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+    # a mixture of experts' router and stacked experts (gate_up_proj is written as ffn_gate_exps and ffn_up_exps)
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps",
 }
 # Gemma's four norms a layer.
 _GGUF_GEMMA_LAYER = {**_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
@@ -197,11 +199,14 @@ _GGUF_GEMMA_LAYER = {**_GGUF_LAYER, "post_attention_layernorm": "post_attention_
 
 # llama.cpp's general.architecture for each Hugging Face model_type (its converter writes Mistral as "llama").
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "gemma2": "gemma2"}
+             "gemma2": "gemma2", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
-    """llama.cpp's name of a Hugging Face tensor (``.weight`` or ``.bias``)."""
+    """llama.cpp's name of a Hugging Face tensor (``.weight`` or ``.bias``; transformers' stacked experts have no
+    suffix and get ``.weight``)."""
+    if hf_name.endswith(".experts.down_proj"):
+        hf_name += ".weight"
     name, _, kind = hf_name.removeprefix("model.").rpartition(".")
     if name.startswith("layers."):
         _, layer, sub = name.split(".", 2)
@@ -282,6 +287,12 @@ def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0,
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:  # Mixtral's experts are feed_forward_length wide, Qwen3-MoE's have their own width
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "phi3":  # 0: no window
         w.add_sliding_window(cfg.sliding_window or 0)
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
@@ -315,6 +326,17 @@ def write_gguf(path: Path, hf: HFLlama, qtype: str, seed: int = 0,
             shift = 1.0 if arch == "gemma2" and hf_name.endswith("norm.weight") else 0.0
             w.add_tensor(gguf_tensor_name(hf_name, arch), array + shift)
             stored[hf_name] = (array + shift) - shift  # what a loader reads back
+            continue
+        if hf_name.endswith(".experts.gate_up_proj"):  # llama.cpp stores the gate and up halves apart
+            width = array.shape[1] // 2
+            halves = []
+            for half, suffix in ((array[:, :width], "gate"), (array[:, width:], "up")):
+                data = encode(half, qtype, rng)
+                t = GGMLQuantizationType[qtype]
+                layer = hf_name.removeprefix("model.").split(".")[1]
+                w.add_tensor(f"blk.{layer}.ffn_{suffix}_exps.weight", data, raw_dtype=None if qtype == "F32" else t)
+                halves.append(gguf.quants.dequantize(data, t).reshape(half.shape).astype(np.float32))
+            stored[hf_name] = np.concatenate(halves, axis=1)
             continue
         n_head = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
         permuted = arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name)

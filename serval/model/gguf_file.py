@@ -1,5 +1,9 @@
-"""Reads a GGUF file of an architecture llama.cpp writes (llama, which Mistral is written as too; qwen2; qwen3; phi3;
-gemma2; gemma3): its header as a ModelConfig, its tensors dequantized under Hugging Face names."""
+"""Reads a GGUF file of an architecture llama.cpp writes (llama, which Mistral and Mixtral are written as too; qwen2;
+qwen3; qwen3moe; phi3; gemma2; gemma3): its header as a ModelConfig, its tensors dequantized under Hugging Face names.
+
+Mixtures of experts: a layer with a router (``blk.N.ffn_gate_inp``) is a sparse layer; its experts are stored stacked,
+``ffn_gate_exps``/``ffn_up_exps`` [experts, width, hidden] and ``ffn_down_exps`` [experts, hidden, width], and are
+read as each expert's own matrices (dequantized: the block kernel reads 2-D matrices only)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture-of-experts layer's router and its stacked experts (split per expert in GGUFModelFile.weights).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Gemma 3's layers: its norms have other names (and llama.cpp stores each norm's w as 1 + w).
 _GEMMA3_LAYER_NAMES = {
@@ -44,7 +53,8 @@ _QWEN3_LAYER_NAMES = {**_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Gemma 2's layers have Gemma 3's four norms (also stored as 1 + w) and no q/k norms.
 _ARCH_LAYER_NAMES = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES,
-                     "phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+                     "qwen3moe": _QWEN3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA3_LAYER_NAMES,
+                     "gemma3": _GEMMA3_LAYER_NAMES}
 # general.architecture values that load. llama.cpp's converter writes MistralForCausalLM as "llama" and keeps no
 # sliding window (its LlamaModel has no such key; llama.cpp then attends to every key, and so does this loader).
 ARCHITECTURES = tuple(_ARCH_LAYER_NAMES)
@@ -123,6 +133,8 @@ class GGUFModelFile:
                          rope_local_theta=10000.0,
                          query_pre_attn_scalar=float(self.field(f"{arch}.attention.key_length", hidden // heads)),
                          final_logit_softcapping=self.field(f"{arch}.final_logit_softcapping"))
+        extra.update(self._experts(names, num_layers))
+        family = extra.pop("architecture", arch)  # "mixtral" and "qwen3_moe", as the Hugging Face loader names them
         return ModelConfig(
             **extra,
             vocab_size=int(vocab),
@@ -139,11 +151,28 @@ class GGUFModelFile:
             tie_word_embeddings="output.weight" not in names,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
-            architecture=arch,
+            architecture=family,
             name=str(self.field("general.name", self.path.stem)),
             qkv_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),  # per-head q/k RMSNorm
+            qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),  # per-head q/k RMSNorm
         )
+
+    def _experts(self, names: set[str], num_layers: int) -> dict:
+        """The mixture-of-experts fields of ModelConfig, none for a dense file. A layer with a router is sparse.
+        Mixtral is written as "llama" with an expert count, its experts as wide as feed_forward_length; Qwen3-MoE as
+        "qwen3moe" with expert_feed_forward_length. The top-k weights are renormalized unless the header's
+        expert_weights_norm says otherwise: llama.cpp renormalizes both families' (Qwen3-MoE's released models set
+        norm_topk_prob), and their converter writes no such key."""
+        arch = self.architecture
+        count = int(self.field(f"{arch}.expert_count", 0) or 0)
+        layers = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+        if not count or not layers:
+            return {}
+        width = self.field(f"{arch}.expert_feed_forward_length") or self.field(f"{arch}.feed_forward_length")
+        return dict(architecture="qwen3_moe" if arch == "qwen3moe" else "mixtral", num_experts=count,
+                    num_experts_per_tok=int(self.field(f"{arch}.expert_used_count")),
+                    moe_intermediate_size=int(width),
+                    norm_topk_prob=bool(self.field(f"{arch}.expert_weights_norm", True)), moe_layers=layers)
 
     def _vector(self, name: str) -> list[float] | None:
         """The values of the 1-D tensor ``name`` (RoPE factors), or None where the file has none."""
@@ -166,6 +195,11 @@ class GGUFModelFile:
             shape = tuple(int(d) for d in reversed(tensor.shape))
             array = np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
             weight = torch.from_numpy(array)
+            if ".experts." in name:  # stacked [experts, rows, columns]: each expert's matrix under its own name
+                prefix, _, kind = name.removesuffix(".weight").rpartition(".experts.")
+                for i, expert in enumerate(weight):
+                    yield f"{prefix}.experts.{i}.{kind}.weight", expert
+                continue
             if self.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # stored as 1 + w
                 weight = weight - 1
             elif self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
@@ -181,7 +215,9 @@ class GGUFModelFile:
         for tensor in self.reader.tensors:
             qtype = GGMLQuantizationType(tensor.tensor_type)
             name = _hf_name(tensor.name, self.architecture)
-            if name is None or qtype.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
+            # (A router stays dense, in the model's dtype: it is small, and its top-k choice is sensitive.)
+            if (name is None or qtype.name not in BLOCK_FORMATS or len(tensor.shape) != 2
+                    or name.endswith("mlp.gate.weight")):
                 continue
             in_features, out_features = (int(d) for d in tensor.shape)
             raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))

@@ -139,3 +139,33 @@ def test_phi3_longrope_from_its_factor_tensors(tmp_path: Path) -> None:
     prompt = LONG[:60]
     assert_logits_close(full_logits(ours, prompt), hf_logits(hf, prompt), FP32_REL)
     assert_logits_close(full_logits(ours, LONG), full_logits(from_dir, LONG), FP32_REL)
+
+
+# Mixtral (written as "llama", no window) and Qwen3-MoE ("qwen3moe"), 8 experts of which each token takes 2, with the
+# weights renormalized as llama.cpp renormalizes both families; every layer sparse, as the converter writes them.
+MOE_FAMILIES = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+                "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "norm_topk_prob": True}}
+
+
+@pytest.mark.parametrize("name", list(MOE_FAMILIES))
+@pytest.mark.parametrize(("qtype", "quantization"), [("F32", "none"), ("Q8_0", "gguf")], ids=["F32", "Q8_0"])
+def test_moe_file_logits_match_transformers(tmp_path: Path, name: str, qtype: str, quantization: str) -> None:
+    """The router and the stacked experts (ffn_gate_inp, ffn_{gate,up,down}_exps) load as each expert's matrices;
+    the attention's Q8_0 blocks are read in place, the experts dequantized, the router kept dense."""
+    hf = tiny_family(name, num_hidden_layers=3, **MOE_FAMILIES[name])
+    path = tmp_path / f"{name}.gguf"
+    stored = write_gguf(path, hf, qtype)
+    ours = load_model(path, torch.float32, quantization=quantization)
+    config = ours.config
+    assert (config.architecture, config.num_experts, config.num_experts_per_tok, config.moe_layers,
+            config.norm_topk_prob) == (name, 8, 2, [0, 1, 2], True)
+    assert config.moe_intermediate_size == (32 if name == "qwen3_moe" else 128)
+    if quantization == "gguf":  # q/k/v, o and the head in blocks; the routers stay dense
+        assert sum(isinstance(m, BlockQuantLinear) for m in ours.modules()) == 2 * config.num_layers + 1
+        assert not any(isinstance(layer.mlp.gate, BlockQuantLinear) for layer in ours.layers)
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()}, strict=False)
+    want, got = hf_logits(hf, LONG), full_logits(ours, LONG)
+    print(f"{name} {qtype}: max |ours - transformers| = {(got - want).abs().max():.3g}, logit scale "
+          f"{want.abs().max():.3g}")
+    assert_logits_close(got, want, FP32_REL)
