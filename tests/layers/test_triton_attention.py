@@ -31,10 +31,10 @@ MIXED = [ScheduledSequence([3, 7, 1], 39, 1), ScheduledSequence([5], 4, 1),
          ScheduledSequence([16, 17, 18, 19, 20], 60, 20)]
 
 
-def _setup(dtype):
+def _setup(dtype, device="cpu"):
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
-    queries = torch.randn(200, HEADS, DIM, generator=gen).to(dtype)  # the query at each position
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen).to(device, dtype)
+    queries = torch.randn(200, HEADS, DIM, generator=gen).to(device, dtype)  # the query at each position
     return cache, queries
 
 
@@ -46,33 +46,46 @@ def _attend(backend, cache, queries, seqs, window=None, softcap=None, table_widt
     return backend.attend(q, k, v, cache[0], cache[1], meta, DIM**-0.5, window, softcap)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, None), (None, 2.0), (70, 2.0)])
-@torch.inference_mode()
-def test_the_kernel_matches_the_float64_reference(dtype, window, softcap):
-    cache, queries = _setup(dtype)
-    got = _attend(TritonPagedBackend("cpu", dtype, BLOCK), cache, queries, MIXED, window, softcap)
-    want = _attend(TorchReferenceBackend("cpu", dtype, BLOCK), cache, queries, MIXED, window, softcap)
+def check_matches_the_reference(device, dtype, window, softcap):
+    cache, queries = _setup(dtype, device)
+    got = _attend(TritonPagedBackend(device, dtype, BLOCK), cache, queries, MIXED, window, softcap)
+    want = _attend(TorchReferenceBackend(device, dtype, BLOCK), cache, queries, MIXED, window, softcap)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+def check_batch_invariance(device, window, softcap):
+    """One decode at position 50: alone, third in a batch, with its table padded to 16 columns, as the last row of
+    a chunk over cached context, and as row 50 of its whole prompt beside another sequence: the same bits."""
+    cache, queries = _setup(torch.bfloat16, device)
+    backend = TritonPagedBackend(device, torch.bfloat16, BLOCK)
+    blocks = [3, 7, 1, 21]
+    alone = _attend(backend, cache, queries, [ScheduledSequence(blocks, 50, 1)], window, softcap)[0]
+    batched = _attend(backend, cache, queries, MIXED[1:3] + [ScheduledSequence(blocks, 50, 1)] + MIXED[3:],
+                      window, softcap)[2]
+    padded = _attend(backend, cache, queries, [ScheduledSequence(blocks, 50, 1)], window, softcap, table_width=16)[0]
+    chunk = _attend(backend, cache, queries, [ScheduledSequence(blocks, 40, 11)], window, softcap)[-1]
+    whole = _attend(backend, cache, queries, [ScheduledSequence(blocks, 0, 51)] + MIXED[:1], window, softcap)[50]
+    for other in (batched, padded, chunk, whole):
+        assert torch.equal(alone, other)
+
+
+WINDOWS_AND_CAPS = [(None, None), (20, None), (None, 2.0), (70, 2.0)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), WINDOWS_AND_CAPS)
+@torch.inference_mode()
+def test_the_kernel_matches_the_float64_reference(dtype, window, softcap):
+    check_matches_the_reference("cpu", dtype, window, softcap)
 
 
 @needs_interpreter
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, 2.0)])
 @torch.inference_mode()
 def test_a_query_is_bitwise_the_same_alone_batched_padded_or_in_a_chunk(window, softcap):
-    cache, queries = _setup(torch.bfloat16)
-    backend = TritonPagedBackend("cpu", torch.bfloat16, BLOCK)
-    blocks = [3, 7, 1, 21]
-    alone = _attend(backend, cache, queries, [ScheduledSequence(blocks, 50, 1)], window, softcap)[0]
-    batched = _attend(backend, cache, queries, MIXED[1:3] + [ScheduledSequence(blocks, 50, 1)] + MIXED[3:],
-                      window, softcap)[2]
-    padded = _attend(backend, cache, queries, [ScheduledSequence(blocks, 50, 1)], window, softcap, table_width=12)[0]
-    chunk = _attend(backend, cache, queries, [ScheduledSequence(blocks, 40, 11)], window, softcap)[-1]
-    whole = _attend(backend, cache, queries, [ScheduledSequence(blocks, 0, 51)] + MIXED[:1], window, softcap)[50]
-    for other in (batched, padded, chunk, whole):
-        assert torch.equal(alone, other)
+    check_batch_invariance("cpu", window, softcap)
 
 
 def test_metadata_is_per_token_and_pads_tables_to_the_given_width():

@@ -83,7 +83,9 @@ class TritonPagedBackend(AttentionBackend):
         return torch.tensor(data, dtype=torch.int32, device=self.device)
 
 
-@triton.jit
+# The table's row stride is the only argument that changes with the batch (its width): not specialized on, so every
+# width runs the one compiled kernel.
+@triton.jit(do_not_specialize=["table_stride"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_seq_ptr, query_pos_ptr,
     q_stride_t, q_stride_h, q_stride_d, out_stride_t, out_stride_h, out_stride_d,
@@ -139,10 +141,10 @@ def _paged_attention_kernel(
         row_sum = row_sum * correction + tl.sum(probs, 1)
         v = tl.load(v_cache_ptr + block[:, None] * v_stride_block + slot[:, None] * v_stride_slot
                     + kv_head * v_stride_head + dims[None, :] * v_stride_d, mask=load_ok, other=0.0)
-        probs = probs.to(v.dtype)  # rounded to the cache's dtype for the MMA
+        weights = probs.to(v.dtype)  # rounded to the cache's dtype for the MMA
         if WIDEN:
-            probs, v = probs.to(tl.float32), v.to(tl.float32)
-        acc = acc * correction[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)
+            weights, v = weights.to(tl.float32), v.to(tl.float32)
+        acc = acc * correction[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
         row_max = new_max
 
     result = acc / row_sum[:, None]
