@@ -91,6 +91,25 @@ def test_a_query_is_bitwise_the_same_alone_batched_padded_or_in_a_chunk(window, 
     check_batch_invariance("cpu", window, softcap)
 
 
+@needs_interpreter
+@pytest.mark.parametrize(("block_size", "head_dim", "heads"), [(32, 80, 6), (8, 64, 2)])
+@torch.inference_mode()
+def test_other_block_sizes_head_dims_and_groups_match_the_reference(block_size, head_dim, heads):
+    """Blocks of 32 and 8 tokens (each key's block looked up on its own), a head dim of 80 (padded to 128, masked),
+    groups of 3 and 1 query heads per key/value head."""
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 16, block_size, 2, head_dim, generator=gen)
+    seqs = [ScheduledSequence(torch.randperm(16, generator=gen)[: -(-100 // block_size)].tolist(), 99, 1)]
+    q = torch.randn(1, heads, head_dim, generator=gen)
+    results = []
+    for backend in (TritonPagedBackend("cpu", torch.float32, block_size),
+                    TorchReferenceBackend("cpu", torch.float32, block_size)):
+        meta = backend.build_metadata(seqs)
+        k, v = (c.view(-1, 2, head_dim)[meta.slot_mapping] for c in cache)
+        results.append(backend.attend(q, k, v, cache[0], cache[1], meta, head_dim**-0.5, None))
+    torch.testing.assert_close(results[0], results[1], **TOLERANCE[torch.float32])
+
+
 def test_metadata_is_per_token_and_pads_tables_to_the_given_width():
     backend = TritonPagedBackend("cpu", torch.bfloat16, BLOCK)
     seqs = [ScheduledSequence([3, 0], 20, 1), ScheduledSequence([1, 2, 4], 30, 3)]
