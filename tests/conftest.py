@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton's CPU interpreter runs @triton.jit kernels on CPU tensors (tests/layers/test_triton_attention.py). It is
+    # chosen when triton is imported, which transformers does, so here, before any test module is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from real_model import MODEL_PATH, requires_model  # noqa: F401  (re-exported for fixtures)
