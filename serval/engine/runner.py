@@ -69,17 +69,22 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
+        # How attention runs, chosen once: the backend builds each step's metadata, which carries it to the layers.
+        self.attention_backend = select_backend(self.device, dtype, block_size)
+        # Model-parallel ranks run every step eagerly (their steps cross processes as pickled metadata). So does a
+        # backend that gathers whole block tables: padded to max_model_len, every decode would read that many keys,
+        # which costs more than the launches a graph saves (without capture it still pads when asked: the tests).
+        if self.group is not None or (decode_buckets is not None and decode_buckets.capture
+                                      and not self.attention_backend.table_width_is_free):
+            decode_buckets = None
         # The one KV cache allocation: [layer, k/v, block, slot, kv head, row]. Steps never allocate more. ``dtype``
         # is the cache's: the model's, or an 8-bit code dtype (rows of codes and a scale: layers/attention/kv_rows.py).
         padding_blocks = 1 if decode_buckets is not None else 0
         self.kv_cache = new_kv_cache(cfg.num_layers, num_blocks + padding_blocks, block_size, cfg.num_kv_heads,
                                      cfg.head_dim, dtype, self.device)
         self.sampler = Sampler()
-        # How attention runs, chosen once: the backend builds each step's metadata, which carries it to the layers.
-        self.attention_backend = select_backend(self.device, dtype, block_size)
-        # Model-parallel ranks run every step eagerly (their steps cross processes as pickled metadata).
         self.decode_graphs = None
-        if decode_buckets is not None and self.group is None:
+        if decode_buckets is not None:
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.attention_backend, decode_buckets,
                                               pad_block=num_blocks)
         self.draft = None  # a DraftProposer with a cache of its own runs each step's batch after the model

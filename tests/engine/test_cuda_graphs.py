@@ -145,6 +145,20 @@ def test_greedy_output_through_the_engine_is_the_same_with_padded_decode(tiny, n
         assert core.stats.num_preemptions > 0
 
 
+def test_a_backend_that_gathers_whole_tables_captures_no_graphs(tiny, monkeypatch):
+    """The PyTorch reference reads every column of a padded table: a runner that would capture graphs over it (on
+    CUDA) runs its decodes eagerly instead, with no padding block; without capture it pads (how these tests run it)."""
+    _, model = tiny
+    assert not TorchReferenceBackend.table_width_is_free
+    monkeypatch.setattr("serval.engine.runner.select_backend", TorchReferenceBackend)
+    captured = ModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cpu", decode_buckets=DecodeBuckets(4, 64))
+    padded = ModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cpu",
+                         decode_buckets=DecodeBuckets(4, 64, capture=False))
+    assert isinstance(captured.attention_backend, TorchReferenceBackend)
+    assert captured.decode_graphs is None and captured.kv_cache.shape[2] == NUM_BLOCKS
+    assert padded.decode_graphs is not None and padded.kv_cache.shape[2] == NUM_BLOCKS + 1
+
+
 def test_enforce_eager_parses_and_turns_the_padded_path_off(tiny):
     assert _engine_config(build_parser().parse_args(["serve"])).enforce_eager is EngineConfig.enforce_eager is False
     assert _engine_config(build_parser().parse_args(["serve", "--enforce-eager"])).enforce_eager is True
@@ -175,8 +189,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _cuda_core(**config) -> EngineCore:
     config.setdefault("speculative", SpeculativeConfig(method=None))
     config.setdefault("cache", CacheConfig(num_blocks=512))
-    return EngineCore(EngineConfig(dtype="bfloat16", device="cuda", max_model_len=1024,
+    core = EngineCore(EngineConfig(dtype="bfloat16", device="cuda", max_model_len=1024,
                                    scheduler=SchedulerConfig(max_num_seqs=64), **config), MODEL_PATH)
+    if not config.get("enforce_eager") and not core.runner.attention_backend.table_width_is_free:
+        core.shutdown()
+        pytest.skip("the CUDA attention backend gathers whole block tables (the PyTorch reference): no graphs")
+    return core
 
 
 @pytest.mark.gpu

@@ -47,6 +47,10 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """One way to run attention over the paged cache on one device."""
 
+    # Whether a block table padded to a fixed width (build_metadata's table_width) costs nothing more: the kernel
+    # reads each sequence's own blocks only. A backend that gathers every column says False.
+    table_width_is_free: bool = True
+
     def __init__(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
         self.device = torch.device(device)
         self.dtype = dtype  # the cache's: the model's dtype, or an 8-bit code dtype (kv_rows.py)

@@ -35,6 +35,8 @@ class TorchReferenceMetadata(AttentionMetadata):
 
 
 class TorchReferenceBackend(AttentionBackend):
+    table_width_is_free = False  # a decode gathers its whole table, padding columns included
+
     def build_metadata(self, seqs: list[ScheduledSequence], table_width: int | None = None
                        ) -> TorchReferenceMetadata:
         num_decodes = next((i for i, s in enumerate(seqs) if s.num_new_tokens > 1), len(seqs))
