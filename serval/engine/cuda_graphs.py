@@ -86,30 +86,22 @@ class DecodeGraphs:
         self.positions[:num_rows].copy_(positions)
         self.input_ids[num_rows:size].zero_()  # padding rows: token 0 at position 0
         self.positions[num_rows:size].zero_()
-        self._write_metadata(size, seqs + [self.padding_row] * (size - num_rows))
+        meta = self.backend.build_metadata(seqs + [self.padding_row] * (size - num_rows), table_width=self.table_width)
+        persistent = self._meta.setdefault(size, meta)
         graph = self._graphs.get(size)
+        if graph is not None and _plain_fields(meta) != _plain_fields(persistent):
+            # A value the graph baked in at capture (an int, a list) differs: this step runs eagerly, on its own.
+            logger.warning("decode bucket %d: metadata fields other than tensors changed since the capture; "
+                           "running the step eagerly", size)
+            return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)[:num_rows]
+        if persistent is not meta:
+            _copy_metadata(meta, persistent, size)
         if graph is None:
-            hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta[size])
+            hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, persistent)
         else:
             graph.replay()
             hidden = self._hidden[size]
-        return hidden[: len(seqs)]
-
-    def _write_metadata(self, size: int, seqs: list[ScheduledSequence]) -> None:
-        """Copies a step's metadata into the bucket's persistent tensors (the first step of a bucket makes them)."""
-        meta = self.backend.build_metadata(seqs, table_width=self.table_width)
-        persistent = self._meta.setdefault(size, meta)
-        if persistent is meta:
-            return
-        for f in dataclasses.fields(meta):
-            value = getattr(meta, f.name)
-            kept = getattr(persistent, f.name)
-            if isinstance(kept, torch.Tensor):
-                if not isinstance(value, torch.Tensor) or value.shape != kept.shape:
-                    raise RuntimeError(f"decode bucket {size}: metadata {f.name} changed shape between steps")
-                kept.copy_(value, non_blocking=True)
-            else:  # plain values a graph does not read (its kernels read tensors only); an eager run may
-                setattr(persistent, f.name, value)
+        return hidden[:num_rows]
 
     def capture(self) -> None:
         """Records each bucket's forward, the largest first (the smaller ones reuse its pool's memory), over padding
@@ -139,3 +131,22 @@ class DecodeGraphs:
     def captured(self) -> list[int]:
         """The buckets that replay a CUDA graph."""
         return sorted(self._graphs)
+
+
+def _plain_fields(meta: AttentionMetadata) -> dict:
+    """The metadata's compared fields that are not tensors (a graph's kernels were launched with their values)."""
+    return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)
+            if f.compare and not isinstance(getattr(meta, f.name), torch.Tensor)}
+
+
+def _copy_metadata(meta: AttentionMetadata, persistent: AttentionMetadata, size: int) -> None:
+    """Copies a step's metadata into its bucket's persistent one: tensors in place (their shapes are the bucket's),
+    plain values by assignment (a graph does not read them; an eager run does)."""
+    for f in dataclasses.fields(meta):
+        value, kept = getattr(meta, f.name), getattr(persistent, f.name)
+        if isinstance(kept, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.shape != kept.shape:
+                raise RuntimeError(f"decode bucket {size}: metadata {f.name} changed shape between steps")
+            kept.copy_(value, non_blocking=True)
+        else:
+            setattr(persistent, f.name, value)

@@ -90,6 +90,34 @@ def test_the_padded_bucket_step_equals_the_eager_step_bitwise(tiny, path):
         assert torch.equal(again, eager) and len(graphs._meta) == 1
 
 
+class _FakeGraph:
+    """Stands in for a captured CUDA graph on the CPU: counts its replays."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+@torch.inference_mode()
+def test_a_captured_bucket_replays_unless_its_plain_metadata_changed(tiny):
+    """The dispatch around a captured graph, on the CPU with a stand-in graph: a step of a captured bucket copies its
+    inputs in place and replays, returning the graph's output rows; if a plain (non-tensor) metadata value differs
+    from the one the graph was captured with, the step runs eagerly on its own metadata instead."""
+    _, model = tiny
+    runner = _runner(model, "float64")
+    graphs = runner.decode_graphs
+    seqs, ids, positions = _decodes(runner, 3)
+    eager = graphs.run(seqs, ids, positions).clone()  # makes bucket 4's persistent inputs
+    fake, output = _FakeGraph(), torch.randn(4, eager.shape[1]).to(eager.dtype)
+    graphs._graphs[4], graphs._hidden[4] = fake, output
+    assert torch.equal(graphs.run(seqs, ids, positions), output[:3]) and fake.replays == 1
+    assert torch.equal(graphs.input_ids[:4], torch.tensor([*ids.tolist(), 0]))
+    graphs._meta[4].num_decode_tokens = 99  # as if the graph had baked in another value
+    assert torch.equal(graphs.run(seqs, ids, positions), eager) and fake.replays == 1
+
+
 def test_steps_the_buckets_do_not_take():
     """Prefill chunks, decodes with guesses (more than one new token), batches past the largest bucket and tables
     wider than max_model_len's run eagerly."""
