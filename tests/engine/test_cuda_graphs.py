@@ -40,11 +40,20 @@ def test_buckets_are_powers_of_two_up_to_max_num_seqs():
     assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
+PATHS = ["cpu_kernel", "float64", "triton"]
+
+
 def _runner(model, path: str) -> ModelRunner:
+    """A CPU runner that pads decodes, over attention by ``path``: the C++ kernel (as selected here), the PyTorch
+    reference, or the Triton kernel under Triton's CPU interpreter (the CUDA backend; tests/conftest.py sets it)."""
     runner = ModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cpu",
                          decode_buckets=DecodeBuckets(max_num_seqs=16, max_model_len=MAX_MODEL_LEN, capture=False))
-    if path == "float64":  # the PyTorch reference (CUDA's path until a kernel replaces it)
+    if path == "float64":
         runner.attention_backend = runner.decode_graphs.backend = TorchReferenceBackend("cpu", torch.bfloat16, BLOCK)
+    elif path == "triton":
+        triton_paged = pytest.importorskip("serval.layers.attention.triton_paged")
+        runner.attention_backend = runner.decode_graphs.backend = triton_paged.TritonPagedBackend(
+            "cpu", torch.bfloat16, BLOCK)
     return runner
 
 
@@ -65,7 +74,7 @@ def _decodes(runner: ModelRunner, num_rows: int) -> tuple[list[ScheduledSequence
     return seqs, torch.tensor(ids), torch.tensor([s.num_computed_tokens for s in seqs])
 
 
-@pytest.mark.parametrize("path", ["cpu_kernel", "float64"])
+@pytest.mark.parametrize("path", PATHS)
 @torch.inference_mode()
 def test_the_padded_bucket_step_equals_the_eager_step_bitwise(tiny, path):
     """B rows padded to their bucket (1 -> 1, 3 -> 4, 5 -> 8, 16 -> 16) give bitwise the eager step's hidden states
