@@ -4,6 +4,7 @@ persistent buffers; the GPU tests at the end check the captured graphs' replay."
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -78,25 +79,34 @@ def _decodes(runner: ModelRunner, num_rows: int) -> tuple[list[ScheduledSequence
 @torch.inference_mode()
 def test_the_padded_bucket_step_equals_the_eager_step_bitwise(tiny, path):
     """B rows padded to their bucket (1 -> 1, 3 -> 4, 5 -> 8, 16 -> 16) give bitwise the eager step's hidden states
-    and write bitwise the same keys and values; padding rows touch only the padding block, even when it holds NaN."""
+    and write bitwise the same keys and values; padding rows touch only the padding block, even when it holds NaN.
+    The bucket's first step makes its persistent metadata; later ones, narrower tables included, are copied into it
+    and leave it as a table_width build of the step would be."""
     _, model = tiny
     for num_rows, bucket in [(1, 1), (3, 4), (5, 8), (16, 16)]:
         runner = _runner(model, path)
         graphs = runner.decode_graphs
         assert graphs.bucket(num_rows) == bucket and runner.kv_cache.shape[2] == NUM_BLOCKS + 1
-        seqs, ids, positions = _decodes(runner, num_rows)
+        seqs, ids, _ = _decodes(runner, num_rows)
         assert graphs.accepts(seqs)
         runner.kv_cache[:, :, NUM_BLOCKS] = float("nan")  # the padding block: garbage must not reach a real row
-        before = runner.kv_cache.clone()
-        eager = model(ids, positions, runner.kv_cache, runner.attention_backend.build_metadata(seqs))
-        eager_cache = runner.kv_cache.clone()
-        runner.kv_cache.copy_(before)
-        padded = graphs.run(seqs, ids, positions)
-        assert padded.shape == eager.shape and torch.equal(padded, eager), (path, num_rows)
-        assert torch.equal(runner.kv_cache[:, :, :NUM_BLOCKS], eager_cache[:, :, :NUM_BLOCKS])
-        # A second step in the same bucket goes through the persistent buffers (copied in place, not rebuilt).
-        again = graphs.run(seqs, ids, positions)
-        assert torch.equal(again, eager) and len(graphs._meta) == 1
+        # The same step twice (made, then copied in place), then each sequence back in its first block (narrower).
+        short = [ScheduledSequence(s.block_ids[:1], s.num_computed_tokens % BLOCK, 1) for s in seqs]
+        for step in (seqs, seqs, short):
+            step_positions = torch.tensor([s.num_computed_tokens for s in step])
+            before = runner.kv_cache.clone()
+            eager = model(ids, step_positions, runner.kv_cache, runner.attention_backend.build_metadata(step))
+            eager_cache = runner.kv_cache.clone()
+            runner.kv_cache.copy_(before)
+            padded = graphs.run(step, ids, step_positions)
+            assert padded.shape == eager.shape and torch.equal(padded, eager), (path, num_rows)
+            assert torch.equal(runner.kv_cache[:, :, :NUM_BLOCKS], eager_cache[:, :, :NUM_BLOCKS])
+            wide = runner.attention_backend.build_metadata(step + [graphs.padding_row] * (bucket - num_rows),
+                                                           graphs.table_width)
+            kept = graphs._meta[bucket]
+            assert len(graphs._meta) == 1 and all(
+                torch.equal(getattr(kept, f.name), getattr(wide, f.name)) for f in dataclasses.fields(wide)
+                if isinstance(getattr(wide, f.name), torch.Tensor))
 
 
 class _FakeGraph:
