@@ -379,6 +379,12 @@ class EngineConfig:
         'sampling defaults on top of --generation-config, e.g. \'{"temperature": 0.5}\'', metavar="JSON",
         type=json_object))
     structured_outputs: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    # Decode-only steps on a GPU replay a CUDA graph per padded batch-size bucket (engine/cuda_graphs.py).
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "run every step eagerly: no CUDA graphs of decode steps"))
+    # The CUDA-graph decode path's padding and persistent buffers on a CPU too, without capture: how the CPU suite
+    # covers that path (no flag: a CPU step gains nothing from it).
+    pad_decode_on_cpu: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serval.config import EngineConfig
+from serval.engine.cuda_graphs import DecodeBuckets
 from serval.engine.kv_cache import KVCacheManager
 from serval.engine.kv_offload import BlockStore, OffloadIndex
 from serval.engine.kv_transfer import KVConnector, ZmqKVConnector, prompt_hash
@@ -165,7 +166,7 @@ class EngineCore:
         # A request alone must always fit, or preemption could never make room for it.
         max_model_len = min(config.max_model_len or model_config.max_position, num_blocks * cache.block_size)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, config.kv_cache_torch_dtype,
-                                  config.device, self.group)
+                                  config.device, self.group, self._decode_buckets(max_model_len))
         self.kv_transfer: KVConnector | None = None
         if config.kv_transfer.role != "both":
             self.kv_transfer = ZmqKVConnector(config.kv_transfer, self.runner.kv_cache,
@@ -187,6 +188,15 @@ class EngineCore:
         self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
         self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
         self.info.load_time = time.perf_counter() - start
+
+    def _decode_buckets(self, max_model_len: int) -> DecodeBuckets | None:
+        """Padded decode buckets (captured in CUDA graphs) on a GPU, unless --enforce-eager; model-parallel ranks run
+        eagerly."""
+        config = self.config
+        on_gpu = config.device.startswith("cuda")
+        if config.enforce_eager or self.group is not None or not (on_gpu or config.pad_decode_on_cpu):
+            return None
+        return DecodeBuckets(config.scheduler.max_num_seqs, max_model_len, capture=on_gpu)
 
     def _make_offload_tier(self, model_path) -> tuple[BlockStore | None, OffloadIndex | None]:
         cache = self.config.cache

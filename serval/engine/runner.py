@@ -11,6 +11,7 @@ import torch
 
 from serval.config import ModelConfig
 from serval.distributed import ParallelGroup
+from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
@@ -40,7 +41,8 @@ class StepInputs:
 
     input_ids: torch.Tensor | None = None  # [T]
     positions: torch.Tensor | None = None  # [T]
-    meta: AttentionMetadata | None = None
+    meta: AttentionMetadata | None = None  # None when the step runs in a decode bucket (``seqs``)
+    seqs: list[ScheduledSequence] = field(default_factory=list)  # the batch's sequences, in row order
     rows: dict[str, int] = field(default_factory=dict)  # each request's first row in the batch
     sampling_requests: list[Request] = field(default_factory=list)  # requests that sample this step
     guesses: list[list[int]] = field(default_factory=list)  # each one's guessed tokens (speculative decoding)
@@ -56,7 +58,10 @@ def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtyp
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, group: ParallelGroup | None = None) -> None:
+                 device: torch.device | str, group: ParallelGroup | None = None,
+                 decode_buckets: DecodeBuckets | None = None) -> None:
+        """``decode_buckets``: run decode-only steps padded to batch-size buckets (cuda_graphs.py; on CUDA, replayed
+        CUDA graphs), with one more KV cache block, past the scheduler's ``num_blocks``, for the padding rows."""
         cfg: ModelConfig = model.config  # a model-parallel rank's: its own KV heads or layers
         self.model = model
         # With several ranks, rank 0's runner sends each step's inputs to the others (``follow``) before its forward.
@@ -64,13 +69,24 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
-        # The one KV cache allocation: [layer, k/v, block, slot, kv head, row]. Steps never allocate more. ``dtype``
-        # is the cache's: the model's, or an 8-bit code dtype (rows of codes and a scale: layers/attention/kv_rows.py).
-        self.kv_cache = new_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                                     self.device)
-        self.sampler = Sampler()
         # How attention runs, chosen once: the backend builds each step's metadata, which carries it to the layers.
         self.attention_backend = select_backend(self.device, dtype, block_size)
+        # Model-parallel ranks run every step eagerly (their steps cross processes as pickled metadata). So does a
+        # backend that gathers whole block tables: padded to max_model_len, every decode would read that many keys,
+        # which costs more than the launches a graph saves (without capture it still pads when asked: the tests).
+        if self.group is not None or (decode_buckets is not None and decode_buckets.capture
+                                      and not self.attention_backend.table_width_is_free):
+            decode_buckets = None
+        # The one KV cache allocation: [layer, k/v, block, slot, kv head, row]. Steps never allocate more. ``dtype``
+        # is the cache's: the model's, or an 8-bit code dtype (rows of codes and a scale: layers/attention/kv_rows.py).
+        padding_blocks = 1 if decode_buckets is not None else 0
+        self.kv_cache = new_kv_cache(cfg.num_layers, num_blocks + padding_blocks, block_size, cfg.num_kv_heads,
+                                     cfg.head_dim, dtype, self.device)
+        self.sampler = Sampler()
+        self.decode_graphs = None
+        if decode_buckets is not None:
+            self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.attention_backend, decode_buckets,
+                                              pad_block=num_blocks)
         self.draft = None  # a DraftProposer with a cache of its own runs each step's batch after the model
 
     @torch.inference_mode()
@@ -86,7 +102,10 @@ class ModelRunner:
             return result
         if self.group is not None:
             self.group.broadcast([(s.input_ids, s.positions, s.meta, self._logits_plan(s)) for s in steps])
-        if len(steps) == 1:
+        if steps[0].meta is None:  # a decode bucket's step (only ever alone: no pipeline here)
+            inputs = steps[0]
+            hiddens = [self.decode_graphs.run(inputs.seqs, inputs.input_ids, inputs.positions)]
+        elif len(steps) == 1:
             hiddens = [self.model(steps[0].input_ids, steps[0].positions, self.kv_cache, steps[0].meta)]
         else:  # pipeline stages overlap: each micro-batch is scored while the next one is still in the stages
             hiddens = self.model.pipelined([(s.input_ids, s.positions, s.meta) for s in steps], self.kv_cache)
@@ -193,9 +212,14 @@ class ModelRunner:
         if not input_ids:
             return None
 
-        meta = self.attention_backend.build_metadata(
-            [ScheduledSequence(r.block_ids, r.num_computed_tokens, counts[r.request_id]) for r in decodes + prefills])
-        inputs.input_ids, inputs.positions, inputs.meta = self._tensor(input_ids), self._tensor(positions), meta
+        inputs.seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens, counts[r.request_id])
+                       for r in decodes + prefills]
+        if self.decode_graphs is not None and self.draft is None and self.decode_graphs.accepts(inputs.seqs):
+            # The bucket copies them into its persistent buffers: built here on the CPU, one copy each.
+            inputs.input_ids, inputs.positions = torch.tensor(input_ids), torch.tensor(positions)
+            return inputs
+        inputs.input_ids, inputs.positions = self._tensor(input_ids), self._tensor(positions)
+        inputs.meta = self.attention_backend.build_metadata(inputs.seqs)
         return inputs
 
     def decode_metadata(self, block_tables: list[list[int]], positions: list[int]) -> AttentionMetadata:

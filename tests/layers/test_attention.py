@@ -115,6 +115,32 @@ def test_soft_capped_scores_match_a_float64_softmax_and_stay_batch_invariant(pat
     assert torch.equal(chunk, attend([ScheduledSequence(blocks, 30, 10)], queries[30:40], "float64"))
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("window", [None, 24])
+@torch.inference_mode()
+def test_a_padded_table_width_gives_bitwise_the_same_output(path, window):
+    """build_metadata(seqs, table_width): every block table padded to a fixed width (what a CUDA graph's fixed shapes
+    need) changes no result, for decodes (with and without a sliding window) and a prefill chunk after them; the
+    decode tables are exactly that wide. A table wider than the width is refused."""
+    cache, queries = _setup(torch.bfloat16)
+    flat_k, flat_v = cache[0].view(-1, KV_HEADS, DIM), cache[1].view(-1, KV_HEADS, DIM)
+    seqs = [ScheduledSequence([3, 7, 1], 39, 1), ScheduledSequence([0, 2, 4, 5, 6], 70, 1),
+            ScheduledSequence([13, 14], 20, 6)]
+    q = torch.cat([queries[39:40], queries[70:71], queries[20:26]])
+    backend = _backend(path, q.dtype)
+
+    def attend(meta):
+        return paged_attention(q, flat_k[meta.slot_mapping], flat_v[meta.slot_mapping], cache[0], cache[1], meta,
+                               DIM**-0.5, window=window)
+
+    padded = backend.build_metadata(seqs, table_width=12)
+    tables = padded.block_tables if path == "cpu_kernel" else padded.decode_block_tables
+    assert tables.shape[1] == 12
+    assert torch.equal(attend(backend.build_metadata(seqs)), attend(padded))
+    with pytest.raises(ValueError, match="table_width"):
+        backend.build_metadata(seqs, table_width=4)
+
+
 @torch.inference_mode()
 def test_without_the_kernel_the_runner_selects_the_float64_path(monkeypatch):
     """SERVAL_CPU_KERNELS=0 (or a machine that cannot build it): the backend the runner selects gives the float64

@@ -47,15 +47,22 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """One way to run attention over the paged cache on one device."""
 
+    # Whether a block table padded to a fixed width (build_metadata's table_width) costs nothing more: the kernel
+    # reads each sequence's own blocks only. A backend that gathers every column says False.
+    table_width_is_free: bool = True
+
     def __init__(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
         self.device = torch.device(device)
         self.dtype = dtype  # the cache's: the model's dtype, or an 8-bit code dtype (kv_rows.py)
         self.block_size = block_size
 
     @abstractmethod
-    def build_metadata(self, seqs: list[ScheduledSequence]) -> AttentionMetadata:
+    def build_metadata(self, seqs: list[ScheduledSequence], table_width: int | None = None) -> AttentionMetadata:
         """The metadata of a flat batch holding ``seqs``' new tokens in order: one-token sequences (decodes) first,
-        then the longer ones (prefill chunks, or a decode with speculative guesses)."""
+        then the longer ones (prefill chunks, or a decode with speculative guesses). With ``table_width``, every
+        block table (and every mask over its keys) is padded with block 0 to that many columns, so a decode-only
+        batch of B sequences has the same tensor shapes at every step (what a CUDA graph's replay needs); the
+        results are the same."""
 
     @abstractmethod
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -79,6 +86,14 @@ class AttentionBackend(ABC):
 
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def _padded_tables(seqs: list[ScheduledSequence], table_width: int | None) -> list[list[int]]:
+        """Each sequence's block ids padded with block 0 to ``table_width`` columns (None: the widest one's)."""
+        width = max(len(s.block_ids) for s in seqs) if table_width is None else table_width
+        if any(len(s.block_ids) > width for s in seqs):
+            raise ValueError(f"a block table is wider than table_width={width}")
+        return [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
 
 
 def paged_attention(

@@ -44,12 +44,10 @@ class CpuKernelBackend(AttentionBackend):
         # not pickle, so the receiving rank builds the backend again around its own loaded kernels.
         return _with_loaded_kernels, (self.device, self.dtype, self.block_size, self.reference)
 
-    def build_metadata(self, seqs: list[ScheduledSequence]) -> CpuKernelMetadata:
-        widest = max(len(s.block_ids) for s in seqs)
+    def build_metadata(self, seqs: list[ScheduledSequence], table_width: int | None = None) -> CpuKernelMetadata:
         positions = [p for s in seqs for p in range(s.num_computed_tokens, s.end)]
         return CpuKernelMetadata(
-            self, self.slot_mapping(seqs),
-            block_tables=self._tensor([s.block_ids + [0] * (widest - len(s.block_ids)) for s in seqs]),
+            self, self.slot_mapping(seqs), block_tables=self._tensor(self._padded_tables(seqs, table_width)),
             token_table=self._tensor([row for row, s in enumerate(seqs) for _ in range(s.num_new_tokens)]),
             context_lens=self._tensor(positions) + 1, seqs=seqs)
 

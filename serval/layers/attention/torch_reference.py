@@ -35,18 +35,20 @@ class TorchReferenceMetadata(AttentionMetadata):
 
 
 class TorchReferenceBackend(AttentionBackend):
-    def build_metadata(self, seqs: list[ScheduledSequence]) -> TorchReferenceMetadata:
+    table_width_is_free = False  # a decode gathers its whole table, padding columns included
+
+    def build_metadata(self, seqs: list[ScheduledSequence], table_width: int | None = None
+                       ) -> TorchReferenceMetadata:
         num_decodes = next((i for i, s in enumerate(seqs) if s.num_new_tokens > 1), len(seqs))
         if any(s.num_new_tokens == 1 for s in seqs[num_decodes:]):
             raise ValueError("a step's one-token sequences come before its longer ones")
         meta = TorchReferenceMetadata(self, self.slot_mapping(seqs))
         if num_decodes:
             decodes = seqs[:num_decodes]
-            widest = max(len(s.block_ids) for s in decodes)
+            tables = self._padded_tables(decodes, table_width)
             meta.num_decode_tokens = num_decodes
-            meta.decode_block_tables = self._tensor([s.block_ids + [0] * (widest - len(s.block_ids))
-                                                     for s in decodes])
-            key_pos = torch.arange(widest * self.block_size, device=self.device)
+            meta.decode_block_tables = self._tensor(tables)
+            key_pos = torch.arange(len(tables[0]) * self.block_size, device=self.device)
             positions = self._tensor([s.num_computed_tokens for s in decodes])
             meta.decode_mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]
         query_start = num_decodes
@@ -55,7 +57,9 @@ class TorchReferenceBackend(AttentionBackend):
             if s.num_computed_tokens > 0:  # earlier context in the cache: query i sees keys up to its own position
                 q_pos = torch.arange(s.num_computed_tokens, s.end, device=self.device)
                 mask = torch.arange(s.end, device=self.device)[None, :] <= q_pos[:, None]
-            table = self._tensor(s.block_ids[: -(-s.end // self.block_size)])
+            # A chunk reads its first seq_len keys only, so a padded table gives the same keys.
+            table = self._tensor(self._padded_tables([s], table_width)[0] if table_width is not None
+                                 else s.block_ids[: -(-s.end // self.block_size)])
             meta.prefills.append(PrefillChunk(query_start, s.num_new_tokens, s.end, table, mask))
             query_start += s.num_new_tokens
         return meta
