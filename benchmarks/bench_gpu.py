@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 from serval.benchmark.workloads import prose
 from serval.config import EngineConfig
@@ -42,6 +43,8 @@ SKIPPABLE = ("transformers", "server", "profile")
 PHASE_CAP_S = {"offline": 90.0, "ngram": 20.0, "profile": 30.0, "transformers": 80.0, "server": 75.0}
 PROGRESS_EVERY_S = 5.0
 SERVER_MODEL_NAME = "bench"
+# The host's calls that start work on the GPU: a kernel each, or a whole captured CUDA graph.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
 
 
 class PhaseTimeout(Exception):
@@ -234,7 +237,6 @@ def decode_ready(run: Run, engine, streams: int, deadline: float) -> list[str]:
 
 
 def profile_step(run: Run, engine, streams: int, deadline: float) -> dict:
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     device = engine.config.device
@@ -258,18 +260,24 @@ def profile_step(run: Run, engine, streams: int, deadline: float) -> dict:
         running = sum(1 for i in ids if engine.outputs.groups.get(i) is not None)
     finally:
         drain(engine, ids)
-    events = prof.events()
-    summary = {"streams": streams, "running_in_step": running, "step_ms": 1000 * step_s,
-               "profiled_step_ms": 1000 * profiled_s}
+    summary = {"streams": streams, "running_in_step": running, "profiled_step_ms": 1000 * profiled_s}
+    return {**summary, **summarize_step(prof.events(), step_s, on_gpu)}
+
+
+def summarize_step(events, step_s: float, on_gpu: bool) -> dict:
+    """One profiled step's profiler events as figures: aten ops dispatched and the top ones by self CPU time; on a
+    GPU also the kernels and copies it ran, the host's launch calls, and the GPU-busy share: the device time summed
+    over kernels and copies, over the wall time ``step_s`` of an unprofiled step."""
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-    summary["aten_ops"] = len(cpu_ops)
-    summary["top_ops"] = top_by_time(cpu_ops, lambda e: e.self_cpu_time_total)
+    summary = {"step_ms": 1000 * step_s, "aten_ops": len(cpu_ops),
+               "top_ops": top_by_time(cpu_ops, lambda e: e.self_cpu_time_total)}
     if on_gpu:
         device_events = [e for e in events if e.device_type == DeviceType.CUDA]
         kernels = [e for e in device_events if not e.name.startswith(("Memcpy", "Memset"))]
         busy_us = sum(e.time_range.elapsed_us() for e in device_events)
-        summary.update(kernels=len(kernels), copies=len(device_events) - len(kernels), device_busy_ms=busy_us / 1000,
-                       gpu_busy=busy_us / 1e6 / step_s,
+        launches = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith(LAUNCH_CALLS)]
+        summary.update(kernels=len(kernels), copies=len(device_events) - len(kernels), launch_calls=len(launches),
+                       device_busy_ms=busy_us / 1000, gpu_busy=busy_us / 1e6 / step_s,
                        top_kernels=top_by_time(device_events, lambda e: e.time_range.elapsed_us()))
     return summary
 
@@ -453,7 +461,7 @@ def format_report(run: Run) -> str:
     for streams_key, p in r.get("profile", {}).items():
         if "gpu_busy" in p:
             busy = (f"GPU busy {100 * p['gpu_busy']:.1f}% ({_num(p['device_busy_ms'], 2)} ms of device time), "
-                    f"{p['kernels']} kernels + {p['copies']} copies a step")
+                    f"{p['kernels']} kernels + {p['copies']} copies a step from {p['launch_calls']} launch calls")
         else:
             busy = "GPU busy n/a (CPU run)"
         lines.append(f"- profile, {streams_key} streams: step {_num(p['step_ms'], 2)} ms "

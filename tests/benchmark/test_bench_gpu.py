@@ -11,10 +11,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from real_model import MODEL_PATH, requires_model
 from tiny_models import save_family_dir
+from torch.autograd import DeviceType
 
 from serval.tokenizer import Tokenizer
 
@@ -136,3 +138,28 @@ def test_engine_args_become_serve_flags_and_bad_ones_fail_at_once(tmp_path):
         bench.parse_args(["--device", "cpu", "--out", str(tmp_path), "--engine-arg", "no_such_setting=1"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--out", str(tmp_path), "--skip", "offline"])
+
+
+def _event(name: str, device: str, us: float = 0.0, self_cpu_us: float = 0.0) -> SimpleNamespace:
+    """A profiler event as summarize_step reads it."""
+    return SimpleNamespace(name=name, device_type=getattr(DeviceType, device), self_cpu_time_total=self_cpu_us,
+                           time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def test_a_gpu_step_summary_counts_kernels_launches_and_the_busy_share():
+    bench = load_script()
+    events = [_event("aten::mm", "CPU", self_cpu_us=30), _event("aten::mm", "CPU", self_cpu_us=30),
+              _event("aten::add", "CPU", self_cpu_us=50), _event("cudaLaunchKernel", "CPU"),
+              _event("cudaLaunchKernel", "CPU"), _event("cudaGraphLaunch", "CPU"), _event("cudaMemcpyAsync", "CPU"),
+              _event("gemm_kernel", "CUDA", us=300), _event("gemm_kernel", "CUDA", us=300),
+              _event("attention_kernel", "CUDA", us=200), _event("Memcpy HtoD (Pageable -> Device)", "CUDA", us=100)]
+    summary = bench.summarize_step(events, step_s=0.002, on_gpu=True)  # 900 us of device time in a 2 ms step
+    assert summary["gpu_busy"] == pytest.approx(0.45) and summary["device_busy_ms"] == pytest.approx(0.9)
+    assert (summary["kernels"], summary["copies"], summary["launch_calls"]) == (3, 1, 3)
+    assert [(k["name"], k["total_us"], k["calls"]) for k in summary["top_kernels"]] == [
+        ("gemm_kernel", 600, 2), ("attention_kernel", 200, 1), ("Memcpy HtoD (Pageable -> Device)", 100, 1)]
+    assert summary["aten_ops"] == 3 and [o["name"] for o in summary["top_ops"]] == ["aten::mm", "aten::add"]
+    assert summary["step_ms"] == pytest.approx(2.0)
+
+    on_cpu = bench.summarize_step(events, step_s=0.002, on_gpu=False)
+    assert "gpu_busy" not in on_cpu and "top_kernels" not in on_cpu and on_cpu["aten_ops"] == 3
