@@ -163,3 +163,13 @@ def test_a_gpu_step_summary_counts_kernels_launches_and_the_busy_share():
 
     on_cpu = bench.summarize_step(events, step_s=0.002, on_gpu=False)
     assert "gpu_busy" not in on_cpu and "top_kernels" not in on_cpu and on_cpu["aten_ops"] == 3
+
+
+def test_the_readme_names_the_phase_caps_the_script_has():
+    bench = load_script()
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    names = {"offline": "offline", "ngram": "n-gram", "profile": "profile", "transformers": "transformers",
+             "server": "server"}
+    assert set(names) == set(bench.PHASE_CAP_S)
+    for phase, cap in bench.PHASE_CAP_S.items():
+        assert re.search(rf"\b{names[phase]}\s+{cap:g} s\b", readme), phase
