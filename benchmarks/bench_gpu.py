@@ -396,9 +396,11 @@ def phase_server(run: Run, deadline: float) -> None:
     cmd = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", SERVER_MODEL_NAME, *engine_flags(args)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # A process group of its own, stopped as one (the server and its engine core); in this session where Python
+    # allows (3.11), so that whatever ends this script's session ends the server too.
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)  # its own process group: stopped as one
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO, **group)
     run.results["server_pid"] = proc.pid
     try:
         start = time.perf_counter()
