@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -121,13 +122,13 @@ def stream_counts(text: str) -> list[int]:
 
 def prompts_for(count: int) -> list[str]:
     """``count`` distinct short prompts (16 to 24 words), the same in every phase and run."""
-    import random
-
     rng = random.Random(0)
     return [f"Story {i}. " + prose(rng, rng.randint(16, 24)) for i in range(count)]
 
 
 def git_commit() -> str:
+    """HEAD of this checkout; where the copy has no git history (a GPU machine's copy of the working tree), the
+    SERVAL_COMMIT environment variable, set by whoever sends the copy."""
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
@@ -135,7 +136,7 @@ def git_commit() -> str:
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
+        return os.environ.get("SERVAL_COMMIT", "unknown (no git history here: set SERVAL_COMMIT)")
 
 
 def synchronize(device: str) -> None:
@@ -417,6 +418,8 @@ def phase_server(run: Run, deadline: float) -> None:
                                       workload=WorkloadConfig(num_requests=requests, input_words=(16, 24),
                                                               output_tokens=(args.tokens, args.tokens)))
             summary = run_serve_benchmark(config, progress=False)["summary"]
+            if summary["failed"] and time.monotonic() > deadline:  # a request's timeout is what was left of the cap
+                raise PhaseTimeout(f"server at {streams} streams: {summary['failed']} requests ran past the cap")
             if summary["failed"]:
                 raise RuntimeError(f"server at {streams} streams: {summary['failed']} requests failed: "
                                    f"{summary['errors']}")

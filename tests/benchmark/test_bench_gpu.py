@@ -173,3 +173,13 @@ def test_the_readme_names_the_phase_caps_the_script_has():
     assert set(names) == set(bench.PHASE_CAP_S)
     for phase, cap in bench.PHASE_CAP_S.items():
         assert re.search(rf"\b{names[phase]}\s+{cap:g} s\b", readme), phase
+
+
+def test_the_commit_comes_from_git_or_where_there_is_none_from_serval_commit(tmp_path, monkeypatch):
+    bench = load_script()
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert bench.git_commit().startswith(head)
+    monkeypatch.setattr(bench, "REPO", tmp_path)  # a copy of the tree without .git, as a GPU machine gets
+    monkeypatch.setenv("SERVAL_COMMIT", "abc1234")
+    assert bench.git_commit() == "abc1234"
