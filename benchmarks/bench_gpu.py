@@ -66,8 +66,9 @@ class Run:
 
     def phase(self, name: str, body, *args) -> object:
         """Runs one phase under its cap; an exception becomes the phase's error and the run goes on."""
-        deadline = time.monotonic() + PHASE_CAP_S[name]
-        self.progress(f"{name}: start (cap {PHASE_CAP_S[name]:.0f} s)")
+        cap_s = PHASE_CAP_S[name] * self.args.cap_scale
+        deadline = time.monotonic() + cap_s
+        self.progress(f"{name}: start (cap {cap_s:.0f} s)")
         try:
             return body(self, deadline, *args)
         except Exception as exc:  # noqa: BLE001  (a failed phase is reported, the others still run)
@@ -498,13 +499,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine setting over EngineConfig's defaults, as serve's flag without the dashes "
                         "(max_num_seqs=256, enable_prefix_caching=false); repeatable; the server gets it too")
+    parser.add_argument("--cap-scale", type=float, default=1.0,
+                        help="multiplies every phase's time cap (sized for a GPU; a busy CPU may need more)")
     parser.add_argument("--out", required=True, help="folder for report.md, report.json and server.log")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.skip) - set(SKIPPABLE))
     if unknown:
         parser.error(f"--skip: unknown phase(s) {unknown}; choose from {list(SKIPPABLE)}")
-    if args.tokens < 1:
-        parser.error("--tokens must be positive")
+    if args.tokens < 1 or not args.cap_scale > 0:
+        parser.error("--tokens and --cap-scale must be positive")
     try:
         engine_config(engine_flags(args))  # bad engine settings fail now, before any phase
     except (ValueError, argparse.ArgumentError) as exc:

@@ -59,7 +59,7 @@ def test_bench_gpu_runs_every_phase_and_reports_every_figure(tiny_dir, tmp_path)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
          "--streams", "1,2", "--server-streams", "1,2", "--profile-streams", "1,2", "--tokens", "4",
-         "--engine-arg", "max_num_seqs=8", "--out", str(out)],
+         "--engine-arg", "max_num_seqs=8", "--cap-scale", "4", "--out", str(out)],  # caps sized for a GPU
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = proc.stdout
