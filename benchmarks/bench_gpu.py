@@ -184,13 +184,15 @@ def drain(engine, ids: list[str]) -> None:
         engine.step()
 
 
-def phase_offline(run: Run, deadline: float) -> object:
-    """Serval at each stream count, speculation off; returns the engine (the n-gram and profile phases reuse it)."""
+def phase_offline(run: Run, deadline: float, engines: list) -> None:
+    """Serval at each stream count, speculation off. The engine goes into ``engines`` as soon as it is loaded: the
+    profile and n-gram phases reuse it, also when a stream count here failed or ran out of time."""
     from serval.engine.engine import LLMEngine
 
     args = run.args
     start = time.perf_counter()
     engine = LLMEngine(engine_config(engine_flags(args)))
+    engines.append(engine)
     scheduler = engine.config.scheduler
     run.results["engine"] = {"load_s": time.perf_counter() - start, "dtype": engine.config.dtype,
                              "model_path": str(engine.model_path), "max_num_seqs": scheduler.max_num_seqs,
@@ -205,7 +207,6 @@ def phase_offline(run: Run, deadline: float) -> object:
         table[str(streams)] = serval_generate(run, engine, prompts_for(streams), args.tokens, deadline,
                                               f"serval{streams}")
         run.progress(f"offline: serval, {streams} streams: {table[str(streams)]['tokens_per_s']:.1f} tok/s")
-    return engine
 
 
 def phase_ngram(run: Run, deadline: float, weights: tuple | None) -> None:
@@ -528,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": describe_hardware(), "torch": torch.__version__, "commit": git_commit(),
         "model": str(resolve_model_path(args.model))}
     run.progress(f"machine: {run.results['machine']}")
-    engine = run.phase("offline", phase_offline)
+    engines: list = []
+    run.phase("offline", phase_offline, engines)
+    engine = engines.pop() if engines else None
     if "profile" not in args.skip:
         run.phase("profile", phase_profile, engine)
     weights = None if engine is None else (engine.model, engine.tokenizer)
