@@ -268,12 +268,13 @@ def profile_step(run: Run, engine, streams: int, deadline: float) -> dict:
 
 
 def summarize_step(events, step_s: float, on_gpu: bool) -> dict:
-    """One profiled step's profiler events as figures: aten ops dispatched and the top ones by self CPU time; on a
-    GPU also the kernels and copies it ran, the host's launch calls, and the GPU-busy share: the device time summed
-    over kernels and copies, over the wall time ``step_s`` of an unprofiled step."""
-    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-    summary = {"step_ms": 1000 * step_s, "aten_ops": len(cpu_ops),
-               "top_ops": top_by_time(cpu_ops, lambda e: e.self_cpu_time_total)}
+    """One profiled step's profiler events as figures: the operators dispatched (aten's and custom ones such as
+    Serval's C++ kernels, nested ones included) and the top host events by self CPU time; on a GPU also the kernels
+    and copies it ran, the host's launch calls, and the GPU-busy share: the device time summed over kernels and
+    copies, over the wall time ``step_s`` of an unprofiled step."""
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    summary = {"step_ms": 1000 * step_s, "ops": sum("::" in e.name for e in host),
+               "top_ops": top_by_time(host, lambda e: e.self_cpu_time_total)}
     if on_gpu:
         device_events = [e for e in events if e.device_type == DeviceType.CUDA]
         kernels = [e for e in device_events if not e.name.startswith(("Memcpy", "Memset"))]
@@ -472,8 +473,9 @@ def format_report(run: Run) -> str:
         else:
             busy = "GPU busy n/a (CPU run)"
         lines.append(f"- profile, {streams_key} streams: step {_num(p['step_ms'], 2)} ms "
-                     f"({_num(p['profiled_step_ms'], 2)} ms under the profiler), {busy}, {p['aten_ops']} aten ops")
-        for title, key in (("top kernels", "top_kernels"), ("top ops (self CPU)", "top_ops")):
+                     f"({_num(p['profiled_step_ms'], 2)} ms under the profiler), {busy}, "
+                     f"{p['ops']} operators dispatched")
+        for title, key in (("top kernels", "top_kernels"), ("top host events (self CPU)", "top_ops")):
             if key in p:
                 lines.append(f"  - {title}: " + "; ".join(f"`{t['name'][:80]}` {_num(t['total_us'] / 1000, 3)} ms "
                                                            f"x{t['calls']}" for t in p[key]))
