@@ -269,9 +269,9 @@ def profile_step(run: Run, engine, streams: int, deadline: float) -> dict:
 
 def summarize_step(events, step_s: float, on_gpu: bool) -> dict:
     """One profiled step's profiler events as figures: the operators dispatched (aten's and any registered with
-    torch, nested ones included; Serval's pybind11 CPU kernels are not among them) and the top host events by self CPU time; on a GPU also the kernels
-    and copies it ran, the host's launch calls, and the GPU-busy share: the device time summed over kernels and
-    copies, over the wall time ``step_s`` of an unprofiled step."""
+    torch, nested ones included; Serval's pybind11 CPU kernels are not among them) and the top host events by self
+    CPU time; on a GPU also the kernels and copies it ran, the host's launch calls, and the GPU-busy share: the
+    device time summed over kernels and copies, over the wall time ``step_s`` of an unprofiled step."""
     host = [e for e in events if e.device_type == DeviceType.CPU]
     summary = {"step_ms": 1000 * step_s, "ops": sum("::" in e.name for e in host),
                "top_ops": top_by_time(host, lambda e: e.self_cpu_time_total)}
