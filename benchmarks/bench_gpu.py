@@ -1,0 +1,563 @@
+"""One run that takes the figures of GPU serving (issue 33): the machine, Serval's offline tokens/s at several stream
+counts beside Hugging Face transformers on the same weights, the server at 1 and 16 streams, and a torch-profiler
+summary of one decode step. Runs on the CPU too (at small sizes), which is how a test keeps it working.
+
+    python benchmarks/bench_gpu.py --out DIR [--model M] [--device cuda] [--dtype bfloat16] \
+        [--streams 1,16,64,256] [--tokens 128] [--skip transformers,server,profile] [--engine-arg KEY=VALUE ...]
+
+Prints a markdown report to stdout (progress goes to stderr) and writes it, with the figures as JSON, to DIR. Every
+phase has a time cap; a phase that fails or runs out of time puts its error in the report and the run goes on, and
+the exit code is 1 if any did. benchmarks/README.md ("On a GPU: bench_gpu") says what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+
+from serval.benchmark.workloads import prose
+from serval.config import EngineConfig
+from serval.flags import add_flags, from_args
+from serval.platform_info import describe_hardware
+from serval.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+PHASES = ("offline", "ngram", "profile", "transformers", "server")
+SKIPPABLE = ("transformers", "server", "profile")
+# Seconds each phase may take, model load included; together under 5 minutes. A phase past its cap stops at the next
+# step (or generate's max_time, or a request's timeout) and reports what it measured until then.
+PHASE_CAP_S = {"offline": 90.0, "ngram": 20.0, "profile": 30.0, "transformers": 80.0, "server": 75.0}
+PROGRESS_EVERY_S = 5.0
+SERVER_MODEL_NAME = "bench"
+# The host's calls that start work on the GPU: a kernel each, or a whole captured CUDA graph.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
+
+
+class PhaseTimeout(Exception):
+    """A phase ran past its cap."""
+
+
+@dataclass
+class Run:
+    """What the run measured so far; ``errors`` maps a phase to why it failed."""
+
+    args: argparse.Namespace
+    started: float = field(default_factory=time.monotonic)
+    results: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)
+
+    def progress(self, message: str) -> None:
+        print(f"[bench_gpu {time.monotonic() - self.started:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    def phase(self, name: str, body, *args) -> object:
+        """Runs one phase under its cap; an exception becomes the phase's error and the run goes on."""
+        cap_s = PHASE_CAP_S[name] * self.args.cap_scale
+        deadline = time.monotonic() + cap_s
+        self.progress(f"{name}: start (cap {cap_s:.0f} s)")
+        try:
+            return body(self, deadline, *args)
+        except Exception as exc:  # noqa: BLE001  (a failed phase is reported, the others still run)
+            self.errors[name] = f"{type(exc).__name__}: {exc}".strip()
+            self.progress(f"{name}: FAILED: {self.errors[name]}")
+            traceback.print_exc(file=sys.stderr)
+            return None
+        finally:
+            self.progress(f"{name}: done")
+
+
+def check_deadline(deadline: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise PhaseTimeout(f"{what}: past the phase's cap")
+
+
+# -- settings ------------------------------------------------------------------------------------------------------
+def engine_flags(args: argparse.Namespace, speculative: str = "none") -> list[str]:
+    """The engine's command-line flags for this run: the offline engines and `serval serve` share them, so all run
+    the same settings (EngineConfig's defaults, then dtype, device, speculation and each --engine-arg)."""
+    flags = ["--device", args.device, "--dtype", args.dtype, "--speculative-model", speculative]
+    if args.model:
+        flags += ["--model", args.model]
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        name = "--" + key.strip().removeprefix("--").replace("_", "-")
+        if not sep or name == "--":
+            raise ValueError(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        if value.lower() in ("true", "false"):  # a switch: --flag or --no-flag
+            flags.append(name if value.lower() == "true" else "--no-" + name.removeprefix("--"))
+        else:
+            flags += [name, value]
+    return flags
+
+
+def engine_config(flags: list[str]) -> EngineConfig:
+    """EngineConfig from engine flags, parsed as `serval serve` parses them (an unknown key fails here, at once)."""
+    parser = argparse.ArgumentParser(prog="bench_gpu --engine-arg", add_help=False, exit_on_error=False)
+    add_flags(parser, EngineConfig, exclude=("kv_transfer",))
+    parsed, unknown = parser.parse_known_args(flags)
+    if unknown:
+        raise ValueError(f"not an engine setting: {' '.join(unknown)}")
+    return from_args(EngineConfig, parsed)
+
+
+def stream_counts(text: str) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return counts
+
+
+def prompts_for(count: int) -> list[str]:
+    """``count`` distinct short prompts (16 to 24 words), the same in every phase and run."""
+    rng = random.Random(0)
+    return [f"Story {i}. " + prose(rng, rng.randint(16, 24)) for i in range(count)]
+
+
+def git_commit() -> str:
+    """HEAD of this checkout; where the copy has no git history (a GPU machine's copy of the working tree), the
+    SERVAL_COMMIT environment variable, set by whoever sends the copy."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + ("+uncommitted changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("SERVAL_COMMIT", "unknown (no git history here: set SERVAL_COMMIT)")
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# -- offline: Serval ------------------------------------------------------------------------------------------------
+def serval_generate(run: Run, engine, prompts: list[str], tokens: int, deadline: float, label: str) -> dict:
+    """Runs ``prompts`` to ``tokens`` tokens each (greedy, EOS ignored) through the engine's step loop; tokens/s is
+    output tokens over the wall time from the first add_request to the last step."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    ids = [f"{label}-{i}" for i in range(len(prompts))]
+    counts = dict.fromkeys(ids, 0)
+    start = last_report = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            drain(engine, ids)
+            raise PhaseTimeout(f"{label}: {sum(counts.values())} of {len(ids) * tokens} tokens before the cap")
+        for output in engine.step():
+            counts[output.request_id] = len(output.outputs[0].token_ids)
+        if time.perf_counter() - last_report > PROGRESS_EVERY_S:
+            last_report = time.perf_counter()
+            run.progress(f"  {label}: {sum(counts.values())}/{len(ids) * tokens} tokens")
+    synchronize(engine.config.device)
+    seconds = time.perf_counter() - start
+    generated = sum(counts.values())
+    return {"streams": len(prompts), "generated_tokens": generated, "seconds": seconds,
+            "tokens_per_s": generated / seconds}
+
+
+def drain(engine, ids: list[str]) -> None:
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def phase_offline(run: Run, deadline: float, engines: list) -> None:
+    """Serval at each stream count, speculation off. The engine goes into ``engines`` as soon as it is loaded: the
+    profile and n-gram phases reuse it, also when a stream count here failed or ran out of time."""
+    from serval.engine.engine import LLMEngine
+
+    args = run.args
+    start = time.perf_counter()
+    engine = LLMEngine(engine_config(engine_flags(args)))
+    engines.append(engine)
+    scheduler = engine.config.scheduler
+    run.results["engine"] = {"load_s": time.perf_counter() - start, "dtype": engine.config.dtype,
+                             "model_path": str(engine.model_path), "max_num_seqs": scheduler.max_num_seqs,
+                             "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+                             "kv_blocks": engine.core.info.num_blocks, "block_size": engine.config.cache.block_size}
+    run.progress(f"offline: engine loaded in {run.results['engine']['load_s']:.1f} s ({run.results['engine']})")
+    serval_generate(run, engine, prompts_for(1), 8, deadline, "warmup")
+    table = run.results.setdefault("serval", {})
+    for streams in args.streams:
+        check_deadline(deadline, f"serval at {streams} streams")
+        run.progress(f"offline: serval, {streams} streams x {args.tokens} tokens")
+        table[str(streams)] = serval_generate(run, engine, prompts_for(streams), args.tokens, deadline,
+                                              f"serval{streams}")
+        run.progress(f"offline: serval, {streams} streams: {table[str(streams)]['tokens_per_s']:.1f} tok/s")
+
+
+def phase_ngram(run: Run, deadline: float, weights: tuple | None) -> None:
+    """One stream with n-gram speculation on, on the offline engine's weights (model, tokenizer)."""
+    from serval.engine.engine import LLMEngine
+
+    if weights is None:
+        raise RuntimeError("no weights: the offline phase failed")
+    config = engine_config(engine_flags(run.args, speculative="ngram"))
+    ngram = LLMEngine(config, model=weights[0], tokenizer=weights[1])
+    try:
+        serval_generate(run, ngram, prompts_for(1), 8, deadline, "ngram-warmup")
+        run.results["serval_ngram"] = {"1": serval_generate(run, ngram, prompts_for(1), run.args.tokens, deadline,
+                                                            "ngram1")}
+    finally:
+        ngram.shutdown()
+
+
+# -- the decode-step profile ----------------------------------------------------------------------------------------
+def decode_ready(run: Run, engine, streams: int, deadline: float) -> list[str]:
+    """Adds ``streams`` requests and steps until every one has its first token: from then on a step is decodes only."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ids = [f"profile{streams}-{i}" for i in range(streams)]
+    for request_id, prompt in zip(ids, prompts_for(streams)):
+        engine.add_request(request_id, prompt, params)
+    started: set[str] = set()
+    while len(started) < streams:
+        check_deadline(deadline, f"profile: prefill of {streams} streams")
+        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    return ids
+
+
+def profile_step(run: Run, engine, streams: int, deadline: float) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    device = engine.config.device
+    on_gpu = device.startswith("cuda")
+    ids = decode_ready(run, engine, streams, deadline)
+    try:
+        walls = []
+        for _ in range(4):  # the first warms the bucket up; the others time an unprofiled step
+            synchronize(device)
+            start = time.perf_counter()
+            engine.step()
+            synchronize(device)
+            walls.append(time.perf_counter() - start)
+        step_s = sorted(walls[1:])[1]  # the median of three
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            engine.step()
+            synchronize(device)
+            profiled_s = time.perf_counter() - start
+        running = sum(1 for i in ids if engine.outputs.groups.get(i) is not None)
+    finally:
+        drain(engine, ids)
+    summary = {"streams": streams, "running_in_step": running, "profiled_step_ms": 1000 * profiled_s}
+    return {**summary, **summarize_step(prof.events(), step_s, on_gpu)}
+
+
+def summarize_step(events, step_s: float, on_gpu: bool) -> dict:
+    """One profiled step's profiler events as figures: the operators dispatched (aten's and any registered with
+    torch, nested ones included; Serval's pybind11 CPU kernels are not among them) and the top host events by self
+    CPU time; on a GPU also the kernels and copies it ran, the host's launch calls, and the GPU-busy share: the
+    device time summed over kernels and copies, over the wall time ``step_s`` of an unprofiled step."""
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    summary = {"step_ms": 1000 * step_s, "ops": sum("::" in e.name for e in host),
+               "top_ops": top_by_time(host, lambda e: e.self_cpu_time_total)}
+    if on_gpu:
+        device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+        kernels = [e for e in device_events if not e.name.startswith(("Memcpy", "Memset"))]
+        busy_us = sum(e.time_range.elapsed_us() for e in device_events)
+        launches = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith(LAUNCH_CALLS)]
+        summary.update(kernels=len(kernels), copies=len(device_events) - len(kernels), launch_calls=len(launches),
+                       device_busy_ms=busy_us / 1000, gpu_busy=busy_us / 1e6 / step_s,
+                       top_kernels=top_by_time(device_events, lambda e: e.time_range.elapsed_us()))
+    return summary
+
+
+def top_by_time(events, duration, count: int = 5) -> list[dict]:
+    """The ``count`` names with the most total time (µs), each with its calls."""
+    totals: dict[str, list] = {}
+    for e in events:
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0] += duration(e)
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
+    return [{"name": name, "total_us": total, "calls": calls} for name, (total, calls) in ranked]
+
+
+def phase_profile(run: Run, deadline: float, engine) -> None:
+    if engine is None:
+        raise RuntimeError("no engine: the offline phase failed")
+    table = run.results.setdefault("profile", {})
+    for streams in run.args.profile_streams:
+        run.progress(f"profile: one decode step at {streams} streams")
+        table[str(streams)] = profile_step(run, engine, streams, deadline)
+
+
+# -- transformers ---------------------------------------------------------------------------------------------------
+def phase_transformers(run: Run, deadline: float, model_path: Path) -> None:
+    """transformers' batched greedy generate on the same weights, dtype and device; a batch is the streams."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = run.args
+    where = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
+    directory = str(model_path.parent if where else model_path)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(directory, padding_side="left", **where)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, args.dtype), **where)
+    model = model.to(args.device).eval()
+    run.progress(f"transformers: loaded in {time.perf_counter() - start:.1f} s")
+    table = run.results.setdefault("transformers", {})
+
+    def generate(prompts: list[str], tokens: int) -> dict:
+        batch = tokenizer(prompts, return_tensors="pt", padding=True).to(args.device)
+        synchronize(args.device)
+        begin = time.perf_counter()
+        out = model.generate(**batch, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, max_time=max(1.0, deadline - time.monotonic()))
+        synchronize(args.device)
+        seconds = time.perf_counter() - begin
+        new = out.shape[1] - batch.input_ids.shape[1]
+        if new < tokens:
+            raise PhaseTimeout(f"transformers at {len(prompts)} streams: {new} of {tokens} tokens before the cap")
+        return {"streams": len(prompts), "generated_tokens": new * out.shape[0], "seconds": seconds,
+                "tokens_per_s": new * out.shape[0] / seconds}
+
+    with torch.inference_mode():
+        generate(prompts_for(1), 4)  # warm-up
+        for streams in args.streams:
+            check_deadline(deadline, f"transformers at {streams} streams")
+            run.progress(f"transformers: {streams} streams x {args.tokens} tokens")
+            table[str(streams)] = generate(prompts_for(streams), args.tokens)
+            run.progress(f"transformers: {streams} streams: {table[str(streams)]['tokens_per_s']:.1f} tok/s")
+
+
+# -- the server -----------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (the server and its engine core), SIGKILL to whatever is left."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:  # the leader is gone; its children, if any, go now
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, deadline: float, log: Path) -> None:
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError(f"serval serve exited with code {proc.returncode}: " + " | ".join(tail))
+        check_deadline(deadline, "serval serve did not answer /health")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+
+
+def phase_server(run: Run, deadline: float) -> None:
+    """`serval serve` as a subprocess (same engine flags, speculation off), measured by `serval bench serve`'s
+    client at each server stream count, then stopped."""
+    from serval.benchmark.client import Endpoint, LoadConfig
+    from serval.benchmark.serve import ServeBenchConfig, run_serve_benchmark
+    from serval.benchmark.workloads import WorkloadConfig
+
+    args = run.args
+    port = free_port()
+    log = Path(args.out) / "server.log"
+    cmd = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", SERVER_MODEL_NAME, *engine_flags(args)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # A process group of its own, stopped as one (the server and its engine core); in this session where Python
+    # allows (3.11), so that whatever ends this script's session ends the server too.
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO, **group)
+    run.results["server_pid"] = proc.pid
+    try:
+        start = time.perf_counter()
+        wait_healthy(proc, f"http://127.0.0.1:{port}/health", deadline, log)
+        run.progress(f"server: healthy after {time.perf_counter() - start:.1f} s on port {port}")
+        table = run.results.setdefault("server", {})
+        for streams in args.server_streams:
+            check_deadline(deadline, f"server at {streams} streams")
+            requests = max(4, 2 * streams)
+            run.progress(f"server: {requests} requests, {streams} concurrent, {args.tokens} tokens each")
+            endpoint = Endpoint(base_url=f"http://127.0.0.1:{port}/v1", model=SERVER_MODEL_NAME, ignore_eos=True,
+                                timeout_s=max(1.0, deadline - time.monotonic()))
+            config = ServeBenchConfig(endpoint=endpoint, load=LoadConfig(concurrency=streams),
+                                      workload=WorkloadConfig(num_requests=requests, input_words=(16, 24),
+                                                              output_tokens=(args.tokens, args.tokens)))
+            summary = run_serve_benchmark(config, progress=False)["summary"]
+            if summary["failed"] and time.monotonic() > deadline:  # a request's timeout is what was left of the cap
+                raise PhaseTimeout(f"server at {streams} streams: {summary['failed']} requests ran past the cap")
+            if summary["failed"]:
+                raise RuntimeError(f"server at {streams} streams: {summary['failed']} requests failed: "
+                                   f"{summary['errors']}")
+            table[str(streams)] = {k: summary[k] for k in ("num_requests", "output_tokens", "duration_s",
+                                                           "output_throughput", "ttft_ms", "tpot_ms", "itl_ms")}
+            run.progress(f"server: {streams} streams: {summary['output_throughput']:.1f} tok/s")
+    finally:
+        stop_server(proc)
+
+
+# -- the report -----------------------------------------------------------------------------------------------------
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def format_report(run: Run) -> str:
+    args, r = run.args, run.results
+    m = r["machine"]
+    lines = ["# Serval GPU benchmark", "", "## Machine", "",
+             f"- GPU: {m['gpu']}", f"- CPU: {m['cpu']}", f"- torch: {m['torch']}", f"- Serval commit: {m['commit']}",
+             f"- model: {m['model']}; device {args.device}, dtype {args.dtype}, {args.tokens} new tokens a request, "
+             "greedy, EOS ignored", ""]
+    engine = r.get("engine")
+    if engine:
+        lines += [f"Serval engine: max_num_seqs {engine['max_num_seqs']}, token budget "
+                  f"{engine['max_num_batched_tokens']}, {engine['kv_blocks']} KV blocks of {engine['block_size']} "
+                  f"tokens, loaded in {engine['load_s']:.1f} s; engine args: {' '.join(args.engine_arg) or 'none'}", ""]
+    streams = args.streams
+    lines += ["## Offline throughput (output tokens/s)", "", "| engine | " + " | ".join(map(str, streams)) + " |",
+              "|---|" + "---|" * len(streams)]
+    for key, label in (("serval", "Serval, speculation off"), ("serval_ngram", "Serval, n-gram speculation on"),
+                       ("transformers", "transformers generate")):
+        row = r.get(key, {})
+        lines.append(f"| {label} | " + " | ".join(_num(row[str(s)]["tokens_per_s"]) if str(s) in row else "-"
+                                                  for s in streams) + " |")
+    lines += ["", "## Server (`serval serve`, speculation off)", "",
+              "| streams | requests | output tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms |",
+              "|---|---|---|---|---|---|"]
+    for streams_key, s in r.get("server", {}).items():
+        dists = [" / ".join(_num(s[k][f"p{q}"]) for q in (50, 90, 99)) for k in ("ttft_ms", "tpot_ms", "itl_ms")]
+        lines.append(f"| {streams_key} | {s['num_requests']} | {_num(s['output_throughput'])} | " + " | ".join(dists)
+                     + " |")
+    lines += ["", "## One decode step (torch.profiler)", ""]
+    for streams_key, p in r.get("profile", {}).items():
+        if "gpu_busy" in p:
+            busy = (f"GPU busy {100 * p['gpu_busy']:.1f}% ({_num(p['device_busy_ms'], 2)} ms of device time), "
+                    f"{p['kernels']} kernels + {p['copies']} copies a step from {p['launch_calls']} launch calls")
+        else:
+            busy = "GPU busy n/a (CPU run)"
+        lines.append(f"- profile, {streams_key} streams: step {_num(p['step_ms'], 2)} ms "
+                     f"({_num(p['profiled_step_ms'], 2)} ms under the profiler), {busy}, "
+                     f"{p['ops']} operators dispatched")
+        for title, key in (("top kernels", "top_kernels"), ("top host events (self CPU)", "top_ops")):
+            if key in p:
+                lines.append(f"  - {title}: " + "; ".join(f"`{t['name'][:80]}` {_num(t['total_us'] / 1000, 3)} ms "
+                                                           f"x{t['calls']}" for t in p[key]))
+    lines += ["", "## Errors", ""]
+    lines += [f"- {phase}: {error}" for phase, error in run.errors.items()] or ["none"]
+    lines.append(f"\nTotal {time.monotonic() - run.started:.1f} s.")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="embedded model name, .gguf file or HF directory "
+                        "(default: the embedded model)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--streams", type=stream_counts, default=[1, 16, 64, 256],
+                        help="offline stream counts (Serval and transformers)")
+    parser.add_argument("--server-streams", type=stream_counts, default=[1, 16], help="concurrent server streams")
+    parser.add_argument("--profile-streams", type=stream_counts, default=[1, 64],
+                        help="streams of the profiled decode step")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens a request")
+    parser.add_argument("--skip", type=lambda t: [x for x in t.split(",") if x], default=[],
+                        help=f"phases to leave out, of {','.join(SKIPPABLE)}")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine setting over EngineConfig's defaults, as serve's flag without the dashes "
+                        "(max_num_seqs=256, enable_prefix_caching=false); repeatable; the server gets it too")
+    parser.add_argument("--cap-scale", type=float, default=1.0,
+                        help="multiplies every phase's time cap (sized for a GPU; a busy CPU may need more)")
+    parser.add_argument("--out", required=True, help="folder for report.md, report.json and server.log")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.skip) - set(SKIPPABLE))
+    if unknown:
+        parser.error(f"--skip: unknown phase(s) {unknown}; choose from {list(SKIPPABLE)}")
+    if args.tokens < 1 or not args.cap_scale > 0:
+        parser.error("--tokens and --cap-scale must be positive")
+    try:
+        engine_config(engine_flags(args))  # bad engine settings fail now, before any phase
+    except (ValueError, argparse.ArgumentError) as exc:
+        parser.error(f"engine settings: {exc}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # A SIGTERM (a timeout around this script) unwinds like an error, so the server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    run = Run(args)
+    from serval.model.registry import resolve_model_path
+
+    run.results["machine"] = {
+        "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
+        "cpu": describe_hardware(), "torch": torch.__version__, "commit": git_commit(),
+        "model": str(resolve_model_path(args.model))}
+    run.progress(f"machine: {run.results['machine']}")
+    engines: list = []
+    run.phase("offline", phase_offline, engines)
+    engine = engines.pop() if engines else None
+    if "profile" not in args.skip:
+        run.phase("profile", phase_profile, engine)
+    weights = None if engine is None else (engine.model, engine.tokenizer)
+    if engine is not None:
+        engine.shutdown()
+    del engine  # its KV cache goes before the n-gram engine sizes its own from the free memory
+    release_memory(args.device)
+    run.phase("ngram", phase_ngram, weights)
+    del weights  # the weights go before transformers and the server need the device's memory
+    release_memory(args.device)
+    if "transformers" not in args.skip:
+        run.phase("transformers", phase_transformers, Path(run.results["machine"]["model"]))
+        release_memory(args.device)
+    if "server" not in args.skip:
+        run.phase("server", phase_server)
+    report = format_report(run)
+    print(report, flush=True)
+    (Path(args.out) / "report.md").write_text(report)
+    figures = {"settings": {k: v for k, v in vars(args).items()}, **run.results, "errors": run.errors,
+               "phase_cap_s": PHASE_CAP_S}
+    (Path(args.out) / "report.json").write_text(json.dumps(figures, indent=2))
+    run.progress(f"wrote {args.out}/report.md and report.json")
+    return 1 if run.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""benchmarks/bench_gpu.py end to end on the CPU at small sizes (a tiny model, 2 streams, 4 tokens), so that the
+script the GPU figures come from cannot rot: every phase runs (transformers and the server included), the report
+holds every section with numbers, and no server process outlives the script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from real_model import MODEL_PATH, requires_model
+from tiny_models import save_family_dir
+from torch.autograd import DeviceType
+
+from serval.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "bench_gpu.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
+    spec.loader.exec_module(module)
+    return module
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """Live processes whose process group is ``pgid`` (the server ran in a group of its own)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    save_family_dir(directory, "llama", Tokenizer.load(MODEL_PATH).hf_tokenizer)
+    return directory
+
+
+@requires_model  # the tiny model's tokenizer is the embedded SmolLM2's
+def test_bench_gpu_runs_every_phase_and_reports_every_figure(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+         "--streams", "1,2", "--server-streams", "1,2", "--profile-streams", "1,2", "--tokens", "4",
+         "--engine-arg", "max_num_seqs=8", "--cap-scale", "4", "--out", str(out)],  # caps sized for a GPU
+        capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = proc.stdout
+    assert (out / "report.md").read_text() in report
+    figures = json.loads((out / "report.json").read_text())
+    assert figures["errors"] == {}
+    assert "[bench_gpu" in proc.stderr and "server: healthy" in proc.stderr  # progress goes to stderr
+
+    # The machine: no GPU here, the CPU kind from platform_info, torch and the commit.
+    for section in ("## Machine", "## Offline throughput", "## Server", "## One decode step", "## Errors"):
+        assert section in report
+    assert "- GPU: cpu" in report
+    assert re.search(r"- CPU: .*capability \w+, native bf16: (yes|no)", report)
+    assert re.search(r"- Serval commit: [0-9a-f]{7}", report)
+    assert figures["engine"]["max_num_seqs"] == 8  # the --engine-arg reached the engine
+
+    # Offline: tokens/s for every stream count, Serval and transformers; n-gram speculation at one stream.
+    for key in ("serval", "transformers"):
+        for streams in (1, 2):
+            cell = figures[key][str(streams)]
+            assert cell["generated_tokens"] == 4 * streams and cell["tokens_per_s"] > 0
+    assert figures["serval_ngram"]["1"]["generated_tokens"] == 4 and figures["serval_ngram"]["1"]["tokens_per_s"] > 0
+    assert re.search(r"\| Serval, speculation off \| [\d,.]+ \| [\d,.]+ \|", report)
+    assert re.search(r"\| Serval, n-gram speculation on \| [\d,.]+ \| - \|", report)
+    assert re.search(r"\| transformers generate \| [\d,.]+ \| [\d,.]+ \|", report)
+
+    # The server: output tok/s and TTFT / TPOT / ITL percentiles at each stream count.
+    for streams in (1, 2):
+        server = figures["server"][str(streams)]
+        assert server["output_throughput"] > 0 and server["output_tokens"] == 4 * server["num_requests"]
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert all(server[metric][f"p{q}"] > 0 for q in (50, 90, 99))
+        assert re.search(rf"\| {streams} \| \d+ \| [\d,.]+ \|( [\d,.]+ / [\d,.]+ / [\d,.]+ \|){{3}}", report)
+
+    # The profile of one decode step: on the CPU, ops and top ops; GPU busy is n/a.
+    for streams in (1, 2):
+        profile = figures["profile"][str(streams)]
+        assert profile["running_in_step"] == streams and profile["step_ms"] > 0 and profile["ops"] > 0
+        assert len(profile["top_ops"]) == 5
+        assert re.search(rf"- profile, {streams} streams: step [\d,.]+ ms .*GPU busy n/a \(CPU run\), "
+                         r"\d+ operators dispatched", report)
+    assert "top host events (self CPU): `" in report
+
+    # No server process is left: neither the server nor anything in its process group.
+    pid = figures["server_pid"]
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+    assert processes_in_group(pid) == []
+
+
+def test_a_failed_phase_is_reported_and_the_others_run(tmp_path):
+    bench = load_script()
+    run = bench.Run(bench.parse_args(["--device", "cpu", "--out", str(tmp_path)]))
+
+    def broken(run, deadline):
+        raise RuntimeError("no device")
+
+    def fine(run, deadline):
+        return "measured"
+
+    assert run.phase("server", broken) is None
+    assert run.phase("profile", fine) == "measured"
+    assert run.errors == {"server": "RuntimeError: no device"}
+
+
+def test_engine_args_become_serve_flags_and_bad_ones_fail_at_once(tmp_path):
+    bench = load_script()
+    args = bench.parse_args(["--device", "cpu", "--out", str(tmp_path), "--engine-arg", "max_num_seqs=256",
+                             "--engine-arg", "enable_prefix_caching=false"])
+    flags = bench.engine_flags(args)
+    assert flags[-3:] == ["--max-num-seqs", "256", "--no-enable-prefix-caching"]
+    assert "--speculative-model" in flags and flags[flags.index("--speculative-model") + 1] == "none"
+    config = bench.engine_config(flags)
+    assert config.scheduler.max_num_seqs == 256 and not config.cache.enable_prefix_caching
+    assert config.speculative.method is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--out", str(tmp_path), "--engine-arg", "no_such_setting=1"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--out", str(tmp_path), "--skip", "offline"])
+
+
+def _event(name: str, device: str, us: float = 0.0, self_cpu_us: float = 0.0) -> SimpleNamespace:
+    """A profiler event as summarize_step reads it."""
+    return SimpleNamespace(name=name, device_type=getattr(DeviceType, device), self_cpu_time_total=self_cpu_us,
+                           time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def test_a_gpu_step_summary_counts_kernels_launches_and_the_busy_share():
+    bench = load_script()
+    events = [_event("aten::mm", "CPU", self_cpu_us=30), _event("aten::mm", "CPU", self_cpu_us=30),
+              _event("aten::add", "CPU", self_cpu_us=50), _event("cudaLaunchKernel", "CPU"),
+              _event("cudaLaunchKernel", "CPU"), _event("cudaGraphLaunch", "CPU"), _event("cudaMemcpyAsync", "CPU"),
+              _event("gemm_kernel", "CUDA", us=300), _event("gemm_kernel", "CUDA", us=300),
+              _event("attention_kernel", "CUDA", us=200), _event("Memcpy HtoD (Pageable -> Device)", "CUDA", us=100)]
+    summary = bench.summarize_step(events, step_s=0.002, on_gpu=True)  # 900 us of device time in a 2 ms step
+    assert summary["gpu_busy"] == pytest.approx(0.45) and summary["device_busy_ms"] == pytest.approx(0.9)
+    assert (summary["kernels"], summary["copies"], summary["launch_calls"]) == (3, 1, 3)
+    assert [(k["name"], k["total_us"], k["calls"]) for k in summary["top_kernels"]] == [
+        ("gemm_kernel", 600, 2), ("attention_kernel", 200, 1), ("Memcpy HtoD (Pageable -> Device)", 100, 1)]
+    assert summary["ops"] == 3  # the operators; the runtime calls are host events, not operators
+    assert [o["name"] for o in summary["top_ops"]][:2] == ["aten::mm", "aten::add"]
+    assert summary["step_ms"] == pytest.approx(2.0)
+
+    on_cpu = bench.summarize_step(events, step_s=0.002, on_gpu=False)
+    assert "gpu_busy" not in on_cpu and "top_kernels" not in on_cpu and on_cpu["ops"] == 3
+
+
+def test_the_readme_names_the_phase_caps_the_script_has():
+    bench = load_script()
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    names = {"offline": "offline", "ngram": "n-gram", "profile": "profile", "transformers": "transformers",
+             "server": "server"}
+    assert set(names) == set(bench.PHASE_CAP_S)
+    for phase, cap in bench.PHASE_CAP_S.items():
+        assert re.search(rf"\b{names[phase]}\s+{cap:g} s\b", readme), phase
+
+
+def test_the_commit_comes_from_git_or_where_there_is_none_from_serval_commit(tmp_path, monkeypatch):
+    bench = load_script()
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert bench.git_commit().startswith(head)
+    monkeypatch.setattr(bench, "REPO", tmp_path)  # a copy of the tree without .git, as a GPU machine gets
+    monkeypatch.setenv("SERVAL_COMMIT", "abc1234")
+    assert bench.git_commit() == "abc1234"
