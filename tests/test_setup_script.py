@@ -86,7 +86,7 @@ def test_the_test_command_sets_up_then_adds_what_only_the_tests_need(tmp_path):
         "test: lint",
         "ran: ruff check serval tests",
         "test: the test suite",
-        "ran: python -m pytest -q -p no:cacheprovider",
+        "ran: python -m pytest -q -p no:cacheprovider --durations=40",
     ]
 
 
