@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -39,17 +40,40 @@ class TritonPagedMetadata(AttentionMetadata):
 
 class TritonPagedBackend(AttentionBackend):
     def build_metadata(self, seqs: list[ScheduledSequence], table_width: int | None = None) -> TritonPagedMetadata:
-        """With ``table_width``, every table padded to that many columns (fixed shapes for CUDA-graph replay)."""
+        """With ``table_width``, every table padded to that many columns (fixed shapes for CUDA-graph replay).
+
+        Every tensor is built by numpy in one int32 host buffer (pinned on CUDA) and moved in one copy that does not
+        wait: a table of 256 sequences x 512 blocks took ~10 ms from nested lists. The buffer holds
+        [slot_mapping (int64, two words each) | block_tables | query_seq | query_pos]."""
         widest = max(len(s.block_ids) for s in seqs)
         if table_width is not None:
             if table_width < widest:
                 raise ValueError(f"table_width {table_width} is narrower than a sequence's {widest} blocks")
             widest = table_width
+        num_seqs = len(seqs)
+        counts = np.fromiter((s.num_new_tokens for s in seqs), np.int64, num_seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
+        num_tokens = int(counts.sum())
+        table_end = 2 * num_tokens + num_seqs * widest
+        host = torch.empty(table_end + 2 * num_tokens, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        words = host.numpy()
+        table = words[2 * num_tokens:table_end].reshape(num_seqs, widest)
+        table.fill(0)
+        for row, s in enumerate(seqs):
+            table[row, :len(s.block_ids)] = np.array(s.block_ids, np.int32)  # faster than from the list
+        query_seq = words[table_end:table_end + num_tokens]
+        query_pos = words[table_end + num_tokens:]
+        query_seq[:] = np.repeat(np.arange(num_seqs), counts)
+        first = np.cumsum(counts) - counts  # each sequence's first token in the flat batch
+        query_pos[:] = np.arange(num_tokens) - np.repeat(first - starts, counts)
+        bs = self.block_size
+        words[:2 * num_tokens].view(np.int64)[:] = table[query_seq, query_pos // bs].astype(np.int64) * bs + \
+            query_pos % bs
+        moved = host.to(self.device, non_blocking=True)  # the same tensor on the CPU
         return TritonPagedMetadata(
-            self, self.slot_mapping(seqs),
-            block_tables=self._int32([s.block_ids + [0] * (widest - len(s.block_ids)) for s in seqs]),
-            query_seq=self._int32([row for row, s in enumerate(seqs) for _ in range(s.num_new_tokens)]),
-            query_pos=self._int32([p for s in seqs for p in range(s.num_computed_tokens, s.end)]))
+            self, moved[:2 * num_tokens].view(torch.int64),
+            block_tables=moved[2 * num_tokens:table_end].view(num_seqs, widest),
+            query_seq=moved[table_end:table_end + num_tokens], query_pos=moved[table_end + num_tokens:])
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -78,9 +102,6 @@ class TritonPagedBackend(AttentionBackend):
             # float32 inputs summed in float32 (not TF32), as the reference's float64 sums would round them
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WIDEN=INTERPRETED)
         return out
-
-    def _int32(self, data: list) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.int32, device=self.device)
 
 
 # The table's row stride is the only argument that changes with the batch (its width): not specialized on, so every
