@@ -77,8 +77,19 @@ class TritonPagedBackend(AttentionBackend):
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        write_kv(k_cache, k, slot_mapping)  # index_copy_ into the flattened cache: no host sync
-        write_kv(v_cache, v, slot_mapping)
+        """Keys and values in one launch (two index_copy_ kernels in PyTorch: each launch counts at batch 1)."""
+        if is_quantized(k_cache):  # the selector keeps 8-bit caches off this backend; PyTorch's rows if one comes
+            write_kv(k_cache, k, slot_mapping)
+            write_kv(v_cache, v, slot_mapping)
+            return
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if num_tokens == 0:
+            return
+        _write_kv_kernel[(num_tokens,)](
+            k_cache, v_cache, k, v, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), num_kv_heads, BLOCK_SIZE=k_cache.shape[1],
+            HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: TritonPagedMetadata, scale: float, window: int | None,
@@ -171,3 +182,24 @@ def _paged_attention_kernel(
     result = acc / row_sum[:, None]
     tl.store(out_ptr + token * out_stride_t + heads[:, None] * out_stride_h + dims[None, :] * out_stride_d,
              result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_mapping_ptr, k_stride_t, k_stride_h, v_stride_t,
+                     v_stride_h, kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot,
+                     vc_stride_head, num_kv_heads, BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """One token's keys and values [KVH, D] (each head's values contiguous) into its cache slot."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    ok = (heads < num_kv_heads) & (dims < HEAD_DIM)
+    k = tl.load(k_ptr + token * k_stride_t + heads * k_stride_h + dims, mask=ok)
+    v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=ok)
+    tl.store(k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + heads * kc_stride_head + dims, k,
+             mask=ok)
+    tl.store(v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot + heads * vc_stride_head + dims, v,
+             mask=ok)
