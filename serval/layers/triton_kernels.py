@@ -11,14 +11,10 @@ The tests call these on CPU tensors under Triton's interpreter (TRITON_INTERPRET
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# Triton's CPU interpreter casts float32 to bfloat16 by truncation; there the kernels round to nearest even by bits.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SILU_BLOCK = 1024  # columns a SiLU-and-mul program takes: a row of any width runs in cdiv(n, SILU_BLOCK) programs
 
 
@@ -40,14 +36,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if rows.shape[0]:
         _add_rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, new_residual, rows.stride(0), res.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), BY_BITS=INTERPRETED)
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
     return out.view(x.shape), new_residual.view(x.shape)
 
 
 @triton.jit
-def _rounded(x, dtype: tl.constexpr, BY_BITS: tl.constexpr):
-    """float32 x rounded to ``dtype`` (to nearest even), held in float32."""
-    if BY_BITS and dtype == tl.bfloat16:
+def _rounded(x, dtype: tl.constexpr):
+    """float32 x rounded to ``dtype`` (to nearest even), held in float32. bfloat16 by bits: Triton's CPU interpreter
+    casts to it by truncation, and on the GPU a cast there and back may be folded away (seen on an H200: RoPE off by
+    one step of bf16 where PyTorch rounds its products)."""
+    if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
@@ -57,7 +55,7 @@ def _rounded(x, dtype: tl.constexpr, BY_BITS: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, weight_ptr, out_ptr, new_res_ptr, x_stride, res_stride, n, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BY_BITS: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -66,13 +64,13 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, weight_ptr, out_ptr, new_res_ptr, x_str
     r = x.to(tl.float32)
     if HAS_RESIDUAL:  # the residual stream, rounded to x's dtype as PyTorch's add
         res = tl.load(res_ptr + row * res_stride + cols, mask=ok, other=0.0)
-        r = _rounded(r + res.to(tl.float32), dtype, BY_BITS)
+        r = _rounded(r + res.to(tl.float32), dtype)
         tl.store(new_res_ptr + row * n + cols, r.to(dtype), mask=ok)
     inv_rms = 1.0 / tl.sqrt(tl.sum(r * r, 0) / n + eps)
-    normed = _rounded(r * inv_rms, dtype, BY_BITS)  # normalised in float32, cast back, then scaled
+    normed = _rounded(r * inv_rms, dtype)  # normalised in float32, cast back, then scaled
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * n + cols, _rounded(weight * normed, out_dtype, BY_BITS).to(out_dtype), mask=ok)
+    tl.store(out_ptr + row * n + cols, _rounded(weight * normed, out_dtype).to(out_dtype), mask=ok)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -84,12 +82,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, SILU_BLOCK))](
-            rows, out, rows.stride(0), n, BLOCK=SILU_BLOCK, BY_BITS=INTERPRETED)
+            rows, out, rows.stride(0), n, BLOCK=SILU_BLOCK)
     return out.view(*gate_up.shape[:-1], n)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr, BY_BITS: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -98,8 +96,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr, BY_BI
     g = gate.to(tl.float32)
     e = tl.exp(-tl.abs(g))  # e^-|g| <= 1: no overflow for very negative g
     silu = tl.where(g >= 0, g / (1.0 + e), g * e / (1.0 + e))
-    silu = _rounded(silu, gate.dtype, BY_BITS)  # F.silu's result, rounded, then the product rounded
-    tl.store(out_ptr + row * n + cols, _rounded(silu * up, gate.dtype, BY_BITS).to(gate.dtype), mask=ok)
+    silu = _rounded(silu, gate.dtype)  # F.silu's result, rounded, then the product rounded
+    tl.store(out_ptr + row * n + cols, _rounded(silu * up, gate.dtype).to(gate.dtype), mask=ok)
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,13 +111,13 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
         _rotary_kernel[(num_tokens,)](
             x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads,
             HEADS_PAD=triton.next_power_of_2(heads), DIM=dim, DIM_PAD=triton.next_power_of_2(dim),
-            BY_BITS=INTERPRETED)
+            enable_fp_fusion=False)  # x * cos + rotated * sin as two rounded products and a sum, not an FMA
     return x
 
 
 @triton.jit
 def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, table_stride, heads,
-                   HEADS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BY_BITS: tl.constexpr):
+                   HEADS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)
@@ -133,8 +131,8 @@ def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_
     x = tl.load(row + d[None, :], mask=ok, other=0.0)
     rotated = tl.load(row + partner[None, :], mask=ok, other=0.0).to(tl.float32) * sign[None, :]
     dtype = x.dtype
-    c = _rounded(tl.load(cos_ptr + pos * table_stride + d, mask=dim_ok, other=0.0), dtype, BY_BITS)
-    s = _rounded(tl.load(sin_ptr + pos * table_stride + d, mask=dim_ok, other=0.0), dtype, BY_BITS)
-    a = _rounded(x.to(tl.float32) * c[None, :], dtype, BY_BITS)
-    b = _rounded(rotated * s[None, :], dtype, BY_BITS)
-    tl.store(row + d[None, :], _rounded(a + b, dtype, BY_BITS).to(dtype), mask=ok)
+    c = _rounded(tl.load(cos_ptr + pos * table_stride + d, mask=dim_ok, other=0.0), dtype)
+    s = _rounded(tl.load(sin_ptr + pos * table_stride + d, mask=dim_ok, other=0.0), dtype)
+    a = _rounded(x.to(tl.float32) * c[None, :], dtype)
+    b = _rounded(rotated * s[None, :], dtype)
+    tl.store(row + d[None, :], _rounded(a + b, dtype).to(dtype), mask=ok)
