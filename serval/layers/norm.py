@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serval.layers import cpu_kernels
+from serval.layers import cpu_kernels, triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +19,9 @@ class RMSNorm(nn.Module):
         """(weight * rms_norm(r), r) with r = x + residual (the residual stream, in x's dtype), or r = x.
 
         On the CPU one C++ pass (``csrc/fused_ops.cpp``) does the add, the norm and the scale with the same
-        roundings as the PyTorch lines below."""
+        roundings as the PyTorch lines below; on CUDA one Triton kernel (``triton_kernels.py``) does."""
+        if (fused := triton_ops.for_tensor(x)) is not None:
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
         if x.is_contiguous() and (kernels := cpu_kernels.for_device(x.device)) is not None:
             return kernels.add_rms_norm(x, residual, self.weight, self.eps)
         r = x if residual is None else x + residual

@@ -10,7 +10,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from serval.layers import cpu_kernels
+from serval.layers import cpu_kernels, triton_ops
 
 
 def _inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -72,9 +72,11 @@ class RotaryEmbedding(nn.Module):
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
         """The step's rotation, shared by every layer. The CPU kernel reads the tables by position; the PyTorch
-        path gathers two [T, 1, D] tensors in ``dtype`` once here."""
+        path gathers two [T, 1, D] tensors in ``dtype`` once here. On CUDA a Triton kernel reads them by position."""
         if (kernels := cpu_kernels.for_device(positions.device)) is not None:
             return RotaryStep(positions, self, kernels=kernels)
+        if (fused := triton_ops.for_tensor(positions)) is not None:
+            return RotaryStep(positions, self, fused=fused)
         return RotaryStep(positions, self, self.cos[positions].unsqueeze(1).to(dtype),
                           self.sin[positions].unsqueeze(1).to(dtype))
 
@@ -91,12 +93,15 @@ class RotaryStep:
     cos: torch.Tensor | None = None  # [T, 1, D] in the model dtype, for the PyTorch path
     sin: torch.Tensor | None = None
     kernels: ModuleType | None = None  # the CPU kernels, which read the tables by position (then no cos and sin)
+    fused: ModuleType | None = None  # the Triton kernels on CUDA, which read them by position too
 
     def rotate_(self, x: torch.Tensor) -> torch.Tensor:
         """Rotates x [T, heads, D] in place (each token's heads contiguous) and returns it."""
         if self.kernels is not None:
             self.kernels.rotary_embedding_(x, self.positions, self.table.cos, self.table.sin)
             return x
+        if self.fused is not None:
+            return self.fused.rotary_(x, self.positions, self.table.cos, self.table.sin)
         return x.copy_(RotaryEmbedding.apply(x, self.cos, self.sin))
 
 

@@ -210,3 +210,20 @@ def test_the_engine_gives_the_reference_greedy_tokens_with_the_triton_backend(tm
     by_triton = greedy(TritonPagedBackend("cpu", torch.float32, BLOCK))
     assert {n: len(t) for n, t in by_triton.items()} == {"a": 10, "b": 10}
     assert by_triton == greedy(TorchReferenceBackend("cpu", torch.float32, BLOCK))
+
+
+@torch.inference_mode()
+def test_write_kv_takes_keys_and_values_as_views_of_the_qkv_rows():
+    """As the model passes them (strided views of one qkv output), with 3 heads of 24 (both padded in the kernel)."""
+    heads, kv_heads, dim = 6, 3, 24
+    backend = TritonPagedBackend("cpu", torch.bfloat16, BLOCK)
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK, kv_heads, dim, dtype=torch.bfloat16)
+    seqs = [ScheduledSequence([3, 0], 20, 1), ScheduledSequence([1, 2, 4], 30, 3)]
+    meta = backend.build_metadata(seqs)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    _, k, v = qkv.view(4, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
+    backend.write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+    want = torch.zeros_like(cache)
+    for c, x in ((want[0], k), (want[1], v)):
+        c.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, x)
+    assert torch.equal(cache, want)
