@@ -60,3 +60,28 @@ def test_the_profiling_forward_runs_through_the_runner_on_the_cpu(smollm):
     capped = EngineConfig(dtype="float32", max_model_len=40, scheduler=SchedulerConfig(max_num_batched_tokens=512,
                                                                                         max_num_seqs=1))
     assert profile_forward(capped, model) == 3 * kv_cache_block_bytes(model.config, 16, torch.float32)
+
+
+def test_the_profile_counts_the_peak_less_its_temporary_cache_and_what_torch_does_not_hold(smollm, monkeypatch):
+    """The accounting of profile_cuda_memory, with the GPU's counters faked and the forward run on the CPU: the peak
+    of this process's tensors, less the profile's own temporary cache, plus what the CUDA context and other processes
+    hold (the memory in use that torch did not reserve)."""
+    from serval.engine import memory_profile
+
+    model, _ = smollm("float32")
+    calls = []
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, name=name: calls.append(name))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 10 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 15 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GIB, 80 * GIB))
+    config = EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    temporary = profile_forward(config, model)
+    total, in_use = memory_profile.profile_cuda_memory(config, model)
+    assert (total, in_use) == (80 * GIB, 10 * GIB - temporary + 5 * GIB)
+    # The peak is the profile's own (reset after the caches of dropped engines are freed), read once it finished.
+    assert calls == ["empty_cache", "synchronize", "reset_peak_memory_stats", "synchronize", "empty_cache"]
+    # With kv_cache_memory None (a GPU's default), the blocks are 0.9 of the 80 - (15 - temporary) GiB left.
+    config.cache.kv_cache_memory = None
+    block_bytes = kv_cache_block_bytes(model.config, 16, torch.float32)
+    assert num_kv_blocks(config, model) == kv_cache_num_blocks(80 * GIB, 15 * GIB - temporary, 0.9, block_bytes)
