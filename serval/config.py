@@ -31,6 +31,15 @@ def auto_dtype(device: str) -> str:
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
+def resolve_device(device: str) -> str:
+    """``device`` with "auto" made "cuda" when torch sees a GPU, else "cpu" (vLLM's choice)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def device_kind(device: str) -> str:
     """The key of a device's defaults: "cuda" for cuda and cuda:N, else "cpu"."""
     return "cuda" if device.startswith("cuda") else "cpu"
@@ -467,8 +476,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         import torch
 
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(self.device)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no CUDA device")
         for config in (self.cache, self.scheduler, self.speculative):

@@ -286,6 +286,24 @@ def test_device_auto_is_the_default_flag_and_picks_the_devices_defaults(monkeypa
             engine.speculative.max_batch_size) == (3.0, 0.5, 2)
 
 
+def test_a_rank_on_another_machine_resolves_device_auto_as_rank_0_does(monkeypatch):
+    import torch
+
+    from serval.engine import workers
+
+    joined = []
+    monkeypatch.setattr(workers, "run_worker", lambda *args: joined.append(args))
+    argv = ["rank", "--dist-init-method", "tcp://10.0.0.1:29500", "--rank", "1", "--world-size", "2"]
+    args = build_parser().parse_args(argv)
+    assert args.device == "auto"
+    for available, device in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        assert args.func(args) == 0
+        assert joined.pop() == (1, 2, "tcp://10.0.0.1:29500", device, None)
+    args = build_parser().parse_args([*argv, "--device", "cuda:1"])
+    assert args.func(args) == 0 and joined.pop()[3] == "cuda:1"
+
+
 def test_a_bad_gpu_memory_utilization_fails_with_one_line():
     proc = subprocess.run([SERVAL, "generate", "hi", "--gpu-memory-utilization", "1.5"], capture_output=True,
                           text=True, timeout=120)
