@@ -4,8 +4,9 @@ forward pass leaves free.
 On CUDA the KV cache takes ``--gpu-memory-utilization`` of the memory still free once the weights are loaded and one
 forward of the largest step the scheduler can make has run (its activations and logits at their peak), as vLLM sizes
 it. The share is of the free memory rather than of the whole GPU, so that engines sharing a GPU (several cores in one
-test process, or another process) each get room instead of an error; alone on a GPU the two differ by a tenth of
-what the weights and activations take. The arithmetic is ``kv_cache_num_blocks``, a pure function."""
+test process, or another process) each get room instead of an error; alone on a GPU the two differ by
+(1 - utilization) of what the weights and activations take. The arithmetic is ``kv_cache_num_blocks``, a pure
+function."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import logging
 
 import torch
 
-from serval.config import EngineConfig
+from serval.config import CPU_KV_CACHE_GIB, EngineConfig
 from serval.engine.request import Request
 from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import SchedulerOutput
@@ -39,14 +40,14 @@ def kv_cache_num_blocks(total_bytes: int, in_use_bytes: int, utilization: float,
 
 def num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int:
     """The KV cache's blocks for ``model``: ``cache.num_blocks``, else ``cache.kv_cache_memory`` GiB, else (None on
-    CUDA) profiled. Under model parallelism the ranks would have to join the profile's forward: 1 GiB instead."""
+    CUDA) profiled. Under model parallelism the ranks would have to join the profile's forward: the CPU's size then."""
     cache = config.cache
     if cache.num_blocks:
         return cache.num_blocks
     block_bytes = kv_cache_block_bytes(model.config, cache.block_size, config.kv_cache_torch_dtype)
     memory = cache.kv_cache_memory
     if memory is None and config.world_size > 1:
-        memory = 1.0
+        memory = CPU_KV_CACHE_GIB
         logger.warning("KV cache: %g GiB (no profiling under model parallelism: give --kv-cache-memory)", memory)
     if memory is not None:
         num_blocks = int(memory * GIB // block_bytes)
