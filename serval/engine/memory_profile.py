@@ -70,7 +70,13 @@ def profile_cuda_memory(config: EngineConfig, model: torch.nn.Module) -> tuple[i
     torch.cuda.empty_cache()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    temporary_cache_bytes = profile_forward(config, model)
+    try:
+        temporary_cache_bytes = profile_forward(config, model)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ValueError(
+            f"the profiling forward of the largest step ({config.scheduler.max_num_batched_tokens} tokens, "
+            f"{config.scheduler.max_num_seqs} sequences) ran out of GPU memory: lower --max-num-batched-tokens or "
+            "--max-num-seqs, or free GPU memory") from exc
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)

@@ -85,3 +85,18 @@ def test_the_profile_counts_the_peak_less_its_temporary_cache_and_what_torch_doe
     config.cache.kv_cache_memory = None
     block_bytes = kv_cache_block_bytes(model.config, 16, torch.float32)
     assert num_kv_blocks(config, model) == kv_cache_num_blocks(80 * GIB, 15 * GIB - temporary, 0.9, block_bytes)
+
+
+def test_a_profile_that_runs_out_of_gpu_memory_names_the_step_limits(smollm, monkeypatch):
+    from serval.engine import memory_profile
+
+    def out_of_memory(config, model):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.50 GiB")
+
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(memory_profile, "profile_forward", out_of_memory)
+    config = EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256))
+    with pytest.raises(ValueError, match=r"\(8192 tokens, 256 sequences\) ran out of GPU memory: lower "
+                                         "--max-num-batched-tokens or --max-num-seqs"):
+        memory_profile.profile_cuda_memory(config, smollm("float32")[0])
