@@ -14,7 +14,7 @@ from serval.benchmark import quality as quality_benchmark
 from serval.benchmark import serve as serve_benchmark  # light: the flags; torch and aiohttp load when a run starts
 from serval.benchmark import throughput as throughput_benchmark
 from serval.cluster.config import RayServeConfig, RouterConfig
-from serval.config import EngineConfig
+from serval.config import EngineConfig, resolve_device
 from serval.flags import add_flags, from_args
 from serval.model.registry import DEFAULT_MODEL
 from serval.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
@@ -271,7 +271,7 @@ def cmd_rank(args: argparse.Namespace) -> int:
     if not args.dist_init_method.startswith("tcp://"):
         print("serval rank: --dist-init-method must be tcp://HOST:PORT", file=sys.stderr)
         return 2
-    run_worker(args.rank, args.world_size, args.dist_init_method, args.device, args.model)
+    run_worker(args.rank, args.world_size, args.dist_init_method, resolve_device(args.device), args.model)
     return 0
 
 
@@ -470,7 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--rank", type=int, required=True, help="this process's rank, 1 to world size - 1")
     rank.add_argument("--world-size", type=int, required=True,
                       help="all ranks: tensor-parallel size x pipeline-parallel size")
-    rank.add_argument("--device", default="cpu", help="cpu, or cuda (rank r takes GPU r mod the machine's count)")
+    rank.add_argument("--device", default=EngineConfig.device,
+                      help="cpu, or cuda (rank r takes GPU r mod the machine's count); auto: cuda when torch sees a "
+                      "GPU, as rank 0's --device")
     rank.add_argument("--model", default=None,
                       help="this machine's copy of the model file (default: where rank 0's model is found here)")
     rank.set_defaults(func=cmd_rank)

@@ -6,7 +6,7 @@ the flag's, and its help is the flag's help."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from serval.flags import flag, json_object, none_or_text
 from serval.sampling_params import GENERATION_CONFIG_DEFAULT, check_sampling_defaults
@@ -29,6 +29,38 @@ def auto_dtype(device: str) -> str:
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
+def resolve_device(device: str) -> str:
+    """``device`` with "auto" made "cuda" when torch sees a GPU, else "cpu" (vLLM's choice)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_kind(device: str) -> str:
+    """The key of a device's defaults: "cuda" for cuda and cuda:N, else "cpu"."""
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+class DeviceDefaults:
+    """A config some of whose defaults belong to the device (``device_defaults``): a field left None takes the
+    CPU's value when the config is built (alone, it runs on a CPU), and the engine's device's once EngineConfig knows
+    the device (``use_device_defaults``). A value given at construction always stays."""
+
+    _device_defaulted: tuple[str, ...] | None = None  # the fields left None at construction (not a dataclass field)
+
+    def device_defaults(self, kind: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def use_device_defaults(self, device: str) -> None:
+        defaults = self.device_defaults(device_kind(device))
+        if self._device_defaulted is None:
+            self._device_defaulted = tuple(name for name in defaults if getattr(self, name) is None)
+        for name in self._device_defaulted:
+            setattr(self, name, defaults[name])
 
 
 @dataclass
@@ -94,14 +126,23 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+CPU_KV_CACHE_GIB = 1.0
 
 
 @dataclass
-class CacheConfig:
+class CacheConfig(DeviceDefaults):
     """The paged KV cache: block size and how much memory it may take."""
 
     block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
-    kv_cache_memory: float = field(default=1.0, metadata=flag("GiB for the KV cache"))  # all layers' keys and values
+    # All layers' keys and values. None: the device's default, a fixed size on a CPU; on a GPU (one process) sized by
+    # profiling (engine/memory_profile.py): ``gpu_memory_utilization`` of the memory a forward of the largest step
+    # leaves free.
+    kv_cache_memory: float | None = field(default=None, metadata=flag(
+        f"GiB for the KV cache (default: {CPU_KV_CACHE_GIB:g} on CPU; on CUDA, --gpu-memory-utilization of the GPU "
+        "memory left free after loading the model and a profiling forward pass)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag(
+        "on CUDA without --kv-cache-memory: the share of the GPU memory left free after loading the model and a "
+        "forward of the largest step that the KV cache takes, in (0, 1]"))
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use it to force preemption)
     enable_prefix_caching: bool = field(default=True, metadata=flag(
         "reuse the KV blocks of a prompt prefix computed before"))
@@ -125,7 +166,11 @@ class CacheConfig:
         "the KV cache's elements: the model's dtype (auto), or 8-bit codes with a scale per token and head (about "
         "1.9x the tokens in the same memory)", choices=KV_CACHE_DTYPE_CHOICES))
 
+    def device_defaults(self, kind: str) -> dict[str, Any]:
+        return {"kv_cache_memory": CPU_KV_CACHE_GIB if kind == "cpu" else None}  # None: profiled
+
     def __post_init__(self) -> None:
+        self.use_device_defaults("cpu")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"CacheConfig.kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_CHOICES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -142,6 +187,9 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.block_size must be a positive integer, got {self.block_size!r}")
         if not (isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0):
             raise ValueError(f"CacheConfig.kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError("CacheConfig.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
             raise ValueError(f"CacheConfig.num_blocks must be an integer >= 2, got {self.num_blocks!r}")
 
@@ -161,13 +209,21 @@ def default_token_budget() -> int:
     return 128 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 96
 
 
-@dataclass
-class SchedulerConfig:
-    """Continuous batching limits: tokens per step and sequences per step."""
+# A GPU's step costs about the same from 1 to hundreds of rows (it reads the weights once), so it takes vLLM's limits.
+CPU_MAX_NUM_SEQS = 64
+CUDA_MAX_NUM_SEQS = 256
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 
-    max_num_batched_tokens: int | None = field(default=None, metadata=flag(  # None: default_token_budget()
-        "tokens computed per engine step (default: 128 on a CPU with AVX-512, else 96)"))
-    max_num_seqs: int = field(default=64, metadata=flag("requests running at once"))
+
+@dataclass
+class SchedulerConfig(DeviceDefaults):
+    """Continuous batching limits: tokens per step and sequences per step (None: the device's defaults)."""
+
+    max_num_batched_tokens: int | None = field(default=None, metadata=flag(  # None: default_token_budget() on CPU
+        "tokens computed per engine step (default: 128 on a CPU with AVX-512, else 96; "
+        f"{CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)"))
+    max_num_seqs: int | None = field(default=None, metadata=flag(
+        f"requests running at once (default: {CPU_MAX_NUM_SEQS} on CPU, {CUDA_MAX_NUM_SEQS} on CUDA)"))
     enable_chunked_prefill: bool = field(default=True, metadata=flag(
         "cut long prompts into chunks that share a step with running decodes"))
     # What a preempted request's KV becomes: dropped and recomputed, swapped to the KV cache's second tier and back
@@ -176,12 +232,16 @@ class SchedulerConfig:
         "a preempted request's KV: recomputed later, swapped to the second tier and back, or whichever costs less "
         "as measured (auto; recompute without a second tier)", choices=PREEMPTION_MODES))
 
+    def device_defaults(self, kind: str) -> dict[str, Any]:
+        if kind == "cuda":
+            return {"max_num_batched_tokens": CUDA_MAX_NUM_BATCHED_TOKENS, "max_num_seqs": CUDA_MAX_NUM_SEQS}
+        return {"max_num_batched_tokens": default_token_budget(), "max_num_seqs": CPU_MAX_NUM_SEQS}
+
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"SchedulerConfig.preemption_mode must be one of {list(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_token_budget()
+        self.use_device_defaults("cpu")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError("SchedulerConfig.max_num_batched_tokens must be a positive integer, "
                              f"got {self.max_num_batched_tokens!r}")
@@ -192,10 +252,12 @@ class SchedulerConfig:
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8")
 CONTEXT_POLICIES = ("error", "sliding_window")  # a chat longer than the context: refused, or its oldest turns dropped
 EARLY_EXIT_PREFIX = "self-layers:"
+CPU_SPECULATIVE_MAX_BATCH_SIZE = 4
+CUDA_SPECULATIVE_MAX_BATCH_SIZE = 4  # measured on CPU; GPU figure pending
 
 
 @dataclass
-class SpeculativeConfig:
+class SpeculativeConfig(DeviceDefaults):
     """Speculative decoding: a proposer guesses the next tokens, one target forward checks them all.
 
     ``method`` None is off; "ngram" (the default) proposes by prompt lookup: the tokens that followed the latest
@@ -219,11 +281,16 @@ class SpeculativeConfig:
                                                             name="--ngram-prompt-lookup-max"))
     # Speculate only while at most this many requests run: a large batch is compute-bound already, and verifying
     # guesses costs more than they save. Measured offline (greedy chat, this CPU): free chat 1.19x at 1 request,
-    # 1.01x at 2 and 4, 0.93x at 8; quoting chat 2.26x at 1 down to 1.13x at 16.
-    max_batch_size: int = field(default=4, metadata=flag("speculate only while at most this many requests run",
-                                                         name="--speculative-max-batch-size"))
+    # 1.01x at 2 and 4, 0.93x at 8; quoting chat 2.26x at 1 down to 1.13x at 16. None: the device's.
+    max_batch_size: int | None = field(default=None, metadata=flag(
+        f"speculate only while at most this many requests run (default: {CPU_SPECULATIVE_MAX_BATCH_SIZE} on CPU, "
+        f"{CUDA_SPECULATIVE_MAX_BATCH_SIZE} on CUDA)", name="--speculative-max-batch-size"))
+
+    def device_defaults(self, kind: str) -> dict[str, Any]:
+        return {"max_batch_size": CUDA_SPECULATIVE_MAX_BATCH_SIZE if kind == "cuda" else CPU_SPECULATIVE_MAX_BATCH_SIZE}
 
     def __post_init__(self) -> None:
+        self.use_device_defaults("cpu")
         if self.method is not None and (not isinstance(self.method, str) or not self.method or self.method == "none"):
             raise ValueError("SpeculativeConfig.method must be None, 'ngram', 'self-layers:N' or a draft model, "
                              f"got {self.method!r}")
@@ -329,7 +396,9 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata=flag(  # "auto" is resolved at construction: auto_dtype(device)
         "weights, activations and KV cache; auto: bfloat16 where the CPU (or GPU) computes in it natively, else "
         "float32 (float16 on a GPU)", choices=DTYPE_CHOICES))
-    device: str = field(default="cpu", metadata=flag("cpu or cuda[:N]"))
+    # "auto" is resolved at construction: cuda when torch sees a GPU, else cpu. The sub-configs' fields left None
+    # then take the device's defaults (DeviceDefaults).
+    device: str = field(default="auto", metadata=flag("cpu, cuda[:N], or auto: cuda when torch sees a GPU, else cpu"))
     max_model_len: int | None = field(default=None, metadata=flag(
         "context length in tokens (default: the model's own, if the KV cache holds it)"))
     context_policy: str = field(default="error", metadata=flag(
@@ -409,12 +478,15 @@ class EngineConfig:
             raise ValueError("a prefill or decode worker (--role) runs on one process: no model parallelism yet")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"EngineConfig.dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):
+            raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         import torch
 
+        self.device = resolve_device(self.device)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no CUDA device")
+        for config in (self.cache, self.scheduler, self.speculative):
+            config.use_device_defaults(self.device)
         if self.dtype == "auto":
             self.dtype = auto_dtype(self.device)
         if self.context_policy not in CONTEXT_POLICIES:

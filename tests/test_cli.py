@@ -261,6 +261,57 @@ def test_the_engine_flags_default_to_the_configs_defaults():
             engine.scheduler.preemption_mode) == ("int8", 2.0, "/tmp/kv", "swap")
 
 
+def test_device_auto_is_the_default_flag_and_picks_the_devices_defaults(monkeypatch):
+    import torch
+
+    for verb in (["serve"], ["generate", "hi"], ["chat"]):
+        assert build_parser().parse_args(verb).device == "auto", verb
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
+    for argv in (["serve"], ["serve", "--device", "auto"]):
+        engine = _engine_config(build_parser().parse_args(argv))
+        assert (engine.device, engine.scheduler.max_num_seqs, engine.cache.kv_cache_memory) == ("cpu", 64, 1.0)
+    help_text = " ".join(_verb_parsers()["serve"].format_help().split())
+    assert "(default: 64 on CPU, 256 on CUDA)" in help_text and "; 8192 on CUDA)" in help_text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, without touching a GPU
+    engine = _engine_config(build_parser().parse_args(["serve", "--device", "auto", "--dtype", "float32"]))
+    assert (engine.device, engine.scheduler.max_num_batched_tokens, engine.scheduler.max_num_seqs) == (
+        "cuda", 8192, 256)
+    assert (engine.cache.kv_cache_memory, engine.cache.gpu_memory_utilization) == (None, 0.9)  # profiled on the GPU
+    engine = _engine_config(build_parser().parse_args(
+        ["serve", "--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "300",
+         "--kv-cache-memory", "3", "--gpu-memory-utilization", "0.5", "--speculative-max-batch-size", "2"]))
+    assert (engine.device, engine.scheduler.max_num_batched_tokens, engine.scheduler.max_num_seqs) == (
+        "cuda", 300, 8)  # flags given win over the device's defaults
+    assert (engine.cache.kv_cache_memory, engine.cache.gpu_memory_utilization,
+            engine.speculative.max_batch_size) == (3.0, 0.5, 2)
+
+
+def test_a_rank_on_another_machine_resolves_device_auto_as_rank_0_does(monkeypatch):
+    import torch
+
+    from serval.engine import workers
+
+    joined = []
+    monkeypatch.setattr(workers, "run_worker", lambda *args: joined.append(args))
+    argv = ["rank", "--dist-init-method", "tcp://10.0.0.1:29500", "--rank", "1", "--world-size", "2"]
+    args = build_parser().parse_args(argv)
+    assert args.device == "auto"
+    for available, device in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        assert args.func(args) == 0
+        assert joined.pop() == (1, 2, "tcp://10.0.0.1:29500", device, None)
+    args = build_parser().parse_args([*argv, "--device", "cuda:1"])
+    assert args.func(args) == 0 and joined.pop()[3] == "cuda:1"
+
+
+def test_a_bad_gpu_memory_utilization_fails_with_one_line():
+    proc = subprocess.run([SERVAL, "generate", "hi", "--gpu-memory-utilization", "1.5"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "serval: error: CacheConfig.gpu_memory_utilization must be in (0, 1], got 1.5")
+
+
 def test_help_never_prints_the_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("SERVAL_API_KEY", "sk-from-the-environment")
     serve = _verb_parsers()["serve"]

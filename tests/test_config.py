@@ -1,4 +1,5 @@
-"""EngineConfig: ``dtype="auto"`` resolves to what the hardware computes fast; bad values name their field."""
+"""EngineConfig: ``dtype="auto"`` resolves to what the hardware computes fast, ``device="auto"`` to a GPU when there is
+one, and the fields left unset to the device's defaults; bad values name their field."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ import sys
 import pytest
 import torch
 
-from serval.config import CacheConfig, EngineConfig, SchedulerConfig, auto_dtype
+from serval.config import (
+    CPU_KV_CACHE_GIB,
+    CPU_MAX_NUM_SEQS,
+    CPU_SPECULATIVE_MAX_BATCH_SIZE,
+    CUDA_SPECULATIVE_MAX_BATCH_SIZE,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    auto_dtype,
+    default_token_budget,
+)
 
 
 def test_auto_dtype_follows_native_bf16_support():
@@ -61,3 +73,50 @@ def test_a_second_tier_and_the_preemption_mode_are_checked(build, field):
         build()
     assert EngineConfig(cache=CacheConfig(kv_offload_size=0.5),
                         scheduler=SchedulerConfig(preemption_mode="swap")).scheduler.preemption_mode == "swap"
+
+
+# -- defaults that belong to the device ----------------------------------------------------------------------------
+
+
+def test_device_auto_is_the_default_and_resolves_to_the_cpu_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this suite's machines, on any machine
+    for config in (EngineConfig(), EngineConfig(device="auto")):
+        assert config.device == "cpu"
+        assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (
+            default_token_budget(), CPU_MAX_NUM_SEQS)
+        assert (config.cache.kv_cache_memory, config.speculative.max_batch_size) == (
+            CPU_KV_CACHE_GIB, CPU_SPECULATIVE_MAX_BATCH_SIZE)
+    with pytest.raises(ValueError, match="EngineConfig.device"):
+        EngineConfig(device="gpu")
+
+
+def test_device_auto_picks_cuda_when_torch_sees_a_gpu_and_takes_the_gpus_defaults(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing is built on the (absent) GPU here
+    config = EngineConfig(device="auto", dtype="float32")
+    assert config.device == "cuda"
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (8192, 256)
+    assert config.cache.kv_cache_memory is None  # sized by profiling (engine/memory_profile.py)
+    assert config.speculative.max_batch_size == CUDA_SPECULATIVE_MAX_BATCH_SIZE
+    assert EngineConfig(device="cuda:1", dtype="float32").scheduler.max_num_seqs == 256
+
+
+def test_values_given_win_over_the_devices_defaults(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    scheduler, cache = SchedulerConfig(max_num_seqs=32), CacheConfig(kv_cache_memory=2.0)
+    speculative = SpeculativeConfig(max_batch_size=2)
+    assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (default_token_budget(), 32)  # alone: CPU's
+    config = EngineConfig(device="cuda", dtype="float32", scheduler=scheduler, cache=cache, speculative=speculative)
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (8192, 32)
+    assert (config.cache.kv_cache_memory, config.speculative.max_batch_size) == (2.0, 2)
+    # The same configs in a CPU engine after a GPU one: the fields left unset take the CPU's defaults again.
+    config = EngineConfig(device="cpu", scheduler=scheduler, cache=cache, speculative=speculative)
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (default_token_budget(), 32)
+    explicit = EngineConfig(device="cuda", dtype="float32", scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    assert (explicit.scheduler.max_num_batched_tokens, explicit.scheduler.max_num_seqs) == (512, 256)
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.01, "0.9"])
+def test_gpu_memory_utilization_must_be_a_share_of_the_memory(value):
+    with pytest.raises(ValueError, match="CacheConfig.gpu_memory_utilization must be in"):
+        CacheConfig(gpu_memory_utilization=value)
+    assert CacheConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1

@@ -19,6 +19,7 @@ from serval.engine.cuda_graphs import DecodeBuckets
 from serval.engine.kv_cache import KVCacheManager
 from serval.engine.kv_offload import BlockStore, OffloadIndex
 from serval.engine.kv_transfer import KVConnector, ZmqKVConnector, prompt_hash
+from serval.engine.memory_profile import num_kv_blocks
 from serval.engine.request import RemoteKV, Request, RequestStatus
 from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler
@@ -156,11 +157,7 @@ class EngineCore:
                                          self.group, config.enable_expert_parallel)
         model_config = self.model.config
         cache = config.cache
-        num_blocks = cache.num_blocks or int(
-            cache.kv_cache_memory * 2**30 // kv_cache_block_bytes(model_config, cache.block_size,
-                                                                  config.kv_cache_torch_dtype))
-        if num_blocks < 2:
-            raise ValueError(f"CacheConfig.kv_cache_memory={cache.kv_cache_memory} GiB holds fewer than 2 blocks")
+        num_blocks = num_kv_blocks(config, self.model)  # on a GPU, after a profiling forward of the largest step
         if self.group is not None:
             self.group.broadcast(num_blocks)
         # A request alone must always fit, or preemption could never make room for it.

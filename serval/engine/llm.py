@@ -22,19 +22,22 @@ class LLM:
     >>> LLM().generate(["The capital city of Korea is"], SamplingParams(temperature=0))[0].text
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = EngineConfig.device,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_chunked_prefill: bool = True,
-                 kv_cache_memory: float = 1.0, num_blocks: int | None = None, block_size: int = 16,
+                 kv_cache_memory: float | None = None, num_blocks: int | None = None, block_size: int = 16,
+                 gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  context_policy: str = "error", quantization: str = "auto", speculative_model: str | None = "ngram",
-                 num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4,
+                 num_speculative_tokens: int = 4, speculative_max_batch_size: int | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None) -> None:
+        """None and "auto" take the device's defaults (config.py: EngineConfig, DeviceDefaults)."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, context_policy=context_policy,
             quantization=quantization, generation_config=generation_config,
             override_generation_config=override_generation_config,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_blocks,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill),

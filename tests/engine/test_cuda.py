@@ -8,7 +8,7 @@ import torch
 from real_model import requires_model
 
 from serval import LLM, SamplingParams
-from serval.config import EngineConfig, KVTransferConfig
+from serval.config import CacheConfig, EngineConfig, KVTransferConfig
 from serval.engine.core import EngineCore, EngineCoreRequest
 from serval.engine.engine import LLMEngine
 from serval.model.registry import resolve_model_path
@@ -53,10 +53,12 @@ def test_two_gpus_over_nccl_answer_as_one(split):
 
 def test_cuda_kv_transfer_between_a_prefill_and_a_decode_core():
     path = resolve_model_path(None)
-    single = EngineCore(EngineConfig(device="cuda"), path)
-    prefill = EngineCore(EngineConfig(device="cuda", kv_transfer=KVTransferConfig(role="prefill")), path,
+    # Three cores in one process: each a fixed 1 GiB cache, not the share of the free memory a lone engine takes.
+    cache = CacheConfig(kv_cache_memory=1.0)
+    single = EngineCore(EngineConfig(device="cuda", cache=cache), path)
+    prefill = EngineCore(EngineConfig(device="cuda", cache=cache, kv_transfer=KVTransferConfig(role="prefill")), path,
                          model=single.model)
-    decode = EngineCore(EngineConfig(device="cuda", kv_transfer=KVTransferConfig(role="decode")), path,
+    decode = EngineCore(EngineConfig(device="cuda", cache=cache, kv_transfer=KVTransferConfig(role="decode")), path,
                         model=single.model)
     eos = []
 
