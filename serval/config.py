@@ -253,7 +253,10 @@ QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8")
 CONTEXT_POLICIES = ("error", "sliding_window")  # a chat longer than the context: refused, or its oldest turns dropped
 EARLY_EXIT_PREFIX = "self-layers:"
 CPU_SPECULATIVE_MAX_BATCH_SIZE = 4
-CUDA_SPECULATIVE_MAX_BATCH_SIZE = 4  # measured on CPU; GPU figure pending
+# On a GPU a decode step replays a CUDA graph while a step that checks guesses runs eagerly: measured on an H200
+# (benchmarks/bench_gpu.py, the embedded model, bf16, 128 tokens), n-gram speculation at one stream gave 128 tok/s
+# against 499 without, so on CUDA it is off at every batch size (0) until guess-checking steps are captured too.
+CUDA_SPECULATIVE_MAX_BATCH_SIZE = 0
 
 
 @dataclass
@@ -281,10 +284,10 @@ class SpeculativeConfig(DeviceDefaults):
                                                             name="--ngram-prompt-lookup-max"))
     # Speculate only while at most this many requests run: a large batch is compute-bound already, and verifying
     # guesses costs more than they save. Measured offline (greedy chat, this CPU): free chat 1.19x at 1 request,
-    # 1.01x at 2 and 4, 0.93x at 8; quoting chat 2.26x at 1 down to 1.13x at 16. None: the device's.
+    # 1.01x at 2 and 4, 0.93x at 8; quoting chat 2.26x at 1 down to 1.13x at 16. None: the device's; 0: never.
     max_batch_size: int | None = field(default=None, metadata=flag(
-        f"speculate only while at most this many requests run (default: {CPU_SPECULATIVE_MAX_BATCH_SIZE} on CPU, "
-        f"{CUDA_SPECULATIVE_MAX_BATCH_SIZE} on CUDA)", name="--speculative-max-batch-size"))
+        f"speculate only while at most this many requests run, 0: never (default: {CPU_SPECULATIVE_MAX_BATCH_SIZE} "
+        f"on CPU, {CUDA_SPECULATIVE_MAX_BATCH_SIZE} on CUDA)", name="--speculative-max-batch-size"))
 
     def device_defaults(self, kind: str) -> dict[str, Any]:
         return {"max_batch_size": CUDA_SPECULATIVE_MAX_BATCH_SIZE if kind == "cuda" else CPU_SPECULATIVE_MAX_BATCH_SIZE}
@@ -301,8 +304,9 @@ class SpeculativeConfig(DeviceDefaults):
                                  "integer")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SpeculativeConfig.{name} must be a positive integer, got {value!r}")
+            least = 0 if name == "max_batch_size" else 1  # 0 requests: never speculate
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"SpeculativeConfig.{name} must be an integer >= {least}, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("SpeculativeConfig.prompt_lookup_min must be <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} > {self.prompt_lookup_max}")

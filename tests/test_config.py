@@ -120,3 +120,9 @@ def test_gpu_memory_utilization_must_be_a_share_of_the_memory(value):
     with pytest.raises(ValueError, match="CacheConfig.gpu_memory_utilization must be in"):
         CacheConfig(gpu_memory_utilization=value)
     assert CacheConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_a_speculative_batch_limit_of_zero_means_never_and_below_is_refused():
+    assert SpeculativeConfig(max_batch_size=0).max_batch_size == 0
+    with pytest.raises(ValueError, match="SpeculativeConfig.max_batch_size must be an integer >= 0"):
+        SpeculativeConfig(max_batch_size=-1)

@@ -334,3 +334,16 @@ def test_seeded_sampling_is_reproducible_and_fixed_by_seed_and_position(tmp_path
     assert mixed[1] == reference[1]  # with guesses and other requests beside it: the same tokens
     assert mixed[2] != mixed[3]  # different seeds, different samples
     assert len(set(itertools.chain.from_iterable(mixed.values()))) > 3
+
+
+@requires_model
+def test_a_batch_limit_of_zero_never_speculates(make_llm):
+    """--speculative-max-batch-size 0 (CUDA's default: a guess-checking step runs eagerly there, the decode step
+    as a CUDA graph) keeps the proposer but never proposes, even for one request on quoting text."""
+    never = make_llm(speculative_model="ngram", speculative_max_batch_size=0)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    never.generate(GROUNDED[:1], greedy, use_tqdm=False)
+    assert never.engine.core.stats.spec_num_drafts == 0
+    once = make_llm(speculative_model="ngram", speculative_max_batch_size=1)
+    once.generate(GROUNDED[:1], greedy, use_tqdm=False)
+    assert once.engine.core.stats.spec_num_drafts > 0
