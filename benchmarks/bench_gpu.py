@@ -128,8 +128,10 @@ def prompts_for(count: int) -> list[str]:
 
 
 def git_commit() -> str:
-    """HEAD of this checkout; where the copy has no git history (a GPU machine's copy of the working tree), the
-    SERVAL_COMMIT environment variable, set by whoever sends the copy."""
+    """The SERVAL_COMMIT environment variable where whoever sent this copy of the tree set it (a GPU machine's copy
+    can hold stale git metadata: one named the sending session's first commit), else HEAD of this checkout."""
+    if os.environ.get("SERVAL_COMMIT"):
+        return os.environ["SERVAL_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
@@ -137,7 +139,7 @@ def git_commit() -> str:
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("SERVAL_COMMIT", "unknown (no git history here: set SERVAL_COMMIT)")
+        return "unknown (no git history here: set SERVAL_COMMIT)"
 
 
 def synchronize(device: str) -> None:

@@ -176,11 +176,14 @@ def test_the_readme_names_the_phase_caps_the_script_has():
         assert re.search(rf"\b{names[phase]}\s+{cap:g} s\b", readme), phase
 
 
-def test_the_commit_comes_from_git_or_where_there_is_none_from_serval_commit(tmp_path, monkeypatch):
+def test_the_commit_comes_from_serval_commit_where_set_else_from_git(tmp_path, monkeypatch):
     bench = load_script()
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
+    monkeypatch.delenv("SERVAL_COMMIT", raising=False)
     assert bench.git_commit().startswith(head)
-    monkeypatch.setattr(bench, "REPO", tmp_path)  # a copy of the tree without .git, as a GPU machine gets
-    monkeypatch.setenv("SERVAL_COMMIT", "abc1234")
+    monkeypatch.setenv("SERVAL_COMMIT", "abc1234")  # the sender's word wins over a copy's (maybe stale) git metadata
     assert bench.git_commit() == "abc1234"
+    monkeypatch.delenv("SERVAL_COMMIT")
+    monkeypatch.setattr(bench, "REPO", tmp_path)  # a copy of the tree without .git and no word from its sender
+    assert bench.git_commit().startswith("unknown")
