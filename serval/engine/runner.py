@@ -16,7 +16,7 @@ from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
 from serval.layers.attention import AttentionMetadata, ScheduledSequence, new_kv_cache, select_backend
-from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
+from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, greedy_tokens, takes_argmax_only, token_logprobs
 
 # Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long
 # chunk never holds a [chunk, vocab] tensor whole.
@@ -148,18 +148,23 @@ class ModelRunner:
         if not inputs.sampling_requests:
             return
         logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
-        # Row i of a request with guesses samples as if guesses[:i] had been accepted.
-        rows = [self._sampling_row(request, guesses[:i], request.request_id in grammar_bitmasks)
-                for request, guesses in zip(inputs.sampling_requests, inputs.guesses)
-                for i in range(len(guesses) + 1)]
-        sampler_output = self.sampler(logits, rows, self._allowed(inputs, grammar_bitmasks))
+        if not grammar_bitmasks and all(self._takes_argmax_only(r) for r in inputs.sampling_requests):
+            # Every row greedy with nothing to add (the usual batch): the sampler's tokens with no per-row objects.
+            token_ids, logprobs = greedy_tokens(logits), []
+        else:
+            # Row i of a request with guesses samples as if guesses[:i] had been accepted.
+            rows = [self._sampling_row(request, guesses[:i], request.request_id in grammar_bitmasks)
+                    for request, guesses in zip(inputs.sampling_requests, inputs.guesses)
+                    for i in range(len(guesses) + 1)]
+            sampler_output = self.sampler(logits, rows, self._allowed(inputs, grammar_bitmasks))
+            token_ids, logprobs = sampler_output.token_ids, sampler_output.logprobs
         first = 0
         for request, guesses in zip(inputs.sampling_requests, inputs.guesses):
-            sampled = sampler_output.token_ids[first: first + len(guesses) + 1]
+            sampled = token_ids[first: first + len(guesses) + 1]
             kept = accept(guesses, sampled)
             result.sampled_token_ids[request.request_id] = kept
             if request.sampling_params.logprobs is not None:
-                result.logprobs[request.request_id] = sampler_output.logprobs[first: first + len(kept)]
+                result.logprobs[request.request_id] = logprobs[first: first + len(kept)]
             first += len(guesses) + 1
 
     def _logits_plan(self, inputs: StepInputs) -> list[list[int]]:
@@ -247,6 +252,13 @@ class ModelRunner:
                 masks.append(mask)
             first += len(guesses) + 1
         return (row_index, torch.cat(masks)) if masks else None
+
+    @staticmethod
+    def _takes_argmax_only(request: Request) -> bool:
+        """Whether ``request``'s rows this step are its logits' argmax: ``takes_argmax_only`` and past min_tokens, so
+        that no id is blocked (with guesses too: they only lengthen its output)."""
+        params = request.sampling_params
+        return takes_argmax_only(params) and len(request.output_token_ids) >= params.min_tokens
 
     def _sampling_row(self, request: Request, guesses: list[int], constrained: bool = False) -> SamplingRow:
         """The sampler's view of ``request`` at its next output position, after ``guesses`` were accepted."""
