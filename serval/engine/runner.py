@@ -147,7 +147,10 @@ class ModelRunner:
                 first, self._score(hidden[row: row + count], targets, request.sampling_params.prompt_logprobs))
         if not inputs.sampling_requests:
             return
-        logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
+        # The indices ascend without repeats: as many as the rows means every row, in order (every decode-only step).
+        if len(inputs.logits_indices) != hidden.shape[0]:
+            hidden = hidden[self._tensor(inputs.logits_indices)]
+        logits = self.model.compute_logits(hidden)
         if not grammar_bitmasks and all(self._takes_argmax_only(r) for r in inputs.sampling_requests):
             # Every row greedy with nothing to add (the usual batch): the sampler's tokens with no per-row objects.
             token_ids, logprobs = greedy_tokens(logits), []
@@ -191,6 +194,9 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs | None:
         """The flat batch of a step: decodes (one new token each) first, then prefill chunks; None if empty."""
+        decodes = self._decode_only_inputs(out)
+        if decodes is not None:
+            return self._with_tensors(*decodes)
         counts = out.num_scheduled_tokens
         decodes = [r for r in out.scheduled if counts[r.request_id] == 1]
         prefills = [r for r in out.scheduled if counts[r.request_id] > 1]
@@ -216,9 +222,30 @@ class ModelRunner:
                 inputs.logits_indices += range(len(input_ids) - len(guesses) - 1, len(input_ids))
         if not input_ids:
             return None
-
         inputs.seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens, counts[r.request_id])
                        for r in decodes + prefills]
+        return self._with_tensors(inputs, input_ids, positions)
+
+    @staticmethod
+    def _decode_only_inputs(out: SchedulerOutput) -> tuple[StepInputs, list[int], list[int]] | None:
+        """A step of decodes only, each sampling its next token (the usual step), without the per-request work of
+        the general case: (its inputs but the tensors, its token ids, its positions). None for any other step."""
+        requests, counts = out.scheduled, out.num_scheduled_tokens
+        # One token each (no prefill chunk, no guesses), its last one, not computed yet: none is a one-token chunk of
+        # its prompt, and none scores its prompt (position num_prompt_tokens - 1 scores no prompt token).
+        if not requests or not all(counts[r.request_id] == 1 and r.num_computed_tokens + 1 == r.num_tokens
+                                   and r.max_tokens > 0 for r in requests):
+            return None
+        input_ids = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in requests]
+        positions = [r.num_computed_tokens for r in requests]
+        inputs = StepInputs(seqs=[ScheduledSequence(r.block_ids, p, 1) for r, p in zip(requests, positions)],
+                            rows={r.request_id: i for i, r in enumerate(requests)}, sampling_requests=list(requests),
+                            guesses=[[] for _ in requests], logits_indices=list(range(len(requests))))
+        return inputs, input_ids, positions
+
+    def _with_tensors(self, inputs: StepInputs, input_ids: list[int], positions: list[int]) -> StepInputs:
+        """``inputs`` with its token ids and positions as tensors, and its attention metadata unless a decode bucket
+        runs it."""
         if self.decode_graphs is not None and self.draft is None and self.decode_graphs.accepts(inputs.seqs):
             # The bucket copies them into its persistent buffers: built here on the CPU, one copy each.
             inputs.input_ids, inputs.positions = torch.tensor(input_ids), torch.tensor(positions)

@@ -10,6 +10,9 @@ from tiny_models import tiny_llama
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SpeculativeConfig
 from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.request import Request
+from serval.engine.runner import ModelRunner
+from serval.engine.scheduler import SchedulerOutput
 from serval.model.loader import load_model
 
 PROMPTS = [list(range(10, 10 + n)) for n in (5, 17, 30, 9)]
@@ -86,3 +89,46 @@ def test_a_row_that_needs_the_sampler_sends_the_step_through_it_and_greedy_rows_
     if other.logprobs is not None:  # the logprobs row's tokens are greedy: those of its prompt's greedy row
         tokens, logprobs = other_alone
         assert tokens == alone["r1"][0] and [lp.token_id for lp in logprobs] == tokens
+
+
+def _request(request_id: str, prompt: list[int], outputs: list[int], computed: int, **params) -> Request:
+    request = Request(request_id, prompt, SamplingParams(temperature=0, **params), max_tokens=MAX_TOKENS)
+    request.output_token_ids, request.num_computed_tokens = list(outputs), computed
+    request.block_ids = [3 + len(prompt), 1 + len(outputs)]
+    return request
+
+
+def _fields(inputs) -> tuple:
+    return (inputs.input_ids.tolist(), inputs.positions.tolist(), inputs.meta is None, inputs.seqs, inputs.rows,
+            [r.request_id for r in inputs.sampling_requests], inputs.guesses, inputs.logits_indices,
+            [(r.request_id, row, n) for r, row, n in inputs.scored])
+
+
+@pytest.mark.parametrize("pad_decode_on_cpu", [False, True])
+def test_a_decode_only_step_gets_the_inputs_of_the_general_path(tiny, pad_decode_on_cpu):
+    """The decode-only shortcut of prepare_inputs builds what the general path builds (token ids, positions, rows,
+    sampling rows, sequences; with the padded path, no metadata), for decodes right after their prompt and later
+    ones; steps it must not take (a one-token chunk of a prompt, which samples nothing, or guesses) go the general
+    way."""
+    core, _ = _core(tiny, pad_decode_on_cpu=pad_decode_on_cpu)
+    runner = core.runner
+    general = ModelRunner.prepare_inputs.__get__(runner)
+
+    def without_shortcut(out):
+        runner._decode_only_inputs = lambda out: None
+        try:
+            return general(out)
+        finally:
+            del runner._decode_only_inputs
+
+    decodes = [_request("a", [5, 6, 7], [], 2, prompt_logprobs=1), _request("b", [8, 9], [11, 12, 13], 4),
+               _request("c", list(range(20)), [4], 20, logprobs=1)]
+    out = SchedulerOutput(decodes, {r.request_id: 1 for r in decodes})
+    assert runner._decode_only_inputs(out) is not None
+    assert _fields(runner.prepare_inputs(out)) == _fields(without_shortcut(out))
+    assert _fields(runner.prepare_inputs(out))[:2] == ([7, 13, 4], [2, 4, 20])
+    chunk = _request("d", list(range(9)), [], 4, prompt_logprobs=0)  # one token of its prompt, scored
+    out = SchedulerOutput(decodes + [chunk], {r.request_id: 1 for r in decodes + [chunk]})
+    assert runner._decode_only_inputs(out) is None and _fields(runner.prepare_inputs(out))[-1] == [("d", 3, 1)]
+    guessing = SchedulerOutput(decodes[1:], {"b": 3, "c": 1}, spec_token_ids={"b": [1, 2]})
+    assert runner._decode_only_inputs(guessing) is None
