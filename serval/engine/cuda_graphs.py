@@ -1,9 +1,10 @@
 """Decode steps padded to batch-size buckets on persistent input buffers; on CUDA, each bucket a captured graph.
 
 A decode-only step (every scheduled sequence has exactly one new token: no prefill chunk, no speculative guesses)
-runs its B rows padded to the smallest bucket that holds them (1, 2, 4, 8, ... and max_num_seqs). A padding row is a
-one-token sequence at position 0 on the padding block: one KV cache block past the last one the KVCacheManager hands
-out, so a padding row writes and reads no real sequence's keys. A bucket's persistent metadata has every block table
+runs its B rows padded to the smallest bucket that holds them (1, 2, 4, 8, ... and max_num_seqs; on CUDA starting
+at the largest row count the model's linears pad to, e.g. 16, 32, ...). A padding row is a one-token sequence at
+position 0 on the padding block: one KV cache block past the last one the KVCacheManager hands out, so a padding
+row writes and reads no real sequence's keys. A bucket's persistent metadata has every block table
 max_blocks_per_seq columns wide (``build_metadata``'s ``table_width``), so its inputs have the same shapes at every
 step: each step copies its token ids, positions and metadata tensors in place into the bucket's persistent ones (its
 tables as wide as its widest into their leading columns, the rest zeroed: a table_width build's content, without
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from serval.layers.attention import AttentionBackend, AttentionMetadata, ScheduledSequence
+from serval.layers.linear import largest_row_padding
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +44,22 @@ class DecodeBuckets:
     capture: bool = True
 
 
-def bucket_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... below ``max_num_seqs``, then ``max_num_seqs`` itself, so that every batch it allows has one."""
-    sizes, size = [], 1
+def bucket_sizes(max_num_seqs: int, smallest: int = 1) -> list[int]:
+    """``smallest``, twice it, four times it, ... below ``max_num_seqs``, then ``max_num_seqs`` itself, so that every
+    batch it allows has one."""
+    sizes, size = [], max(1, smallest)
     while size < max_num_seqs:
         sizes.append(size)
         size *= 2
     return sizes + [max_num_seqs]
+
+
+def model_bucket_sizes(model: torch.nn.Module, buckets: DecodeBuckets, device: torch.device) -> list[int]:
+    """The buckets of ``model``'s decode steps. Captured on CUDA, none is smaller than the largest row count the
+    model's linears pad to: a smaller one would cost as many rows, and each linear two more kernels (the pad and the
+    slice) in the graph. Elsewhere from 1, so that the CPU suite covers every small bucket."""
+    smallest = largest_row_padding(model) if buckets.capture and device.type == "cuda" else 1
+    return bucket_sizes(buckets.max_num_seqs, smallest)
 
 
 class DecodeGraphs:
@@ -59,7 +70,7 @@ class DecodeGraphs:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
-        self.buckets = bucket_sizes(buckets.max_num_seqs)
+        self.buckets = model_bucket_sizes(model, buckets, kv_cache.device)
         self.table_width = -(-buckets.max_model_len // backend.block_size)  # max blocks a sequence holds
         self.padding_row = ScheduledSequence([pad_block], 0, 1)
         device = kv_cache.device

@@ -16,7 +16,7 @@ from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
 from serval.layers.attention import AttentionMetadata, ScheduledSequence, new_kv_cache, select_backend
-from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
+from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, greedy_tokens, takes_argmax_only, token_logprobs
 
 # Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long
 # chunk never holds a [chunk, vocab] tensor whole.
@@ -147,19 +147,27 @@ class ModelRunner:
                 first, self._score(hidden[row: row + count], targets, request.sampling_params.prompt_logprobs))
         if not inputs.sampling_requests:
             return
-        logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
-        # Row i of a request with guesses samples as if guesses[:i] had been accepted.
-        rows = [self._sampling_row(request, guesses[:i], request.request_id in grammar_bitmasks)
-                for request, guesses in zip(inputs.sampling_requests, inputs.guesses)
-                for i in range(len(guesses) + 1)]
-        sampler_output = self.sampler(logits, rows, self._allowed(inputs, grammar_bitmasks))
+        # The indices ascend without repeats: as many as the rows means every row, in order (every decode-only step).
+        if len(inputs.logits_indices) != hidden.shape[0]:
+            hidden = hidden[self._tensor(inputs.logits_indices)]
+        logits = self.model.compute_logits(hidden)
+        if not grammar_bitmasks and all(self._takes_argmax_only(r) for r in inputs.sampling_requests):
+            # Every row greedy with nothing to add (the usual batch): the sampler's tokens with no per-row objects.
+            token_ids, logprobs = greedy_tokens(logits), []
+        else:
+            # Row i of a request with guesses samples as if guesses[:i] had been accepted.
+            rows = [self._sampling_row(request, guesses[:i], request.request_id in grammar_bitmasks)
+                    for request, guesses in zip(inputs.sampling_requests, inputs.guesses)
+                    for i in range(len(guesses) + 1)]
+            sampler_output = self.sampler(logits, rows, self._allowed(inputs, grammar_bitmasks))
+            token_ids, logprobs = sampler_output.token_ids, sampler_output.logprobs
         first = 0
         for request, guesses in zip(inputs.sampling_requests, inputs.guesses):
-            sampled = sampler_output.token_ids[first: first + len(guesses) + 1]
+            sampled = token_ids[first: first + len(guesses) + 1]
             kept = accept(guesses, sampled)
             result.sampled_token_ids[request.request_id] = kept
             if request.sampling_params.logprobs is not None:
-                result.logprobs[request.request_id] = sampler_output.logprobs[first: first + len(kept)]
+                result.logprobs[request.request_id] = logprobs[first: first + len(kept)]
             first += len(guesses) + 1
 
     def _logits_plan(self, inputs: StepInputs) -> list[list[int]]:
@@ -186,6 +194,9 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs | None:
         """The flat batch of a step: decodes (one new token each) first, then prefill chunks; None if empty."""
+        decodes = self._decode_only_inputs(out)
+        if decodes is not None:
+            return self._with_tensors(*decodes)
         counts = out.num_scheduled_tokens
         decodes = [r for r in out.scheduled if counts[r.request_id] == 1]
         prefills = [r for r in out.scheduled if counts[r.request_id] > 1]
@@ -211,9 +222,30 @@ class ModelRunner:
                 inputs.logits_indices += range(len(input_ids) - len(guesses) - 1, len(input_ids))
         if not input_ids:
             return None
-
         inputs.seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens, counts[r.request_id])
                        for r in decodes + prefills]
+        return self._with_tensors(inputs, input_ids, positions)
+
+    @staticmethod
+    def _decode_only_inputs(out: SchedulerOutput) -> tuple[StepInputs, list[int], list[int]] | None:
+        """A step of decodes only, each sampling its next token (the usual step), without the per-request work of
+        the general case: (its inputs but the tensors, its token ids, its positions). None for any other step."""
+        requests, counts = out.scheduled, out.num_scheduled_tokens
+        # One token each (no prefill chunk, no guesses), its last one, not computed yet: none is a one-token chunk of
+        # its prompt, and none scores its prompt (position num_prompt_tokens - 1 scores no prompt token).
+        if not requests or not all(counts[r.request_id] == 1 and r.num_computed_tokens + 1 == r.num_tokens
+                                   and r.max_tokens > 0 for r in requests):
+            return None
+        input_ids = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in requests]
+        positions = [r.num_computed_tokens for r in requests]
+        inputs = StepInputs(seqs=[ScheduledSequence(r.block_ids, p, 1) for r, p in zip(requests, positions)],
+                            rows={r.request_id: i for i, r in enumerate(requests)}, sampling_requests=list(requests),
+                            guesses=[[] for _ in requests], logits_indices=list(range(len(requests))))
+        return inputs, input_ids, positions
+
+    def _with_tensors(self, inputs: StepInputs, input_ids: list[int], positions: list[int]) -> StepInputs:
+        """``inputs`` with its token ids and positions as tensors, and its attention metadata unless a decode bucket
+        runs it."""
         if self.decode_graphs is not None and self.draft is None and self.decode_graphs.accepts(inputs.seqs):
             # The bucket copies them into its persistent buffers: built here on the CPU, one copy each.
             inputs.input_ids, inputs.positions = torch.tensor(input_ids), torch.tensor(positions)
@@ -247,6 +279,13 @@ class ModelRunner:
                 masks.append(mask)
             first += len(guesses) + 1
         return (row_index, torch.cat(masks)) if masks else None
+
+    @staticmethod
+    def _takes_argmax_only(request: Request) -> bool:
+        """Whether ``request``'s rows this step are its logits' argmax: ``takes_argmax_only`` and past min_tokens, so
+        that no id is blocked (with guesses too: they only lengthen its output)."""
+        params = request.sampling_params
+        return takes_argmax_only(params) and len(request.output_token_ids) >= params.min_tokens
 
     def _sampling_row(self, request: Request, guesses: list[int], constrained: bool = False) -> SamplingRow:
         """The sampler's view of ``request`` at its next output position, after ``guesses`` were accepted."""

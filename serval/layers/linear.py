@@ -292,6 +292,19 @@ def probe_row_padding(model: nn.Module, dtype: torch.dtype) -> None:
             module.probe_row_padding(dtype)
 
 
+def largest_row_padding(model: nn.Module) -> int:
+    """The largest row count any of ``model``'s probed linears pads its input to (1 when none was probed): a batch of
+    fewer rows costs every such linear as many rows, plus the padding's copies."""
+    paddings = [1]
+    for module in model.modules():
+        min_rows = getattr(module, "min_rows", None)
+        if isinstance(min_rows, int):
+            paddings.append(min_rows)
+        elif isinstance(min_rows, tuple):  # stacked experts: one per matmul
+            paddings += min_rows
+    return max(paddings)
+
+
 QUANTIZATIONS = ("int8",)
 
 

@@ -16,10 +16,11 @@ from serval import SamplingParams
 from serval.cli import _engine_config, build_parser
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from serval.engine.core import EngineCore, EngineCoreRequest
-from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, bucket_sizes
+from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, bucket_sizes, model_bucket_sizes
 from serval.engine.runner import ModelRunner
 from serval.layers.attention import ScheduledSequence
 from serval.layers.attention.torch_reference import TorchReferenceBackend
+from serval.layers.linear import largest_row_padding
 from serval.model.loader import load_model
 
 BLOCK = 16
@@ -39,6 +40,30 @@ def test_buckets_are_powers_of_two_up_to_max_num_seqs():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(16) == [1, 2, 4, 8, 16]
     assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_captured_buckets_start_at_the_largest_row_padding_of_the_models_linears(tiny):
+    """On CUDA a bucket below the linears' row padding would cost as many rows plus a pad per linear: the smallest
+    bucket is the largest padding (no CUDA device needed: the sizes come from the probed paddings); on the CPU, and
+    without capture, every small bucket stays, as the CPU suite covers them."""
+    _, model = tiny
+    assert bucket_sizes(256, 16) == [16, 32, 64, 128, 256]
+    assert bucket_sizes(48, 64) == [48]
+    linears = [m for m in model.modules() if isinstance(getattr(m, "min_rows", None), int)]
+    saved = [m.min_rows for m in linears]
+    try:
+        for m in linears:
+            m.min_rows = 16
+        linears[3].min_rows = 64
+        assert largest_row_padding(model) == 64
+        cuda, cpu = torch.device("cuda"), torch.device("cpu")
+        assert model_bucket_sizes(model, DecodeBuckets(256, MAX_MODEL_LEN), cuda) == [64, 128, 256]
+        assert model_bucket_sizes(model, DecodeBuckets(48, MAX_MODEL_LEN), cuda) == [48]
+        assert model_bucket_sizes(model, DecodeBuckets(16, MAX_MODEL_LEN), cpu) == [1, 2, 4, 8, 16]
+        assert model_bucket_sizes(model, DecodeBuckets(16, MAX_MODEL_LEN, capture=False), cuda) == [1, 2, 4, 8, 16]
+    finally:
+        for m, min_rows in zip(linears, saved):
+            m.min_rows = min_rows
 
 
 PATHS = ["cpu_kernel", "float64", "triton"]
@@ -255,7 +280,7 @@ def test_graph_replay_equals_eager_for_every_bucket():
     unpadded eager step's greedy tokens; prints the replayed and eager step times at 1 and 64 rows."""
     core = _cuda_core()
     runner, graphs = core.runner, core.runner.decode_graphs
-    assert graphs.captured == bucket_sizes(64)
+    assert graphs.captured == bucket_sizes(64, largest_row_padding(runner.model))
     pad_block = runner.kv_cache.shape[2] - 1
     uncaptured = DecodeGraphs(runner.model, runner.kv_cache, runner.attention_backend,
                               DecodeBuckets(64, 1024, capture=False), pad_block)

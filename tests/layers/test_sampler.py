@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from serval.layers.sampler import Sampler, SamplingRow, apply_penalties
+from serval.layers.sampler import Sampler, SamplingRow, apply_penalties, greedy_tokens, takes_argmax_only
 from serval.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -358,3 +358,27 @@ def test_cuda_matches_cpu_where_it_is_deterministic():
     first = sampler(logits.cuda()[:1], [row(params, seed=1, device="cuda")]).token_ids
     batch = [row(params, seed=1, device="cuda")] + [row(SamplingParams()) for _ in range(3)]
     assert sampler(logits.cuda(), batch).token_ids[:1] == first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_the_samplers_tokens_for_argmax_only_rows(dtype):
+    """The runner's greedy fast path: for rows that take the argmax only, one argmax gives the sampler's tokens,
+    ties included (the first largest index, as the sampler's), in float32 and bfloat16 logits."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 300, generator=gen).to(dtype)
+    logits[3, [5, 17, 200]] = logits[3].max() + 1  # a three-way tie: the first index wins
+    logits[4] = 0.0  # all tied
+    rows = [row(greedy()) for _ in range(9)]
+    assert all(takes_argmax_only(r.params) for r in rows)
+    tokens = greedy_tokens(logits)
+    assert tokens == sampler(logits, rows).token_ids
+    assert tokens[3] == 5 and tokens[4] == 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=0),
+    SamplingParams(temperature=0.0, logit_bias={3: 5.0}), SamplingParams(temperature=0.0, repetition_penalty=1.2),
+    SamplingParams(temperature=0.0, frequency_penalty=0.5), SamplingParams(temperature=0.0, presence_penalty=0.5),
+])
+def test_rows_that_need_more_than_an_argmax_do_not_take_it_only(params):
+    assert not takes_argmax_only(params)
