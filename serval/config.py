@@ -5,7 +5,9 @@ the flag's, and its help is the flag's help."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from serval.flags import flag, json_object, none_or_text
@@ -18,6 +20,12 @@ if TYPE_CHECKING:
 # (a `serve` on a port in use fails at once).
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
+
+
+def cache_directory() -> Path:
+    """Where Serval keeps what it derives from model files (a joined multi-part file, a converted tokenizer):
+    $SERVAL_CACHE_DIR, else ~/.cache/serval."""
+    return Path(os.environ.get("SERVAL_CACHE_DIR", Path.home() / ".cache" / "serval"))
 
 
 def auto_dtype(device: str) -> str:

@@ -34,6 +34,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from serval.engine.request import Request
 from serval.engine.runner import ModelRunner, StepInputs
 from serval.engine.scheduler import SchedulerOutput
+from serval.gguf_reader import GGUFContents
 from serval.sampling_params import SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -216,9 +217,10 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
 
 def gguf_tokenizer_fields(path: Path) -> list[tuple]:
     """(key, value, type, item type) of every ``tokenizer.*`` key of the GGUF file ``path``, to write into another."""
-    fields = gguf.GGUFReader(path).fields
-    return [(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-            for key, f in fields.items() if key.startswith("tokenizer.")]
+    header = GGUFContents(path)
+    return [(key, header.value(key), gguf.GGUFValueType(f.type),
+             None if f.item_type is None else gguf.GGUFValueType(f.item_type))
+            for key, f in header.fields.items() if key.startswith("tokenizer.")]
 
 
 def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from serval.config import ModelConfig
+from serval.gguf_reader import GGUFContents
 from serval.layers.linear import BlockWeight
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -71,22 +72,21 @@ _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": 
 class GGUFModelFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.reader = GGUFReader(self.path)
+        self.reader = GGUFContents(self.path)
         self.architecture = self.field("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{self.path.name}: architecture {self.architecture!r} is not supported "
                              f"({', '.join(ARCHITECTURES)})")
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.reader.value(key, default)
 
     def model_config(self) -> ModelConfig:
         arch = self.architecture
         hidden = int(self.field(f"{arch}.embedding_length"))
         heads = int(self.field(f"{arch}.attention.head_count"))
         names = {t.name for t in self.reader.tensors}
-        vocab = self.field(f"{arch}.vocab_size") or len(self.field("tokenizer.ggml.tokens"))
+        vocab = self.field(f"{arch}.vocab_size") or self.reader.array_length("tokenizer.ggml.tokens")
         scaling = None
         kind = self.field(f"{arch}.rope.scaling.type")
         if kind == "linear":

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serval.config import cache_directory
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -67,7 +69,7 @@ def _embedded_path(name: str, join: bool = True) -> Path | None:
         return None
     if len(parts) == 1:
         return parts[0]
-    target = Path(os.environ.get("SERVAL_CACHE_DIR", Path.home() / ".cache" / "serval")) / model.file_name
+    target = cache_directory() / model.file_name
     if target.is_file() or not join:
         return target
     return _join(parts, target, model.sha256)

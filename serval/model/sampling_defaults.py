@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serval.gguf_reader import GGUFContents
 from serval.model.registry import sampling_preset
 from serval.sampling_params import MODEL_DEFAULT_FIELDS, check_sampling_defaults
 
@@ -54,10 +55,8 @@ def read_generation_config(directory: str | Path) -> dict[str, float | int]:
 
 def read_gguf_sampling(path: str | Path) -> dict[str, float | int]:
     """The ``general.sampling.*`` keys of a GGUF file, under SamplingParams' names; {} where it has none."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-    values = {name: fields[key].contents() for key, name in GGUF_SAMPLING_KEYS.items() if key in fields}
+    header = GGUFContents(path)
+    values = {name: header.value(key) for key, name in GGUF_SAMPLING_KEYS.items() if key in header.fields}
     # Stored as float32: 0.2 reads back as 0.20000000298; 7 digits say what was written.
     values = {k: float(f"{v:.7g}") if isinstance(v, float) else v for k, v in values.items()}
     return check_sampling_defaults(values, str(path))
