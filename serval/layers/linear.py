@@ -259,11 +259,20 @@ class BlockQuantLinear(nn.Module):
         self.float_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.min_rows is None and self._kernels(x.device) is not None:
+            # The kernel computes each row alone (csrc/panel_linear.cpp): no padding to probe for
+            # (tests/layers/test_block_quant_linear.py::test_each_row_is_the_same_whatever_the_batch).
+            self.min_rows = 1
         return _row_invariant_forward(self, x, (self.formats, self.out_features, self.in_features))
 
+    @staticmethod
+    def _kernels(device: torch.device):
+        kernels = cpu_kernels.for_device(device)
+        return kernels if kernels is not None and kernels.block_panel_kernel_available() else None
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_device(x.device)
-        if kernels is not None and kernels.block_panel_kernel_available():
+        kernels = self._kernels(x.device)
+        if kernels is not None:
             parts = self.block_weights()
             if self._panels is None:
                 self._panels = [part.panels() for part in parts]
