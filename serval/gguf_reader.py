@@ -8,6 +8,7 @@ tensors are views of one memory map. Format: https://github.com/ggml-org/ggml/bl
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class GGUFContents:
             else:
                 self.fields[key] = GGUFField(vtype, None, pos, 1)
                 pos = self._skip_items(vtype, 1, pos)
+        self.metadata_end = pos  # where the key/value pairs end and the tensor directory starts
         entries = []
         for _ in range(n_tensors):
             name, pos = self._string(pos)
@@ -107,6 +109,11 @@ class GGUFContents:
         """The item count of an array field, without decoding it (None where the key is missing or not an array)."""
         field = self.fields.get(key)
         return field.count if field is not None and field.type == ARRAY else None
+
+    def metadata_digest(self) -> str:
+        """sha256 of the header's key/value bytes: files with the same metadata (a copy, the same model written
+        twice) have the same digest whatever their path or time."""
+        return hashlib.sha256(self._buf[24: self.metadata_end]).hexdigest()
 
     def _string(self, pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._buf, pos)

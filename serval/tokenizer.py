@@ -86,8 +86,8 @@ class Tokenizer:
         names it)."""
         path = Path(path).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            hf = _load_gguf_tokenizer(path)
             header = GGUFContents(path)
+            hf = _load_gguf_tokenizer(path, header)
             # llama.cpp's end-of-generation set: eos, end-of-turn and end-of-message from the header, and the
             # turn-ending special tokens of the vocabulary.
             keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -246,19 +246,19 @@ def _load_hf_tokenizer(directory: Path, gguf_file: str | None = None) -> Any:
     return hf
 
 
-def _load_gguf_tokenizer(path: Path) -> Any:
+def _load_gguf_tokenizer(path: Path, header: GGUFContents) -> Any:
     """The tokenizer transformers builds from a GGUF file's header, converted once and kept in the cache folder.
 
     The conversion takes seconds on every load (8 s for SmolLM2's 49k-token vocabulary, 20 s for Gemma 3's 262k on
-    2 cores); reading the saved tokenizer back takes a fraction of that. The cache entry is named by the file's
-    path, size and modification time and by the transformers and tokenizers versions, so a changed file or
-    library converts again; it is written under a temporary name and renamed, so a reader never sees half of one.
-    Where the cache folder cannot be written, the tokenizer is converted each time."""
+    2 cores); reading the saved tokenizer back takes a fraction of that. The cache entry is named by a digest of the
+    header's key/value bytes and the transformers and tokenizers versions: a file with other metadata or another
+    library converts again, and the same metadata (a copy of a file, a test's model written again) shares one
+    entry. It is written under a temporary name and renamed, so a reader never sees half of one. Where the cache
+    folder cannot be written, the tokenizer is converted each time."""
     import tokenizers
     import transformers
 
-    stat = path.resolve().stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{tokenizers.__version__}"
+    identity = f"{header.metadata_digest()}|{transformers.__version__}|{tokenizers.__version__}"
     entry = cache_directory() / "tokenizers" / hashlib.sha256(identity.encode()).hexdigest()[:16]
     if (entry / "tokenizer.json").is_file():
         return _load_hf_tokenizer(entry)

@@ -1,15 +1,14 @@
 """serval/gguf_reader.py reads what the gguf package's reader reads (every key's value and type, every tensor's
 name, shape, type and bytes), on a file written with every value type and on the embedded model's file; and the
-tokenizer a GGUF file converts to is cached: read back, it encodes, decodes and templates as the converted one."""
+tokenizer a GGUF file converts to is cached by its header's bytes: read back, it encodes, decodes and templates as
+the converted one."""
 
 from __future__ import annotations
 
-import os
-
 import gguf
 import numpy as np
-import pytest
 from gguf.quants import quantize
+from tiny_models import gguf_tokenizer_fields, tiny_family, write_gguf
 
 from serval import tokenizer as tokenizer_module
 from serval.gguf_reader import GGUFContents
@@ -111,15 +110,17 @@ def test_a_converted_gguf_tokenizer_is_cached_and_reads_back_the_same(tmp_path, 
     assert cached.apply_chat_template(messages) == converted.apply_chat_template(messages)
     assert cached.eos_token_ids == converted.eos_token_ids and cached.eos_token_ids
 
-    # A changed file (a new modification time) is converted again, into its own entry.
-    stat = MODEL_PATH.stat()
-    try:
-        os.utime(MODEL_PATH, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    except PermissionError:
-        pytest.skip("the model file's time cannot be changed here")
-    try:
-        Tokenizer.load(MODEL_PATH)
-    finally:
-        os.utime(MODEL_PATH, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert conversions == [MODEL_PATH.name, MODEL_PATH.name]
-    assert len(list((tmp_path / "tokenizers").iterdir())) == 2
+    # Another file with the same header shares the entry; a header with another template converts into its own.
+    fields = gguf_tokenizer_fields(MODEL_PATH)
+    model = tiny_family("llama", vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    for name in ("a.gguf", "b.gguf"):
+        write_gguf(tmp_path / name, model, "F32", tokenizer=fields)
+    assert Tokenizer.load(tmp_path / "a.gguf").chat_template == converted.chat_template
+    assert Tokenizer.load(tmp_path / "b.gguf").chat_template == converted.chat_template
+    assert conversions == [MODEL_PATH.name, "a.gguf"]
+    other = [f for f in fields if f[0] != "tokenizer.chat_template"]
+    other.append(("tokenizer.chat_template", "{{ messages[0]['content'] }}", gguf.GGUFValueType.STRING, None))
+    write_gguf(tmp_path / "c.gguf", model, "F32", tokenizer=other)
+    assert Tokenizer.load(tmp_path / "c.gguf").render_chat(messages) == "Be brief."
+    assert conversions == [MODEL_PATH.name, "a.gguf", "c.gguf"]
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 3
