@@ -10,8 +10,8 @@
 
 What sets them apart is in the config (``ModelConfig``): Gemma 3 norms each head's queries and keys before RoPE
 (``qk_norm``) and rotates its local layers with their own RoPE base (``rope_local_theta``); Gemma 2 soft-caps the
-attention scores (``attn_logit_softcapping``: the C++ CPU kernel cannot, so those layers run the PyTorch reference
-attention, layers/attention/cpu_kernel.py).
+attention scores (``attn_logit_softcapping``, passed to whichever attention backend runs, the C++ CPU kernel
+included).
 """
 
 from __future__ import annotations

@@ -83,11 +83,15 @@ def test_attention_matches_a_float64_softmax(path):
 
 @pytest.mark.parametrize("path", PATHS)
 @torch.inference_mode()
-def test_soft_capped_scores_match_a_float64_softmax_and_stay_batch_invariant(path):
+def test_soft_capped_scores_match_a_float64_softmax_and_stay_batch_invariant(path, monkeypatch):
     """Gemma 2's attention logit soft-capping (scores capped by softcap * tanh(s / softcap)), with a sliding window:
     rows of a chunk are within float32 error of a float64 softmax of the capped scores, and a query's result is
-    bitwise the same as a decode alone, beside other decodes, or in a chunk. On the kernel's backend soft-capped
-    layers run the PyTorch reference: bitwise its result."""
+    bitwise the same as a decode alone, beside other decodes, or in a chunk. The kernel's backend caps the scores in
+    the kernel (the PyTorch reference is never called) and agrees with the reference within float32 error."""
+    reference_calls = []
+    reference_attend = TorchReferenceBackend.attend
+    monkeypatch.setattr(TorchReferenceBackend, "attend",
+                        lambda *args, **kw: reference_calls.append(1) or reference_attend(*args, **kw))
     cache, queries = _setup(torch.float32)
     queries = queries * 4  # scores of several units, so that a cap of 2 changes them a lot
     blocks, softcap, window, scale = [3, 7, 1], 2.0, 24, DIM**-0.5
@@ -112,7 +116,40 @@ def test_soft_capped_scores_match_a_float64_softmax_and_stay_batch_invariant(pat
     beside = attend([ScheduledSequence([0, 2, 4, 5], 60, 1), ScheduledSequence(blocks, 39, 1)],
                     torch.stack([queries[60], queries[39]]))
     assert torch.equal(alone[0], chunk[-1]) and torch.equal(beside[1], chunk[-1])
-    assert torch.equal(chunk, attend([ScheduledSequence(blocks, 30, 10)], queries[30:40], "float64"))
+    assert len(reference_calls) == (3 if path == "float64" else 0)
+    reference = attend([ScheduledSequence(blocks, 30, 10)], queries[30:40], "float64")
+    assert (chunk.double() - reference.double()).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(("head_dim", "window"), [(64, None), (256, 100), (128, 37), (80, 37)])  # 80: per query
+@torch.inference_mode()
+def test_every_soft_capped_row_of_a_long_chunk_equals_its_decode_and_a_float64_softmax(head_dim, window):
+    """The kernel's soft-capping (Gemma 2): each of 70 rows of a chunk (contexts 531-600, tiles cut at 64 queries and
+    256 keys, with and without a sliding window whose first keys fall mid-tile) is bitwise its own decode, and all
+    are within float32 error of a float64 softmax of the capped scores (scores of several units against a cap of 2:
+    the tanh's small and large arguments both), which the uncapped softmax is far from."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("the C++ kernels could not be built here")
+    gen = torch.Generator().manual_seed(head_dim)
+    k_cache, v_cache = (torch.randn(48, BLOCK, KV_HEADS, head_dim, generator=gen) for _ in range(2))
+    queries = torch.randn(70, HEADS, head_dim, generator=gen) * 3
+    table = torch.randperm(48, generator=gen)[:38][None]
+    lens, rows, scale, softcap = torch.arange(531, 601), torch.zeros(70, dtype=torch.long), head_dim**-0.5, 2.0
+    chunk = kernels.paged_attention(queries, k_cache, v_cache, table, rows, lens, scale, window or 0, softcap)
+    for i in range(70):
+        alone = kernels.paged_attention(queries[i: i + 1].contiguous(), k_cache, v_cache, table, rows[:1],
+                                        lens[i: i + 1], scale, window or 0, softcap)
+        assert torch.equal(chunk[i], alone[0]), i
+    keys = k_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    values = v_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", queries.double(), keys) * scale
+    key_pos, ctx = torch.arange(600)[None, None], lens[None, :, None]
+    outside = (key_pos >= ctx) | (key_pos < ctx - (window or 600))
+    want = torch.einsum("hqk,khd->qhd", (torch.tanh(scores / softcap) * softcap).masked_fill(outside, -torch.inf)
+                        .softmax(-1), values)
+    uncapped = torch.einsum("hqk,khd->qhd", scores.masked_fill(outside, -torch.inf).softmax(-1), values)
+    assert (chunk.double() - want).abs().max() < 1e-5 < (uncapped - want).abs().max() / 100
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(
 def outputs(k) -> dict[str, torch.Tensor]:
     """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings),
     attention over a chunk of 70 queries with contexts 531-600 (head sizes 64, 128, 256; float32 and bfloat16 caches,
-    and 8-bit caches of each code dtype with the bytes quantize_kv_ wrote; a sliding window of 100 keys),
+    and 8-bit caches of each code dtype with the bytes quantize_kv_ wrote; a sliding window of 100 keys, and with
+    Gemma 2's soft-capping too),
     silu(gate) * up, and a row argmax with ties and NaN."""
     out = {}
     for fmt in FORMATS:  # q4, q8 and the GGUF types of the other layouts (q5, q4f, q5f, q6f)
@@ -49,6 +50,9 @@ def outputs(k) -> dict[str, torch.Tensor]:
         out[f"attention {head_dim} window 100"] = k.paged_attention(  # a sliding window, first keys mid-tile
             queries, k_cache, v_cache, table, torch.zeros(70, dtype=torch.long), torch.arange(531, 601),
             head_dim**-0.5, 100)
+        out[f"attention {head_dim} window 100 softcap 2"] = k.paged_attention(  # scores of several units: capped
+            queries * 3, k_cache, v_cache, table, torch.zeros(70, dtype=torch.long), torch.arange(531, 601),
+            head_dim**-0.5, 100, 2.0)
         for code_dtype in KV_CODE_DTYPES.values():  # 8-bit cache rows, written by the build's own quantize_kv_
             caches = [new_kv_cache(1, 48, 16, 3, head_dim, code_dtype, "cpu")[0, 0] for _ in range(2)]
             for cache, values in zip(caches, (k_cache, v_cache)):
@@ -87,7 +91,7 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
                    cwd=HERE.parents[1], timeout=900)
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
-    assert avx2.keys() == native.keys() and len(native) == 8 * len(FORMATS) + 11 + 3 + 3 * 3 * 2
+    assert avx2.keys() == native.keys() and len(native) == 8 * len(FORMATS) + 11 + 3 + 3 + 3 * 3 * 2
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case
     assert native["argmax"].tolist()[1:4] == [100, 49153, 7]

@@ -18,6 +18,8 @@ from transformers import DynamicCache
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig
 from serval.engine.engine import LLMEngine
 from serval.engine.llm import LLM
+from serval.layers import cpu_kernels
+from serval.layers.attention.torch_reference import TorchReferenceBackend
 from serval.layers.rotary import RotaryEmbedding
 from serval.model.hf_config import ARCHITECTURES
 from serval.model.loader import load_model
@@ -57,11 +59,21 @@ def test_every_family_is_read_from_its_architecture_name(family):
     assert [layer.self_attn.window for layer in model.layers] == windows.get(name, [None, None, None])
 
 
-def test_fp32_logits_match_transformers(family):
+def test_fp32_logits_match_transformers(family, monkeypatch):
+    """Where the C++ kernels are built, every layer's attention runs on them, Gemma 2's soft-capped ones included
+    (the cap passed to the kernel, the PyTorch reference never called)."""
     name, hf, directory = family
     ours = load_model(directory, torch.float32)
     want = hf_logits(hf, LONG)
+    kernels, caps = cpu_kernels.load(), []
+    if kernels is not None:
+        kernel_attention = kernels.paged_attention
+        monkeypatch.setattr(kernels, "paged_attention", lambda *args: caps.append(args[-1]) or kernel_attention(*args))
+        monkeypatch.setattr(TorchReferenceBackend, "attend", None)  # a call would fail
     got = full_logits(ours, LONG)
+    if kernels is not None:
+        assert caps == [2.0 if name == "gemma2" else 0.0] * len(ours.layers)
+        monkeypatch.undo()
     print(f"{name}: max |ours - transformers| = {(got - want).abs().max():.3g}, logit scale "
           f"{want.abs().max():.3g}")
     assert_logits_close(got, want, FP32_REL)

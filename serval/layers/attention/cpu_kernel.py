@@ -4,15 +4,13 @@ its own over its own prefix of the cache, read in place, so its result never dep
 The metadata is per token: every scheduled sequence's block table, each token's row in it, and how many keys each
 token attends to. A decode and a prefill chunk are the same thing to it.
 
-The kernel does not soft-cap scores (Gemma 2's attention logit soft-capping): a layer that asks for it runs the
-PyTorch reference (``torch_reference.py``) over the same cache, with that backend's metadata built for the step on
-first use. Every soft-capped layer of every step takes that path, so a query's result still never depends on its
-batch-mates or on chunking; the other layers keep the kernel.
+A layer that soft-caps its scores (Gemma 2's attention logit soft-capping) passes the cap to the kernel, which caps
+every query's scores by the same code, so a query's result still never depends on its batch-mates or on chunking.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -20,7 +18,6 @@ import torch
 from serval.layers import cpu_kernels
 from serval.layers.attention.base import AttentionBackend, AttentionMetadata, ScheduledSequence
 from serval.layers.attention.kv_rows import is_quantized, write_kv
-from serval.layers.attention.torch_reference import TorchReferenceBackend, TorchReferenceMetadata
 
 
 @dataclass
@@ -28,28 +25,24 @@ class CpuKernelMetadata(AttentionMetadata):
     block_tables: torch.Tensor  # [S, max_blocks] every scheduled sequence's block ids, padded with block 0
     token_table: torch.Tensor  # [T] each token's row in block_tables
     context_lens: torch.Tensor  # [T] how many keys each token attends to: its position + 1
-    seqs: list[ScheduledSequence] = field(default_factory=list, repr=False)  # for the reference's metadata
-    reference: TorchReferenceMetadata | None = field(default=None, repr=False)  # built by a soft-capped layer
 
 
 class CpuKernelBackend(AttentionBackend):
-    def __init__(self, device: torch.device | str, dtype: torch.dtype, block_size: int, kernels: ModuleType,
-                 reference: TorchReferenceBackend) -> None:
+    def __init__(self, device: torch.device | str, dtype: torch.dtype, block_size: int, kernels: ModuleType) -> None:
         super().__init__(device, dtype, block_size)
         self.kernels = kernels
-        self.reference = reference  # runs the soft-capped layers
 
     def __reduce__(self):
         # A step's metadata crosses to the other model-parallel ranks pickled, its backend with it; a module does
         # not pickle, so the receiving rank builds the backend again around its own loaded kernels.
-        return _with_loaded_kernels, (self.device, self.dtype, self.block_size, self.reference)
+        return _with_loaded_kernels, (self.device, self.dtype, self.block_size)
 
     def build_metadata(self, seqs: list[ScheduledSequence], table_width: int | None = None) -> CpuKernelMetadata:
         positions = [p for s in seqs for p in range(s.num_computed_tokens, s.end)]
         return CpuKernelMetadata(
             self, self.slot_mapping(seqs), block_tables=self._tensor(self._padded_tables(seqs, table_width)),
             token_table=self._tensor([row for row, s in enumerate(seqs) for _ in range(s.num_new_tokens)]),
-            context_lens=self._tensor(positions) + 1, seqs=seqs)
+            context_lens=self._tensor(positions) + 1)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -66,17 +59,12 @@ class CpuKernelBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: CpuKernelMetadata, scale: float, window: int | None,
                softcap: float | None = None) -> torch.Tensor:
-        if softcap is not None:
-            if meta.reference is None:
-                meta.reference = self.reference.build_metadata(meta.seqs)
-            return self.reference.attend(q, k, v, k_cache, v_cache, meta.reference, scale, window, softcap)
         return self.kernels.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.token_table,
-                                            meta.context_lens, scale, window or 0)
+                                            meta.context_lens, scale, window or 0, softcap or 0.0)
 
 
-def _with_loaded_kernels(device: torch.device, dtype: torch.dtype, block_size: int,
-                        reference: TorchReferenceBackend) -> CpuKernelBackend:
+def _with_loaded_kernels(device: torch.device, dtype: torch.dtype, block_size: int) -> CpuKernelBackend:
     kernels = cpu_kernels.for_device(device)
     if kernels is None:
         raise RuntimeError("rank 0 runs attention with the C++ CPU kernels, which this rank cannot load")
-    return CpuKernelBackend(device, dtype, block_size, kernels, reference)
+    return CpuKernelBackend(device, dtype, block_size, kernels)

@@ -19,17 +19,15 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, block_size: i
     dtype) in blocks of ``block_size`` tokens: the C++ kernel on a CPU where it is built; on CUDA with a cache of the
     model's dtype and Triton importable, the Triton paged kernel (``triton_paged.py``); the PyTorch reference
     elsewhere (8-bit caches on CUDA, no compiler, SERVAL_CPU_KERNELS=0), or wherever the environment sets
-    SERVAL_ATTENTION_BACKEND=torch. The kernel's backend keeps the reference for the layers it hands over
-    (soft-capped scores)."""
+    SERVAL_ATTENTION_BACKEND=torch."""
     device = torch.device(device)
-    reference = TorchReferenceBackend(device, dtype, block_size)
     if os.environ.get("SERVAL_ATTENTION_BACKEND") == "torch":
-        return reference
+        return TorchReferenceBackend(device, dtype, block_size)
     if device.type == "cuda" and dtype not in KV_CODE_DTYPES.values() and importlib.util.find_spec("triton"):
         from serval.layers.attention.triton_paged import TritonPagedBackend  # imports triton: only when chosen
 
         return TritonPagedBackend(device, dtype, block_size)
     kernels = cpu_kernels.for_device(device)
     if kernels is not None:
-        return CpuKernelBackend(device, dtype, block_size, kernels, reference)
-    return reference
+        return CpuKernelBackend(device, dtype, block_size, kernels)
+    return TorchReferenceBackend(device, dtype, block_size)

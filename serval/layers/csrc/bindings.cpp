@@ -6,7 +6,7 @@
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& token_table,
-                           const at::Tensor& context_lens, double scale, int64_t window);
+                           const at::Tensor& context_lens, double scale, int64_t window, double softcap);
 void quantize_kv_(const at::Tensor& x, at::Tensor cache, const at::Tensor& slot_mapping);
 void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& slot_mapping);
@@ -25,7 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, "attention of each query token over its prefix in the paged KV cache",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("token_table"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, no_gil());
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, no_gil());
   m.def("write_kv_", &write_kv_, "writes each token's keys and values into the float cache rows", no_gil());
   m.def("quantize_kv_", &quantize_kv_, "writes keys or values into 8-bit cache rows with a scale each", no_gil());
   m.def("add_rms_norm", &add_rms_norm, "weight * rms_norm(x + residual) and x + residual, in one pass", no_gil());

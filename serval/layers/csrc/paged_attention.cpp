@@ -13,7 +13,10 @@
 // A sliding window (Gemma's local layers) limits each query to its last ``window`` keys: the keys before them get
 // a score of -inf (an exact 0 after the exp), and a query's tiles start at the 16-key tile of its first key, so the
 // result does not depend on the other queries of its tile either.
-// Elsewhere, one query at a time.
+// Soft-capping (Gemma 2's attention logits) turns each scaled score s into softcap * tanh(s / softcap) as it is
+// scored, by the one vectorized tanh of vec_math.h for every query; without a cap the scoring code is the same
+// instructions as ever (a template argument), so other models' results keep their bits.
+// Elsewhere, one query at a time (the cap by std::tanh).
 //
 // The cache rows are 16- or 32-bit floats, or (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2) 8-bit codes followed by
 // the row's float32 scale (one row = one token's one key or value head): a row is value = code * scale, dequantized
@@ -123,17 +126,18 @@ struct Inputs {
   scalar_t* o;
   float scale;
   int64_t window;  // 0: every key of the prefix; else each query's last ``window`` keys
+  float softcap;   // 0: scores as they are; else each scaled score s becomes softcap * tanh(s / softcap)
 
   Inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& token_table, const at::Tensor& context_lens,
-         double softmax_scale, int64_t window, at::Tensor& out)
+         double softmax_scale, int64_t window, double softcap, at::Tensor& out)
       : num_tokens(query.size(0)), num_heads(query.size(1)), head_dim(query.size(2)), block_size(k_cache.size(1)),
         num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads), max_blocks(block_tables.size(1)),
         q(query.data_ptr<scalar_t>()), kc(static_cast<const storage*>(k_cache.data_ptr())),
         vc(static_cast<const storage*>(v_cache.data_ptr())),
         tables(block_tables.data_ptr<int64_t>()), rows(token_table.data_ptr<int64_t>()),
         lens(context_lens.data_ptr<int64_t>()), o(out.data_ptr<scalar_t>()), scale(static_cast<float>(softmax_scale)),
-        window(window) {}
+        window(window), softcap(static_cast<float>(softcap)) {}
 
   // The first key a query of context ``ctx`` attends to.
   int64_t first_key(int64_t ctx) const { return window > 0 && ctx > window ? ctx - window : 0; }
@@ -142,7 +146,7 @@ struct Inputs {
 template <typename scalar_t, typename Rows>
 void attend(const Inputs<scalar_t, Rows>& in) {
   const auto [num_tokens, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, q, kc, vc, tables, rows,
-              lens, o, fscale, window] = in;
+              lens, o, fscale, window, softcap] = in;
 
   const int64_t row_stride = head_dim + Rows::extra;
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -159,6 +163,10 @@ void attend(const Inputs<scalar_t, Rows>& in) {
         for (int64_t g = 0; g < group; ++g)
           scores[g * ctx + l] = dot(qf.data() + g * head_dim, kf.data(), head_dim) * fscale;
       }
+      if (softcap > 0.f)
+        for (int64_t g = 0; g < group; ++g)
+          for (float* s = scores.data() + g * ctx + first; s < scores.data() + (g + 1) * ctx; ++s)
+            *s = softcap * std::tanh(*s / softcap);
       std::vector<float> sums(group);
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in place
         float* s = scores.data() + g * ctx;
@@ -204,10 +212,11 @@ constexpr int kRegisterTiles = 4;
 #endif
 
 // Scores of J consecutive 16-key tiles for one query head: each lane an FMA chain over the head dimension in
-// order (J chains run side by side; every score's arithmetic is the same whatever J).
-template <int J>
+// order (J chains run side by side; every score's arithmetic is the same whatever J), scaled, and with Capped
+// soft-capped to softcap * tanh(s / softcap).
+template <int J, bool Capped>
 inline void score_tiles(const float* q, const float* kt, int64_t head_dim, int64_t j0, int64_t ctx, float scale,
-                        float* scores) {
+                        float softcap, float* scores) {
   V16 acc[J];
   for (int j = 0; j < J; ++j) acc[j] = serval::zero16();
   for (int64_t d = 0; d < head_dim; ++d) {
@@ -216,19 +225,22 @@ inline void score_tiles(const float* q, const float* kt, int64_t head_dim, int64
   }
   for (int j = 0; j < J; ++j) {
     const int64_t first = (j0 + j) * kKeys;
-    serval::store16(scores + first,
-                    serval::first_lanes(serval::mul16(acc[j], serval::set16(scale)), ctx - first, -INFINITY));
+    V16 s = serval::mul16(acc[j], serval::set16(scale));
+    if constexpr (Capped)
+      s = serval::mul16(serval::tanh16(serval::div16(s, serval::set16(softcap))), serval::set16(softcap));
+    serval::store16(scores + first, serval::first_lanes(s, ctx - first, -INFINITY));
   }
 }
 
 // Scores of 16-key tiles j0 .. j1 for one query head, J tiles at a time.
+template <bool Capped>
 inline void score_range(const float* q, const float* kt, int64_t head_dim, int64_t j0, int64_t j1, int64_t ctx,
-                        float scale, float* scores) {
+                        float scale, float softcap, float* scores) {
   int64_t j = j0;
   if constexpr (kRegisterTiles >= 8)
-    for (; j + 8 <= j1; j += 8) score_tiles<8>(q, kt, head_dim, j, ctx, scale, scores);
-  for (; j + 4 <= j1; j += 4) score_tiles<4>(q, kt, head_dim, j, ctx, scale, scores);
-  for (; j < j1; ++j) score_tiles<1>(q, kt, head_dim, j, ctx, scale, scores);
+    for (; j + 8 <= j1; j += 8) score_tiles<8, Capped>(q, kt, head_dim, j, ctx, scale, softcap, scores);
+  for (; j + 4 <= j1; j += 4) score_tiles<4, Capped>(q, kt, head_dim, j, ctx, scale, softcap, scores);
+  for (; j < j1; ++j) score_tiles<1, Capped>(q, kt, head_dim, j, ctx, scale, softcap, scores);
 }
 
 // One query head's scores over its keys (tiles j0 .. of its ctx keys) become softmax numerators, in place; returns
@@ -406,7 +418,7 @@ template <typename scalar_t, typename Rows, int DV>
 void attend_tiled(const Inputs<scalar_t, Rows>& in) {
   constexpr int64_t head_dim = DV * 16;
   const auto [num_tokens, num_heads, unused_head_dim, block_size, num_kv_heads, group, max_blocks, q, kc, vc, tables,
-              rows, lens, o, fscale, window] = in;
+              rows, lens, o, fscale, window, softcap] = in;
 
   // Work items: up to kQueryTile consecutive tokens of one sequence, for one key/value head.
   std::vector<int64_t> tile_starts;
@@ -463,7 +475,11 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t j0 = std::max(b0, first_of(i) / kKeys);
         const int64_t j1 = std::min(b0 + kBlockKeys / kKeys, (ctx_of(i) + kKeys - 1) / kKeys);
-        if (j0 < j1) score_range(qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, scores + i * stride);
+        if (j0 >= j1) continue;
+        if (softcap > 0.f)
+          score_range<true>(qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, softcap, scores + i * stride);
+        else
+          score_range<false>(qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, 0.f, scores + i * stride);
       }
     for (int64_t i = 0; i < nq; ++i) {
       float* s = scores + i * stride;
@@ -523,13 +539,14 @@ void quantize_rows(const scalar_t* x, uint8_t* cache, const int64_t* slots, int6
 // query [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] in the query's dtype, or [.., KVH, D + 4] 8-bit
 // rows (int8, float8_e4m3fn, float8_e5m2: D codes and a float32 scale); block_tables [S, max_blocks];
 // token_table [T]: each query's row in block_tables; context_lens [T]: keys each query attends to (a prefix, or
-// with window > 0 its last window keys).
+// with window > 0 its last window keys); softcap > 0: each scaled score s becomes softcap * tanh(s / softcap).
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& token_table,
-                           const at::Tensor& context_lens, double scale, int64_t window) {
+                           const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && token_table.scalar_type() == at::kLong &&
               context_lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(softcap >= 0, "softcap is 0 (none) or positive");
   const auto codes = k_cache.scalar_type();
   const bool scaled = codes == at::kChar || codes == at::kFloat8_e4m3fn || codes == at::kFloat8_e5m2;
   TORCH_CHECK(scaled ? k_cache.size(3) == query.size(2) + 4 : codes == query.scalar_type(),
@@ -538,14 +555,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   at::Tensor out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     if (codes == at::kChar)
-      return attend_any(Inputs<scalar_t, ScaledRows<int8_t>>(query, k_cache, v_cache, tables, rows, lens, scale, window, out));
+      return attend_any(Inputs<scalar_t, ScaledRows<int8_t>>(query, k_cache, v_cache, tables, rows, lens, scale, window,
+                                                             softcap, out));
     if (codes == at::kFloat8_e4m3fn)
       return attend_any(Inputs<scalar_t, ScaledRows<c10::Float8_e4m3fn>>(query, k_cache, v_cache, tables, rows, lens,
-                                                                         scale, window, out));
+                                                                         scale, window, softcap, out));
     if (codes == at::kFloat8_e5m2)
       return attend_any(Inputs<scalar_t, ScaledRows<c10::Float8_e5m2>>(query, k_cache, v_cache, tables, rows, lens,
-                                                                       scale, window, out));
-    attend_any(Inputs<scalar_t, PlainRows<scalar_t>>(query, k_cache, v_cache, tables, rows, lens, scale, window, out));
+                                                                       scale, window, softcap, out));
+    attend_any(Inputs<scalar_t, PlainRows<scalar_t>>(query, k_cache, v_cache, tables, rows, lens, scale, window, softcap,
+                                                     out));
   });
   return out;
 }
