@@ -112,9 +112,13 @@ class Int8Linear(nn.Module):
 
 
 BLOCK_SIZE = 32  # weights per block, along the input dimension
+SUPER_BLOCK = 256  # weights per K-quant super-block (Q4_K, Q5_K, Q6_K): one float16 d (and dmin) per column
 # Bits of each code above its nibble, per BlockWeight.format (q8's codes are whole signed bytes).
-EXTRA_BITS = {"q4": 0, "q5": 1, "q4f": 0, "q5f": 1, "q6f": 2}
+EXTRA_BITS = {"q4": 0, "q5": 1, "q4f": 0, "q5f": 1, "q6f": 2, "q4k": 0, "q5k": 1, "q6k": 2}
 FLOAT32_SCALES = ("q4f", "q5f", "q6f")
+# The K-quant layouts (the file's scales: float16 per super-block, a byte per sub-block) → the same weights with
+# their scales expanded to float32 per block (the layout of a slice that cuts super-blocks).
+K_FORMATS = {"q4k": "q4f", "q5k": "q5f", "q6k": "q6f"}
 
 
 @dataclass
@@ -126,30 +130,39 @@ class BlockWeight:
     code i in the low nibble and code i + 16 in the high one, and the 4 e bytes after them the e bits above the
     nibbles (code i's at bit e i of them, little-endian), e = EXTRA_BITS[format].
     "q4" (Q4_0, Q4_1), "q5" (Q5_0, Q5_1): scales [N, G, 2] float16 (d, m), w = d * q + m.
-    "q4f" (Q4_K), "q5f" (Q5_K): scales [N, G, 2] float32 (d, m), w = d * q + m; the file's float16 super-block
-    scales times its 6-bit sub-block scales and mins, which float32 holds exactly.
-    "q6f" (Q6_K): scales [N, G, 2] float32: d of codes 0-15 and of 16-31, w = d * (q - 32)."""
+    "q4k" (Q4_K), "q5k" (Q5_K): the file's scales. super_scales [N, G / 8, 2] float16 (d, -dmin) per super-block
+    of 256 weights, scales [N, G, 2] uint8 (the 6-bit sub-block scale sc and min mn); w = (d sc) q + (-dmin mn).
+    "q6k" (Q6_K): super_scales [N, G / 8, 1] float16 d, scales [N, G, 2] int8: sc of codes 0-15 and of 16-31;
+    w = (d sc) (q - 32). Each product of a float16 and a 6- or 8-bit integer is exact in float32.
+    "q4f", "q5f", "q6f": those weights with the products d sc (and -dmin mn) stored as float32 scales [N, G, 2]
+    (a slice that cuts super-blocks; Q5_0 as "q5f" where its -16 d overflows float16)."""
 
     format: str
     packed: torch.Tensor  # uint8
-    # float16 (int16) or float32 (int32) bit patterns, so that casting a model to a dtype leaves them alone
+    # float16 (int16) or float32 (int32) bit patterns, so that casting a model to a dtype leaves them alone; the
+    # K formats' sub-block scales as uint8 (int8 for q6k)
     scales: torch.Tensor
     in_features: int
+    super_scales: torch.Tensor | None = None  # K formats: float16 bit patterns (int16) [N, G / 8, 2 or 1]
 
     @property
     def out_features(self) -> int:
         return self.packed.shape[0]
 
     @staticmethod
-    def from_codes(format: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int) -> BlockWeight:
+    def from_codes(format: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int,
+                   super_scales: torch.Tensor | None = None) -> BlockWeight:
         """The weight with codes [N, G, 32] (uint8, below 2^(4 + e)) and scales [N, G, k] (float16 or float32
-        values) packed as ``format`` lays them out."""
+        values, or the K formats' bytes with their float16 super_scales) packed as ``format`` lays them out."""
         e = EXTRA_BITS[format]
         nibbles = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)
         if e:
             high = (codes >> 4).view(*codes.shape[:2], 4 * e, 8 // e)
             shifts = torch.arange(0, 8, e, dtype=torch.uint8)
             nibbles = torch.cat([nibbles, (high << shifts).sum(-1, dtype=torch.uint8)], dim=-1)
+        if format in K_FORMATS:
+            return BlockWeight(format, nibbles.contiguous(), scales.contiguous(), in_features,
+                               super_scales.contiguous().view(torch.int16))
         bits = torch.int32 if format in FLOAT32_SCALES else torch.int16
         return BlockWeight(format, nibbles.contiguous(), scales.contiguous().view(bits), in_features)
 
@@ -166,15 +179,25 @@ class BlockWeight:
         return q
 
     def scale_values(self) -> torch.Tensor:
-        """The scales as float32, [N, G, 1 or 2]."""
+        """The scales as float32, [N, G, 1 or 2] (the K formats': d sc and -dmin mn, exact)."""
+        if self.format in K_FORMATS:
+            per_block = self.super_scales.view(torch.float16).float().repeat_interleave(SUPER_BLOCK // BLOCK_SIZE, 1)
+            return per_block * self.scales.float()  # q6k: d of both halves; q4k, q5k: d and -dmin
         return self.scales.view(torch.float32 if self.format in FLOAT32_SCALES else torch.float16).float()
+
+    def with_float32_scales(self) -> BlockWeight:
+        """The same weights with a K format's scales expanded to float32 per block (other formats: unchanged)."""
+        if self.format not in K_FORMATS:
+            return self
+        return BlockWeight(K_FORMATS[self.format], self.packed, self.scale_values().view(torch.int32),
+                           self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """The weights as float32 [N, in_features], exactly as the file defines them."""
         scales, q = self.scale_values(), self.codes().float()
         if self.format == "q8":
             w = q * scales
-        elif self.format == "q6f":  # one product: rounded once, as the kernel's fma(q, d, -32 d)
+        elif self.format in ("q6f", "q6k"):  # one product: rounded once, as the kernel's fma(q, d, -32 d)
             w = (q - 32) * scales.repeat_interleave(16, dim=-1)
         else:  # q * d is exact (at most 5 + 17 bits): rounded once, as the kernel's fma
             w = q * scales[..., :1] + scales[..., 1:]
@@ -183,7 +206,9 @@ class BlockWeight:
     def panels(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The same blocks laid out for ``block_panel_linear``: 16 output columns side by side per input position
         (rows padded with zero weights to a multiple of 32). Returns (panels uint8 [P, G, rows, 16], scales float16
-        or float32 [P, G, 2 or 1, 16]); see csrc/panel_linear.cpp."""
+        or float32 [P, G, 2 or 1, 16], or for the K formats uint8 [P, G / 8, bytes]: per super-block of a panel its
+        16 columns' float16 d (and -dmin), then per block their 16 sub-block scales (and 16 mins)); see
+        csrc/panel_linear.cpp."""
         n, groups = self.packed.shape[:2]
         p = -(-n // 32) * 2
         rows = self.packed  # per row and block: the bytes of one column of a panel, in the panel's order
@@ -195,26 +220,41 @@ class BlockWeight:
                 high = (q >> 4).view(n, groups, 4 * e, 8 // e)
                 shifts = torch.arange(0, 8, e, dtype=torch.uint8)
                 rows = torch.cat([rows, (high << shifts).sum(-1, dtype=torch.uint8)], dim=-1)
-        q = F.pad(rows, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, -1).permute(0, 2, 3, 1)
-        scales = F.pad(self.scales, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, groups, -1).permute(0, 2, 3, 1)
+
+        def side_by_side(t: torch.Tensor) -> torch.Tensor:  # [N, G, k] → [P, G, k, 16]
+            return F.pad(t, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, t.shape[1], -1).permute(0, 2, 3, 1)
+
+        q = side_by_side(rows).contiguous()
+        if self.format in K_FORMATS:
+            supers = groups // (SUPER_BLOCK // BLOCK_SIZE)
+            halves = side_by_side(self.super_scales).contiguous().view(torch.uint8).view(p, supers, -1)
+            sub = side_by_side(self.scales.view(torch.uint8)).reshape(p, supers, -1)
+            return q, torch.cat([halves, sub], dim=-1)
         floats = torch.float32 if self.format in FLOAT32_SCALES else torch.float16
-        return q.contiguous(), scales.contiguous().view(floats)
+        return q, side_by_side(self.scales).contiguous().view(floats)
 
     def slice(self, rows: slice = slice(None), columns: slice = slice(None)) -> BlockWeight:
-        """Rows and input columns of the weight (a tensor-parallel shard); columns only at block boundaries."""
+        """Rows and input columns of the weight (a tensor-parallel shard); columns only at block boundaries. A K
+        format cut inside its super-blocks becomes the same weights with float32 scales (with_float32_scales)."""
         start, stop = columns.start or 0, self.in_features if columns.stop is None else columns.stop
         if start % BLOCK_SIZE or (stop % BLOCK_SIZE and stop != self.in_features):
             raise ValueError(f"columns {start}:{stop} do not fall on blocks of {BLOCK_SIZE}")
+        if self.format in K_FORMATS and (start % SUPER_BLOCK or (stop % SUPER_BLOCK and stop != self.in_features)):
+            return self.with_float32_scales().slice(rows, columns)
         blocks = slice(start // BLOCK_SIZE, -(-stop // BLOCK_SIZE))
-        return BlockWeight(self.format, self.packed[rows, blocks], self.scales[rows, blocks], stop - start)
+        supers = None
+        if self.super_scales is not None:
+            supers = self.super_scales[rows, start // SUPER_BLOCK: -(-stop // SUPER_BLOCK)]
+        return BlockWeight(self.format, self.packed[rows, blocks], self.scales[rows, blocks], stop - start, supers)
 
     @staticmethod
     def concat(parts: list[BlockWeight]) -> BlockWeight:
         """The rows of ``parts`` stacked (for the fused q/k/v and gate/up matrices)."""
         if len({(p.format, p.in_features, p.packed.shape[1:]) for p in parts}) != 1:
             raise ValueError("block weights of different formats or widths cannot be fused")
+        supers = None if parts[0].super_scales is None else torch.cat([p.super_scales for p in parts])
         return BlockWeight(parts[0].format, torch.cat([p.packed for p in parts]),
-                           torch.cat([p.scales for p in parts]), parts[0].in_features)
+                           torch.cat([p.scales for p in parts]), parts[0].in_features, supers)
 
     @staticmethod
     def fuse(parts: list[BlockWeight]) -> list[BlockWeight]:
@@ -235,13 +275,13 @@ class BlockQuantLinear(nn.Module):
     """A linear whose weights stay in the file's 4- to 8-bit blocks (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and the
     K-quants Q4_K / Q5_K / Q6_K).
 
-    On the CPU a C++ kernel reads the blocks: 0.6 bytes a weight for Q4_1 instead of 2 for bfloat16, which is
-    what a memory-bound decode step pays for. ``csrc/panel_linear.cpp`` (AVX-512, or AVX2 with FMA and F16C)
-    reads them re-laid out in panels of 16 columns (built once here, without loss) and multiplies in float32
-    FMAs by the file's exact weights, each row alone, so rows need no padding. Without the kernel (CUDA, no
-    compiler, a CPU without AVX2) the weights are dequantized once to the activation dtype and used by a dense
-    matmul. A weight given as several parts (runs of rows in different formats, BlockWeight.fuse) is one kernel
-    call per part, their outputs side by side."""
+    On the CPU a C++ kernel reads the blocks: 0.6 bytes a weight for Q4_1 (Q4_K 0.58, with the file's own scales)
+    instead of 2 for bfloat16, which is what a memory-bound decode step pays for. ``csrc/panel_linear.cpp``
+    (AVX-512, or AVX2 with FMA and F16C) reads them re-laid out in panels of 16 columns (built once here, without
+    loss) and multiplies in float32 FMAs by the file's exact weights, each row alone, so rows need no padding.
+    Without the kernel (CUDA, no compiler, a CPU without AVX2) the weights are dequantized once to the activation
+    dtype and used by a dense matmul. A weight given as several parts (runs of rows in different formats,
+    BlockWeight.fuse) is one kernel call per part, their outputs side by side."""
 
     def __init__(self, weight: BlockWeight | list[BlockWeight]) -> None:
         super().__init__()
@@ -252,6 +292,8 @@ class BlockQuantLinear(nn.Module):
         for i, part in enumerate(parts):
             self.register_buffer(f"packed{i}", part.packed.contiguous())
             self.register_buffer(f"scales{i}", part.scales.contiguous())
+            if part.super_scales is not None:
+                self.register_buffer(f"super_scales{i}", part.super_scales.contiguous())
         self.min_rows: int | None = None
         self._dense: torch.Tensor | None = None
         self._panels: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # built on the first CPU call
@@ -286,8 +328,12 @@ class BlockQuantLinear(nn.Module):
 
     def block_weights(self) -> list[BlockWeight]:
         """The weight's parts, each in one format, in row order."""
-        return [BlockWeight(fmt, getattr(self, f"packed{i}").cpu(), getattr(self, f"scales{i}").cpu(), self.in_features)
-                for i, fmt in enumerate(self.formats)]
+        parts = []
+        for i, fmt in enumerate(self.formats):
+            supers = getattr(self, f"super_scales{i}", None)
+            parts.append(BlockWeight(fmt, getattr(self, f"packed{i}").cpu(), getattr(self, f"scales{i}").cpu(),
+                                     self.in_features, None if supers is None else supers.cpu()))
+        return parts
 
 
 @torch.inference_mode()

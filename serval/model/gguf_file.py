@@ -63,8 +63,8 @@ ARCHITECTURES = tuple(_ARCH_LAYER_NAMES)
 # pairs); the others run NEOX RoPE on rows stored as Hugging Face has them (rotate-half).
 _ROPE_PERMUTED = ("llama",)
 # GGUF block types that the block kernel reads as stored → its layout of them (BlockWeight.format).
-BLOCK_FORMATS = {"Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q8_0": "q8", "Q4_K": "q4f", "Q5_K": "q5f",
-                 "Q6_K": "q6f"}
+BLOCK_FORMATS = {"Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q8_0": "q8", "Q4_K": "q4k", "Q5_K": "q5k",
+                 "Q6_K": "q6k"}
 _SUPER_BLOCK = 256  # weights per K-quant block (Q4_K, Q5_K, Q6_K)
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
@@ -256,17 +256,18 @@ def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWe
     elif qtype in ("Q4_K", "Q5_K"):
         # d, dmin (float16), 12 bytes of 6-bit sub-block scales and mins, [Q5_K: 32 bytes of fifth bits,] 128 bytes
         # of nibbles: byte l of each 32 holds weight l of sub-block 2j (low nibble) and of 2j + 1 (high).
-        d, dmin = (raw[..., i: i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+        d, dmin = (raw[..., i: i + 2].contiguous().view(torch.float16) for i in (0, 2))
         sc, mn = _k_scale_min(raw[..., 4:16])
-        scales = torch.stack([d * sc, -(dmin * mn)], dim=-1)  # [N, blocks, 8, 2]: exact
+        scales = torch.stack([sc, mn], dim=-1)  # [N, blocks, 8, 2] uint8
         qs = raw[..., -128:]
         position = torch.arange(_SUPER_BLOCK)
         sub, index = position // 32, position % 32
         codes = (qs[..., 32 * (sub // 2) + index] >> (4 * (sub % 2)).to(torch.uint8)) & 15
         if qtype == "Q5_K":  # weight i of sub-block s: bit s of byte i
             codes |= ((raw[..., 16:48][..., index] >> sub.to(torch.uint8)) & 1) << 4
-        fmt = "q4f" if qtype == "Q4_K" else "q5f"
-        weight = BlockWeight.from_codes(fmt, codes.view(n, -1, 32), scales.view(n, -1, 2), in_features)
+        fmt = "q4k" if qtype == "Q4_K" else "q5k"
+        weight = BlockWeight.from_codes(fmt, codes.view(n, -1, 32), scales.view(n, -1, 2), in_features,
+                                        torch.cat([d, -dmin], dim=-1))  # -dmin: exact in float16
     elif qtype == "Q6_K":
         # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 weights), float16 d. Weight
         # 128 h + 32 quarter + i: nibble of byte 64 h + 32 (quarter % 2) + i (high nibble for quarters 2-3),
@@ -275,13 +276,14 @@ def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWe
         h, quarter, index = position // 128, position % 128 // 32, position % 32
         low = (raw[..., 64 * h + 32 * (quarter % 2) + index] >> (4 * (quarter // 2)).to(torch.uint8)) & 15
         high = (raw[..., 128 + 32 * h + index] >> (2 * quarter).to(torch.uint8)) & 3
-        d = raw[..., 208:210].contiguous().view(torch.float16).float()
-        scales = d * raw[..., 192:208].view(torch.int8).float()  # [N, blocks, 16]: exact
-        weight = BlockWeight.from_codes("q6f", (low | (high << 4)).view(n, -1, 32), scales.view(n, -1, 2),
-                                        in_features)
+        d = raw[..., 208:210].contiguous().view(torch.float16)
+        scales = raw[..., 192:208].contiguous().view(torch.int8)  # [N, blocks, 16]
+        weight = BlockWeight.from_codes("q6k", (low | (high << 4)).view(n, -1, 32), scales.view(n, -1, 2),
+                                        in_features, d)
     else:
         raise ValueError(f"{qtype} has no block kernel layout")
-    return BlockWeight(weight.format, _copy(weight.packed), _copy(weight.scales), in_features)
+    supers = None if weight.super_scales is None else _copy(weight.super_scales)
+    return BlockWeight(weight.format, _copy(weight.packed), _copy(weight.scales), in_features, supers)
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -291,18 +293,19 @@ def _copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's and Q5_K's 12 bytes per block → the 8 sub-blocks' 6-bit scales and mins as float32: the first 4 in
+    """Q4_K's and Q5_K's 12 bytes per block → the 8 sub-blocks' 6-bit scales and mins (uint8): the first 4 in
     the low 6 bits of bytes 0-3 and 4-7, the last 4 in the nibbles of bytes 8-11 with their top 2 bits in the top
     bits of bytes 0-3 (scales) and 4-7 (mins)."""
     first, second, last = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sc = torch.cat([first & 63, (last & 15) | ((first >> 6) << 4)], dim=-1)
     mn = torch.cat([second & 63, (last >> 4) | ((second >> 6) << 4)], dim=-1)
-    return sc.float(), mn.float()
+    return sc, mn
 
 
 def _unpermute_blocks(weight: BlockWeight, num_heads: int) -> BlockWeight:
+    supers = None if weight.super_scales is None else _unpermute_rope(weight.super_scales, num_heads)
     return BlockWeight(weight.format, _unpermute_rope(weight.packed, num_heads),
-                       _unpermute_rope(weight.scales, num_heads), weight.in_features)
+                       _unpermute_rope(weight.scales, num_heads), weight.in_features, supers)
 
 
 def _hf_name(gguf_name: str, architecture: str = "llama") -> str | None:

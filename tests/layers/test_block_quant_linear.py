@@ -134,7 +134,7 @@ def test_gguf_5_and_6_bit_and_k_quant_blocks_dequantize_as_gguf_py(qtype):
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
     block = GGUF_BLOCKS[qtype][0]
     weight = _to_block_weight(qtype, torch.from_numpy(raw).view(9, 512 // block, -1), 512)
-    assert weight.format == {"Q5_0": "q5", "Q5_1": "q5", "Q4_K": "q4f", "Q5_K": "q5f", "Q6_K": "q6f"}[qtype]
+    assert weight.format == {"Q5_0": "q5", "Q5_1": "q5", "Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k"}[qtype]
     assert torch.equal(weight.dequantize(), want)
     assert torch.equal(weight.slice(slice(2, 7), slice(96, 352)).dequantize(), want[2:7, 96:352])
     assert weight.codes().max() >= 2 ** (4 + EXTRA_BITS[weight.format]) - 1  # the high bits are in use
@@ -142,13 +142,57 @@ def test_gguf_5_and_6_bit_and_k_quant_blocks_dequantize_as_gguf_py(qtype):
 
 def test_bytes_per_weight_of_the_k_quant_layouts():
     """What the kernel reads per weight (codes and scales; the file: Q4_K 0.5625, Q5_K 0.6875, Q6_K 0.8203,
-    Q5_0 0.6875)."""
+    Q5_0 0.6875). The K-quants keep the file's scales (float16 per super-block, a byte per sub-block): Q6_K's
+    bytes are the file's; Q4_K's and Q5_K's 1/64 more (a byte each for the 6-bit scale and min). With their scales
+    expanded to float32 per block they were 0.75, 0.875 and 1.0."""
     def per_weight(qtype: str) -> float:
         panels, scales = random_blocks(qtype, 64, 512).panels()
         return (panels.numel() + scales.numel() * scales.element_size()) / (64 * 512)
 
-    assert {q: per_weight(q) for q in GGUF_BLOCKS} == {"Q5_0": 0.75, "Q5_1": 0.75, "Q4_K": 0.75, "Q5_K": 0.875,
-                                                       "Q6_K": 1.0}
+    assert {q: per_weight(q) for q in GGUF_BLOCKS} == {"Q5_0": 0.75, "Q5_1": 0.75, "Q4_K": 0.578125,
+                                                       "Q5_K": 0.703125, "Q6_K": 210 / 256}
+
+
+K_QUANT_FORMATS = {"Q4_K": ("q4k", "q4f"), "Q5_K": ("q5k", "q5f"), "Q6_K": ("q6k", "q6f")}
+
+
+@needs_panels
+@pytest.mark.parametrize("qtype", list(K_QUANT_FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_quant_scales_as_the_file_keeps_them_give_the_float32_scales_bits(qtype, dtype):
+    """The kernel forms a K-quant block's scale from the file's float16 d (and -dmin) and byte sub-block scale
+    (and min): exact in float32, so every output is bitwise the one of the same weights with float32 scales per
+    block (the layout the kernel read before), at every tile remainder of the inline (few rows) and buffered (many
+    rows) paths, a short last column tile, both output roundings."""
+    weight = random_blocks(qtype, 130, 768, seed=2)
+    expanded = weight.with_float32_scales()
+    assert (weight.format, expanded.format) == K_QUANT_FORMATS[qtype]
+    assert weight.scales.element_size() == 1 and weight.super_scales.dtype == torch.int16
+    assert torch.equal(expanded.dequantize(), weight.dequantize())
+    compact, float32 = weight.panels(), expanded.panels()
+    assert compact[1].dtype == torch.uint8 and float32[1].dtype == torch.float32
+    assert compact[1].numel() * 3 < float32[1].numel() * 4  # under a third of the bytes
+    for rows in (1, 2, 5, 6, 7, 8, 9, 16, 37):
+        x = activations(rows, weight.in_features, dtype, seed=rows)
+        for float_output in (False, True):
+            got = kernels.block_panel_linear(x, *compact, weight.format, 130, float_output)
+            want = kernels.block_panel_linear(x, *float32, expanded.format, 130, float_output)
+            assert torch.equal(got, want), (rows, float_output)
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANT_FORMATS))
+def test_k_quant_slices_keep_the_files_scales_on_super_blocks(qtype):
+    """A slice on super-block boundaries (256 inputs) keeps the file's scales; one that cuts a super-block holds the
+    same weights with float32 scales per block; rows of fused parts concatenate with their super-block scales."""
+    weight = random_blocks(qtype, 9, 768, seed=3)
+    want = weight.dequantize()
+    aligned = weight.slice(slice(2, 7), slice(256, 768))
+    assert aligned.format == K_QUANT_FORMATS[qtype][0] and aligned.super_scales.shape[:2] == (5, 2)
+    assert torch.equal(aligned.dequantize(), want[2:7, 256:])
+    cut = weight.slice(slice(2, 7), slice(96, 352))
+    assert cut.format == K_QUANT_FORMATS[qtype][1] and torch.equal(cut.dequantize(), want[2:7, 96:352])
+    fused = BlockWeight.concat([weight.slice(slice(0, 4)), weight.slice(slice(4, 9))])
+    assert fused.format == weight.format and torch.equal(fused.dequantize(), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

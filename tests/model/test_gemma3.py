@@ -102,7 +102,7 @@ def test_k_quant_blocks_read_in_place_give_the_dequantized_paths_greedy_tokens(o
     kernel multiplies by the file's exact weights in float32, so its logits are the nearer to float32's."""
     linears = [m for m in ours[torch.float32].modules() if isinstance(m, BlockQuantLinear)]
     assert len(linears) == 4 * ours[torch.float32].config.num_layers + 1
-    assert {f for m in linears for f in m.formats} == {"q4f", "q6f", "q5", "q8"}
+    assert {f for m in linears for f in m.formats} == {"q4k", "q6k", "q5", "q8"}
     assert sum(m.formats == ("q5", "q8") for m in linears) == 9
     chat = [2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

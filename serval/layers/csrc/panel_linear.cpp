@@ -7,11 +7,17 @@
 //       scales float16 [P, G, 2, 16] = (d, m) of the 16 columns; w = d * q + m (GGUF Q4_0, Q4_1).
 //   q5: q4's 16 rows and 4 rows of the fifth bit (row 16 + k / 8, bit k % 8 for position k); scales as q4's
 //       (GGUF Q5_0, Q5_1).
-//   q4f, q5f: q4's and q5's bytes with float32 scales [P, G, 2, 16] (GGUF Q4_K, Q5_K: the super-block's float16
-//       d and dmin times the 6-bit sub-block scale and min, exact in float32).
-//   q6f: q4's 16 rows and 8 rows of the two high bits (row 16 + k / 4, bits 2 (k % 4) and up); scales float32
-//       [P, G, 2, 16] = d of positions 0-15 and of 16-31 (Q6_K's float16 d times its int8 scale, exact);
-//       w = d * (q - 32), computed as fma(q, d, -32 d).
+//   q4k, q5k (GGUF Q4_K, Q5_K): q4's and q5's bytes; scales as the file keeps them, uint8 [P, G / 8, 320]: per
+//       super-block of 256 positions its 16 columns' float16 d and -dmin (2 rows of 16), then per block of 32
+//       the 16 columns' 6-bit sub-block scale sc and min mn (2 rows of 16 bytes); w = (d sc) q + (-dmin mn).
+//   q6k (GGUF Q6_K): q4's 16 rows and 8 rows of the two high bits (row 16 + k / 4, bits 2 (k % 4) and up);
+//       scales uint8 [P, G / 8, 288]: per super-block the float16 d (1 row of 16), then per block the int8 sc of
+//       positions 0-15 and of 16-31 (2 rows of 16 bytes); w = (d sc) (q - 32), computed as fma(q, d sc, -32 d sc).
+//   q4f, q5f, q6f: q4k's, q5k's and q6k's bytes with their products d sc (and -dmin mn) as float32 scales
+//       [P, G, 2, 16] (a slice that cuts super-blocks; Q5_0 as q5f where its -16 d overflows float16).
+//   The K formats' block scales are formed here as float(d) * float(sc): a float16 times a 6- or 8-bit integer
+//   is exact in float32, so they equal the float32 formats' scales and give the same bits (0.08 bytes of scales
+//   per weight instead of 0.25).
 //   q8: panels [P, G, 32, 16]: signed byte j of position k is column j's q; scales [P, G, 1, 16]; w = d * q.
 // (serval/layers/linear.py builds it from the GGUF layout without loss.)
 //
@@ -42,12 +48,18 @@ namespace {
 constexpr int64_t kBlock = 32;
 
 // The block formats (BlockWeight.format in linear.py). Each block holds 32 input positions of 16 columns.
-enum Format : int { kQ8, kQ4, kQ5, kQ4F, kQ5F, kQ6F };
+enum Format : int { kQ8, kQ4, kQ5, kQ4F, kQ5F, kQ6F, kQ4K, kQ5K, kQ6K };
+constexpr int kFormats = 9;
 // Bits above the nibble (5- and 6-bit codes), in bit-plane rows after the 16 nibble rows.
-constexpr int extra_bits(int f) { return f == kQ5 || f == kQ5F ? 1 : f == kQ6F ? 2 : 0; }
+constexpr int extra_bits(int f) { return f == kQ5 || f == kQ5F || f == kQ5K ? 1 : f == kQ6F || f == kQ6K ? 2 : 0; }
 constexpr bool half_scales(int f) { return f == kQ8 || f == kQ4 || f == kQ5; }
+constexpr bool k_scales(int f) { return f == kQ4K || f == kQ5K || f == kQ6K; }  // the file's K-quant scales
+constexpr bool sub_blocks_of_16(int f) { return f == kQ6F || f == kQ6K; }  // a scale per 16 positions, w = d (q - 32)
 constexpr int block_rows(int f) { return f == kQ8 ? 32 : 16 + 4 * extra_bits(f); }
-constexpr int scale_rows(int f) { return f == kQ8 ? 1 : 2; }
+constexpr int scale_rows(int f) { return f == kQ8 ? 1 : 2; }  // per block: rows of 16 scales (K formats: of bytes)
+constexpr int64_t kSuperBlocks = 8;  // blocks of 32 per K-quant super-block
+constexpr int super_rows(int f) { return f == kQ6K ? 1 : 2; }  // float16 rows of 16 per super-block: d (, -dmin)
+constexpr int64_t super_bytes(int f) { return super_rows(f) * 32 + kSuperBlocks * scale_rows(f) * 16; }
 
 // The vector operations the kernel is written in, for AVX-512 (16 lanes) or AVX2 (8 lanes). A tile is two
 // vectors wide (32 columns with AVX-512, 16 with AVX2) and has as many rows as the registers allow; each
@@ -117,41 +129,54 @@ constexpr int64_t kCols = 2 * kLanes;  // output columns of a tile
 
 
 // Where a tile's two vectors of one block start: their bytes (one row of 16 bytes per input position, or per pair
-// of them for the nibble formats) and their scales (a row of 16 per scale, float16 or float32).
+// of them for the nibble formats), their scales (a row of 16 per scale: float16, float32, or the K formats' bytes)
+// and, for the K formats, their super-block's float16 rows.
 struct Panels {
   const uint8_t* packed;
   const uint8_t* scales;
   int64_t groups, block_bytes, block_scale_bytes, scale_size;  // per 16-column panel, of one block
+  int64_t super_block_bytes, super_header_bytes;  // K formats: of a super-block's scales, and of its float16 rows
 
-  void block(int64_t tile, int64_t g, const uint8_t* q[2], const uint8_t* s[2]) const {
+  void block(int64_t tile, int64_t g, const uint8_t* q[2], const uint8_t* s[2], const uint16_t* h[2]) const {
     for (int c = 0; c < 2; ++c) {
       const int64_t column = tile * kCols + c * kLanes;
       const int64_t index = (column / 16) * groups + g;
       q[c] = packed + index * block_bytes + column % 16;
-      s[c] = scales + index * block_scale_bytes + (column % 16) * scale_size;
+      if (super_block_bytes) {
+        const uint8_t* super = scales + (index / kSuperBlocks) * super_block_bytes;
+        h[c] = reinterpret_cast<const uint16_t*>(super) + column % 16;
+        s[c] = super + super_header_bytes + (g % kSuperBlocks) * block_scale_bytes + column % 16;
+      } else {
+        s[c] = scales + index * block_scale_bytes + (column % 16) * scale_size;
+        h[c] = nullptr;
+      }
     }
   }
 };
 
+// Row r of a block's scales as float32. K formats: the super-block's float16 row (d, or -dmin for r = 1; q6k: d)
+// times the block's byte row r (sc, mn; q6k: sc of positions 0-15, of 16-31), exact in float32.
 template <int F>
-inline Vec load_scale(const uint8_t* s, int row) {
+inline Vec load_scale(const uint8_t* s, const uint16_t* h, int row) {
   if constexpr (half_scales(F)) return load_halves(reinterpret_cast<const uint16_t*>(s) + row * 16);
+  else if constexpr (F == kQ6K) return vmul(load_halves(h), signed_bytes(load_bytes(s + row * 16)));
+  else if constexpr (k_scales(F)) return vmul(load_halves(h + row * 16), unsigned_bytes(load_bytes(s + row * 16)));
   else return vload(reinterpret_cast<const float*>(s) + row * 16);
 }
 
 // A block's scales per vector c and half of the block h (Q6_K's sub-blocks are 16 positions): w = d * q + m.
-// q8: w = d * q (signed). q6f: scales (d of positions 0-15, d of 16-31), m = -32 d (exact: a power of two).
+// q8: w = d * q (signed). q6f, q6k: scales (d of positions 0-15, d of 16-31), m = -32 d (exact: a power of two).
 template <int F>
-inline void block_scales(const uint8_t* const s[2], Vec d[2][2], Vec m[2][2]) {
+inline void block_scales(const uint8_t* const s[2], const uint16_t* const h[2], Vec d[2][2], Vec m[2][2]) {
   for (int c = 0; c < 2; ++c) {
-    if constexpr (F == kQ6F) {
-      for (int h = 0; h < 2; ++h) {
-        d[c][h] = load_scale<F>(s[c], h);
-        m[c][h] = vmul(d[c][h], vset1(-32.f));
+    if constexpr (sub_blocks_of_16(F)) {
+      for (int half = 0; half < 2; ++half) {
+        d[c][half] = load_scale<F>(s[c], h[c], half);
+        m[c][half] = vmul(d[c][half], vset1(-32.f));
       }
     } else {
-      d[c][0] = d[c][1] = load_scale<F>(s[c], 0);
-      m[c][0] = m[c][1] = F == kQ8 ? vzero() : load_scale<F>(s[c], 1);
+      d[c][0] = d[c][1] = load_scale<F>(s[c], h[c], 0);
+      m[c][0] = m[c][1] = F == kQ8 ? vzero() : load_scale<F>(s[c], h[c], 1);
     }
   }
 }
@@ -180,9 +205,10 @@ inline void pair_weights(const uint8_t* q, int pair, Vec d, Vec m, Vec& even, Ve
 // One block (32 input positions) of a tile's columns, decoded to float32: out[k][0 .. kCols). The same
 // instructions as tile_inline's, so the same floats.
 template <int F>
-inline void decode_block(const uint8_t* const q[2], const uint8_t* const s[2], float* out) {
+inline void decode_block(const uint8_t* const q[2], const uint8_t* const s[2], const uint16_t* const h[2],
+                         float* out) {
   Vec d[2][2], m[2][2];
-  block_scales<F>(s, d, m);
+  block_scales<F>(s, h, d, m);
   for (int c = 0; c < 2; ++c) {
     if constexpr (F == kQ8) {
       for (int k = 0; k < kBlock; ++k)
@@ -216,9 +242,10 @@ void tile_inline(const Panels& w, int64_t tile, const float* x, int64_t ldx, Out
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* q[2];
     const uint8_t* s[2];
-    w.block(tile, g, q, s);
+    const uint16_t* h[2];
+    w.block(tile, g, q, s, h);
     Vec d[2][2], m[2][2];
-    block_scales<F>(s, d, m);
+    block_scales<F>(s, h, d, m);
     const float* xg = x + g * kBlock;
     if constexpr (F == kQ8) {
       for (int k = 0; k < kBlock; ++k) {
@@ -290,8 +317,9 @@ void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t 
       for (int64_t g = 0; g < w.groups; ++g) {
         const uint8_t* q[2];
         const uint8_t* s[2];
-        w.block(t, g, q, s);
-        decode_block<F>(q, s, panel + g * kBlock * kCols);
+        const uint16_t* h[2];
+        w.block(t, g, q, s, h);
+        decode_block<F>(q, s, h, panel + g * kBlock * kCols);
       }
       int64_t r0 = 0;
       for (; r0 + kTileRows <= M; r0 += kTileRows)
@@ -309,16 +337,19 @@ void gemm_format(int format, const float* x, int64_t M, int64_t K, const Panels&
     case kQ5: return gemm_panels<kQ5, Out>(x, M, K, w, N, y);
     case kQ4F: return gemm_panels<kQ4F, Out>(x, M, K, w, N, y);
     case kQ5F: return gemm_panels<kQ5F, Out>(x, M, K, w, N, y);
-    default: return gemm_panels<kQ6F, Out>(x, M, K, w, N, y);
+    case kQ6F: return gemm_panels<kQ6F, Out>(x, M, K, w, N, y);
+    case kQ4K: return gemm_panels<kQ4K, Out>(x, M, K, w, N, y);
+    case kQ5K: return gemm_panels<kQ5K, Out>(x, M, K, w, N, y);
+    default: return gemm_panels<kQ6K, Out>(x, M, K, w, N, y);
   }
 }
 #endif
 
 int format_index(const std::string& name) {
-  static const char* const names[] = {"q8", "q4", "q5", "q4f", "q5f", "q6f"};
-  for (int f = 0; f < 6; ++f)
+  static const char* const names[kFormats] = {"q8", "q4", "q5", "q4f", "q5f", "q6f", "q4k", "q5k", "q6k"};
+  for (int f = 0; f < kFormats; ++f)
     if (name == names[f]) return f;
-  TORCH_CHECK(false, "unknown block format ", name, " (q8, q4, q5, q4f, q5f, q6f)");
+  TORCH_CHECK(false, "unknown block format ", name, " (q8, q4, q5, q4f, q5f, q6f, q4k, q5k, q6k)");
   return -1;
 }
 
@@ -332,8 +363,9 @@ bool block_panel_kernel_available() {
 #endif
 }
 
-// x [M, K] (float32 or bfloat16); panels uint8 [P, G, rows, 16] (rows: 32 for q8, 16 for q4 and q4f, 20 for q5 and
-// q5f, 24 for q6f), scales [P, G, 2 (1 for q8), 16], float16 for q8, q4 and q5, float32 for q4f, q5f and q6f; P * 16
+// x [M, K] (float32 or bfloat16); panels uint8 [P, G, rows, 16] (rows: 32 for q8, 16 for q4, q4f and q4k, 20 for
+// q5, q5f and q5k, 24 for q6f and q6k), scales [P, G, 2 (1 for q8), 16], float16 for q8, q4 and q5, float32 for
+// q4f, q5f and q6f; for q4k and q5k uint8 [P, G / 8, 320], for q6k [P, G / 8, 288] (G a multiple of 8); P * 16
 // >= N, P even and G * 32 >= K. Returns y [M, N] in x's dtype, or in float32 with float_output (logits: rounding them
 // to bfloat16 would tie tokens whose scores differ by less than 1/8 at magnitude 16).
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
@@ -345,9 +377,15 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
               "panels: uint8 [P (even), G, ", block_rows(f), ", 16] for ", format);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, groups = panels.size(1);
   TORCH_CHECK(panels.size(0) * 16 >= N && groups * kBlock >= K, "panels must cover the weight");
-  TORCH_CHECK(scales.scalar_type() == (half_scales(f) ? at::kHalf : at::kFloat) && scales.is_contiguous() &&
-                  scales.numel() == panels.size(0) * groups * scale_rows(f) * 16,
-              "scales: [P, G, ", scale_rows(f), ", 16] ", half_scales(f) ? "float16" : "float32", " for ", format);
+  if (k_scales(f)) {
+    TORCH_CHECK(groups % kSuperBlocks == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                    scales.numel() == panels.size(0) * (groups / kSuperBlocks) * super_bytes(f),
+                "scales: uint8 [P, G / 8, ", super_bytes(f), "] for ", format, " (G a multiple of 8)");
+  } else {
+    TORCH_CHECK(scales.scalar_type() == (half_scales(f) ? at::kHalf : at::kFloat) && scales.is_contiguous() &&
+                    scales.numel() == panels.size(0) * groups * scale_rows(f) * 16,
+                "scales: [P, G, ", scale_rows(f), ", 16] ", half_scales(f) ? "float16" : "float32", " for ", format);
+  }
 #if defined(SERVAL_PANEL_KERNEL)
   // The activations in float32, rows padded with zeros to the blocks' width; converted here rather than by
   // aten ops: at one row a call's fixed costs are a good part of its time.
@@ -363,7 +401,8 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   });
   const int64_t scale_size = scales.element_size();
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), groups,
-                 block_rows(f) * 16, scale_rows(f) * 16 * scale_size, scale_size};
+                 block_rows(f) * 16, scale_rows(f) * 16 * scale_size, scale_size,
+                 k_scales(f) ? super_bytes(f) : 0, super_rows(f) * 32};
   if (x.scalar_type() == at::kBFloat16 && !float_output) {
     at::Tensor y = at::empty({M, N}, x.options());
     gemm_format(f, xf, M, padded, w, N, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
