@@ -50,8 +50,8 @@ class Gemma3Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # each head's queries and keys, as views into qkv (a C++ pass each on the CPU)
             q, k = self.q_norm(q), self.k_norm(k)
-        qk = rope.rotate_(torch.cat([q, k], dim=1))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        # Rotated in place, each on its own: no concatenated copy and no split of it (small ops that decode pays for).
+        q, k = rope.rotate_(q), rope.rotate_(k)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window,
                               softcap=self.softcap)
