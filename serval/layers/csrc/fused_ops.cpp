@@ -152,17 +152,29 @@ inline float gelu_tanh(float x) {
   return z >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
 }
 #if defined(SERVAL_V16)
-// The same, 16 lanes, with the same operations in both builds (the same bits from AVX-512 and AVX2).
-inline serval::V16 gelu_tanh16(serval::V16 x) {
-  using namespace serval;
-  const V16 z = mul16(set16(1.5957691216057308f), add16(x, mul16(set16(0.044715f), mul16(x, mul16(x, x)))));
-  const V16 minus_abs = sub16(zero16(), max16(z, sub16(zero16(), z)));
-  const V16 e = exp_nonpositive16(minus_abs);
-  float zs[16], es[16], xs[16];
-  store16(zs, z), store16(es, e), store16(xs, x);
-  for (int l = 0; l < 16; ++l) xs[l] = zs[l] >= 0.f ? xs[l] / (1.f + es[l]) : xs[l] * es[l] / (1.f + es[l]);
-  return load16(xs);
+// The same, 8 or 16 lanes, operation for operation (the same bits from AVX-512 and AVX2).
+inline __m256 gelu_tanh(__m256 x) {
+  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
+                                 _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f),
+                                                                _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
+  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), z);
+  const __m256 e = serval::exp_nonpositive(_mm256_sub_ps(_mm256_setzero_ps(), abs));
+  const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ));
+  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
+#if defined(__AVX512F__)
+inline __m512 gelu_tanh(__m512 x) {
+  const __m512 z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f),
+                                 _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f),
+                                                                _mm512_mul_ps(x, _mm512_mul_ps(x, x)))));
+  const __m512 e = serval::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+  const __m512 numerator = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), x, e);
+  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+inline serval::V16 gelu_tanh16(serval::V16 a) { return {gelu_tanh(a.v)}; }
+#else
+inline serval::V16 gelu_tanh16(serval::V16 a) { return {gelu_tanh(a.lo), gelu_tanh(a.hi)}; }
+#endif
 #endif
 
 // out[r] = gelu_tanh(gate[r]) * up[r] for x [rows, 2n] = [gate | up], rounded as silu_and_mul_rows rounds.
