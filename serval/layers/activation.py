@@ -1,4 +1,5 @@
-"""SwiGLU's activation: silu(gate) * up, fused in one C++ pass on the CPU and one Triton kernel on CUDA."""
+"""The gated MLPs' activations: SwiGLU's silu(gate) * up (one C++ pass on the CPU, one Triton kernel on CUDA)
+and GeGLU's gelu_tanh(gate) * up (one C++ pass on the CPU)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up.reshape(-1, 2 * n).contiguous()).view(*gate_up.shape[:-1], n)
     gate, up = gate_up.split(n, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up [..., 2n] = [gate | up] (Gemma's MLP); on the CPU one C++
+    pass with the PyTorch lines' roundings (the gelu within float32 rounding of PyTorch's)."""
+    n = gate_up.shape[-1] // 2
+    if (kernels := cpu_kernels.for_device(gate_up.device)) is not None:
+        return kernels.gelu_tanh_and_mul(gate_up.reshape(-1, 2 * n).contiguous()).view(*gate_up.shape[:-1], n)
+    gate, up = gate_up.split(n, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

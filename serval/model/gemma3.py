@@ -17,27 +17,15 @@ included).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from serval.config import ModelConfig
+from serval.layers.activation import gelu_tanh_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.linear import Linear
+from serval.layers.norm import GemmaRMSNorm
 from serval.layers.rotary import RotaryEmbedding, RotaryStep
 from serval.model.llama import LlamaForCausalLM, LlamaMLP
-
-
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w), in float32, cast back once (``weight`` holds w, as the reference's checkpoints do)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class Gemma3Attention(nn.Module):
@@ -55,14 +43,16 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, rope: RotaryStep, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        qkv = self.qkv_proj(x)
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head's queries and keys, as views into qkv (a C++ pass each on the CPU)
             q, k = self.q_norm(q), self.k_norm(k)
-        qk = rope.rotate_(torch.cat([q, k], dim=1))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        # Rotated in place, each on its own: no concatenated copy and no split of it (small ops that decode pays for).
+        q, k = rope.rotate_(q), rope.rotate_(k)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window,
                               softcap=self.softcap)
         return self.o_proj(out.flatten(1))
@@ -72,8 +62,7 @@ class Gemma3MLP(LlamaMLP):
     """Llama's MLP with GeGLU (gelu, tanh approximation) for SwiGLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -88,10 +77,14 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(config)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(self, rope: RotaryStep, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, rope: RotaryStep, x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: input_layernorm(residual), normed by the layer before; returns (next_norm(r), r) for the new residual
+        stream r. Each sublayer's output is normed, added and the next input normed in one call (one pass on the
+        CPU): the reference's x + post_norm(sublayer(pre_norm(x))) twice."""
+        attended = self.self_attn(rope, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_to(attended, residual, self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm.add_to(self.mlp(x), residual, next_norm)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -117,9 +110,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         global_rope = self.rotary.for_step(positions, x.dtype)
         local_rope = self.rotary_local.for_step(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(local_rope if layer.sliding else global_rope, x, kv_cache, meta)
-        return self.norm(x)
+        residual, x = x, self.layers[0].input_layernorm(x)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
+            x, residual = layer(local_rope if layer.sliding else global_rope, x, residual, kv_cache, meta, next_norm)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -123,3 +123,122 @@ def test_argmax_rows_is_torch_argmax_with_ties_and_nans():
     for n in (1, 5, 16, 17, 33, 47):
         y = torch.randn(3, n, generator=gen)
         assert torch.equal(kernels.argmax_rows(y), y.argmax(-1)), n
+
+
+# --- Gemma: its RMSNorm, x / rms(x) * (1 + w) in float32 (alone, per head, and added into the residual stream and
+# normed again in one call), and GeGLU's gelu_tanh(gate) * up ---
+
+
+def gemma_reference(x, weight, eps):
+    """GemmaRMSNorm's PyTorch lines (its fallback): the formula the kernel replaces."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def assert_within_rounding(got, want, dtype):
+    """The float32 sum runs in another order: at most one rounding step of the dtype apart, relative to each value
+    (2 ulps of the dtype, plus 1e-6 absolute for values near zero)."""
+    assert torch.all((got.float() - want.float()).abs() <= 2 * ulps(dtype) * want.float().abs() + 1e-6)
+
+
+def gemma_inputs(dtype, rows=37, size=640, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, size, generator=g) * 3).to(dtype)
+    residual = (torch.randn(rows, size, generator=g) * 10).to(dtype)
+    weight = (0.3 * torch.randn(size, generator=g)).to(dtype)
+    next_weight = (0.3 * torch.randn(size, generator=g)).to(dtype)
+    return x, residual, weight, next_weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_matches_the_pytorch_formula(dtype):
+    x, _, weight, _ = gemma_inputs(dtype)
+    out, same = kernels.gemma_rms_norm(x, weight, 1e-6)
+    assert same is x
+    assert_within_rounding(out, gemma_reference(x, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_of_each_head_inside_the_qkv_output(dtype):
+    """Queries as Gemma 3's attention passes them: a [T, heads, D] view into qkv, each head normed alone."""
+    g = torch.Generator().manual_seed(4)
+    qkv = (torch.randn(9, (4 + 2 + 2) * 32, generator=g) * 2).to(dtype)
+    q = qkv[:, :4 * 32].view(9, 4, 32)
+    weight = (0.3 * torch.randn(32, generator=g)).to(dtype)
+    out = kernels.gemma_rms_norm(q, weight, 1e-6)[0]
+    assert out.shape == (9, 4, 32) and out.is_contiguous()
+    assert_within_rounding(out, gemma_reference(q.contiguous(), weight, 1e-6), dtype)
+    assert torch.equal(out, kernels.gemma_rms_norm(q.contiguous(), weight, 1e-6)[0])  # strided = contiguous, bitwise
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_add_and_norm_again_matches_the_pytorch_lines(dtype):
+    x, residual, weight, next_weight = gemma_inputs(dtype)
+    out, r = kernels.gemma_rms_norm(x, weight, 1e-6, residual, next_weight)
+    # The residual stream: the kernel's own norm of x added as the PyTorch add rounds it, bit for bit.
+    assert torch.equal(r, residual + kernels.gemma_rms_norm(x, weight, 1e-6)[0])
+    assert_within_rounding(r, residual + gemma_reference(x, weight, 1e-6), dtype)
+    assert_within_rounding(out, gemma_reference(r, next_weight, 1e-6), dtype)
+    only_r, same = kernels.gemma_rms_norm(x, weight, 1e-6, residual)  # no next norm: (r, r)
+    assert torch.equal(only_r, r) and same is only_r
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_norm_and_geglu_rows_are_the_same_alone_or_in_a_batch(dtype):
+    x, residual, weight, next_weight = gemma_inputs(dtype, rows=33)
+    batch = kernels.gemma_rms_norm(x, weight, 1e-6, residual, next_weight)
+    heads = kernels.gemma_rms_norm(x.view(33, 20, 32), weight[:32].contiguous(), 1e-6)[0]
+    gate_up = torch.cat([x, residual], dim=1)
+    geglu = kernels.gelu_tanh_and_mul(gate_up)
+    for row in (0, 17, 32):
+        alone = kernels.gemma_rms_norm(x[row:row + 1], weight, 1e-6, residual[row:row + 1], next_weight)
+        assert torch.equal(alone[0][0], batch[0][row]) and torch.equal(alone[1][0], batch[1][row])
+        assert torch.equal(kernels.gemma_rms_norm(x[row:row + 1], weight, 1e-6)[0][0],
+                           kernels.gemma_rms_norm(x, weight, 1e-6)[0][row])
+        head = kernels.gemma_rms_norm(x[row:row + 1].view(1, 20, 32), weight[:32].contiguous(), 1e-6)[0]
+        assert torch.equal(head[0], heads[row])
+        assert torch.equal(kernels.gelu_tanh_and_mul(gate_up[row:row + 1])[0], geglu[row])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_the_pytorch_lines(dtype):
+    g = torch.Generator().manual_seed(5)
+    gate = torch.randn(13, 2050, generator=g) * 4  # a width that is no multiple of 16: the padded last lanes
+    gate[0, :6] = torch.tensor([0.0, -0.0, 30.0, -30.0, 1e20, -1e20])
+    gate_up = torch.cat([gate, torch.randn(13, 2050, generator=g)], dim=1).to(dtype)
+    up = gate_up[:, 2050:]
+    want = F.gelu(gate_up[:, :2050], approximate="tanh") * up
+    got = kernels.gelu_tanh_and_mul(gate_up)
+    # The gelu within float32 rounding (the sigmoid form rather than 1 + tanh), then PyTorch's roundings: at most one
+    # rounding step of the dtype apart per value (plus 1e-6 absolute, where 1 + tanh(u) cancels in PyTorch's form).
+    assert_within_rounding(got, want, dtype)
+
+
+def test_gemma_layers_take_the_kernels_on_the_cpu_and_fall_back_without_them(monkeypatch):
+    """A Gemma 3 model (per-head q/k norms, GeGLU) runs no PyTorch norm or gelu on the CPU; without the kernels the
+    PyTorch lines give the same logits within rounding."""
+    from tiny_models import full_logits
+
+    from serval.config import ModelConfig
+    from serval.model.gemma3 import Gemma3ForCausalLM
+
+    config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position=64, rms_norm_eps=1e-6, architecture="gemma3",
+                         layer_types=["sliding_attention", "full_attention"], sliding_window=4, qk_norm=True,
+                         rope_local_theta=10000.0, query_pre_attn_scalar=16)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape) * 0.3)
+    ids = list(range(3, 30))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the PyTorch path ran on the CPU")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "rms_norm", refuse)
+        patch.setattr(F, "gelu", refuse)
+        fused = full_logits(model, ids)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    plain = full_logits(model, ids)
+    assert torch.allclose(fused, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())

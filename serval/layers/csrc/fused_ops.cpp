@@ -102,6 +102,105 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
   });
 }
 
+// Gemma's RMSNorm of one row: x / rms(x) * (1 + w), all in float32, rounded to T once. r holds the row as floats.
+template <typename T>
+inline void gemma_norm_row(const float* r, const T* weight, T* out, int64_t n, float eps) {
+  float lanes[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += r[i + l] * r[i + l];
+  for (; i < n; ++i) lanes[0] += r[i] * r[i];
+  float sum = 0.f;
+  for (float v : lanes) sum += v;
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; ++k) out[k] = static_cast<T>((r[k] * inv) * (1.f + static_cast<float>(weight[k])));
+}
+
+// Rows of n values, row r at x + r * row_stride (queries or keys of one head: a [tokens, heads, D] view into the qkv
+// output is tokens * heads rows with a token stride). Without a residual: out = norm(x). With one: residual_out =
+// residual + norm(x) rounded to T (Gemma's sublayer output joining the residual stream, as the PyTorch add rounds
+// it), and out = next_norm(residual_out) when next_weight is given (the next sublayer's pre-norm).
+template <typename T>
+void gemma_rms_norm_rows(const T* x, int64_t heads, int64_t token_stride, const T* weight, T* out,
+                         const T* residual, T* residual_out, const T* next_weight, int64_t rows, int64_t n,
+                         float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> r(n);
+    std::vector<T> normed(residual ? n : 0);
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = x + (row / heads) * token_stride + (row % heads) * n;
+      for (int64_t i = 0; i < n; ++i) r[i] = static_cast<float>(xr[i]);
+      if (!residual) {
+        gemma_norm_row<T>(r.data(), weight, out + row * n, n, eps);
+        continue;
+      }
+      gemma_norm_row<T>(r.data(), weight, normed.data(), n, eps);
+      for (int64_t i = 0; i < n; ++i) {
+        r[i] = round_to<T>(static_cast<float>(residual[row * n + i]) + static_cast<float>(normed[i]));
+        residual_out[row * n + i] = static_cast<T>(r[i]);
+      }
+      if (next_weight) gemma_norm_row<T>(r.data(), next_weight, out + row * n, n, eps);
+    }
+  });
+}
+
+// gelu(x) with the tanh approximation, 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3);
+// the sigmoid from e^-|2u| as silu's is, so no exponent is positive.
+inline float gelu_tanh(float x) {
+  const float z = 1.5957691216057308f * (x + 0.044715f * (x * (x * x)));
+  const float e = std::exp(-std::fabs(z));
+  return z >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
+}
+#if defined(SERVAL_V16)
+// The same, 8 or 16 lanes, operation for operation (the same bits from AVX-512 and AVX2).
+inline __m256 gelu_tanh(__m256 x) {
+  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
+                                 _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f),
+                                                                _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
+  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), z);
+  const __m256 e = serval::exp_nonpositive(_mm256_sub_ps(_mm256_setzero_ps(), abs));
+  const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ));
+  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+#if defined(__AVX512F__)
+inline __m512 gelu_tanh(__m512 x) {
+  const __m512 z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f),
+                                 _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f),
+                                                                _mm512_mul_ps(x, _mm512_mul_ps(x, x)))));
+  const __m512 e = serval::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+  const __m512 numerator = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), x, e);
+  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+inline serval::V16 gelu_tanh16(serval::V16 a) { return {gelu_tanh(a.v)}; }
+#else
+inline serval::V16 gelu_tanh16(serval::V16 a) { return {gelu_tanh(a.lo), gelu_tanh(a.hi)}; }
+#endif
+#endif
+
+// out[r] = gelu_tanh(gate[r]) * up[r] for x [rows, 2n] = [gate | up], rounded as silu_and_mul_rows rounds.
+template <typename T>
+void gelu_tanh_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* gate = x + row * 2 * n;
+      const T* up = gate + n;
+      T* o = out + row * n;
+      int64_t i = 0;
+#if defined(SERVAL_V16)
+      float s[16];
+      for (; i < n; i += 16) {
+        const int64_t count = std::min<int64_t>(16, n - i);
+        for (int j = 0; j < 16; ++j) s[j] = j < count ? static_cast<float>(gate[i + j]) : 0.f;
+        serval::store16(s, gelu_tanh16(serval::load16(s)));
+        for (int j = 0; j < count; ++j) o[i + j] = static_cast<T>(round_to<T>(s[j]) * static_cast<float>(up[i + j]));
+      }
+#endif
+      for (; i < n; ++i)
+        o[i] = static_cast<T>(round_to<T>(gelu_tanh(static_cast<float>(gate[i]))) * static_cast<float>(up[i]));
+    }
+  });
+}
+
 }  // namespace
 
 // x [rows, n]; residual [rows, n] or undefined; weight [n]. Returns (weight * rms_norm(x + residual), x + residual);
@@ -146,6 +245,54 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), n);
+  });
+  return out;
+}
+
+// Gemma's RMSNorm, x / rms(x) * (1 + weight) in float32, for x [..., n] (contiguous, or [T, H, n] with each
+// token's heads contiguous: per-head queries or keys inside the qkv output). Without residual: returns
+// (norm(x), x). With residual [rows, n]: r = residual + norm(x) (rounded to the dtype), and returns
+// (next_norm(r), r) if next_weight is given, else (r, r).
+std::tuple<at::Tensor, at::Tensor> gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                  const c10::optional<at::Tensor>& residual,
+                                                  const c10::optional<at::Tensor>& next_weight) {
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && weight.scalar_type() == x.scalar_type(),
+              "weight: contiguous [n], x's dtype");
+  int64_t heads = 1, token_stride = n;
+  if (!x.is_contiguous()) {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == n,
+                "x: contiguous, or [T, H, n] with each token's heads contiguous");
+    heads = x.size(1), token_stride = x.stride(0);
+  }
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const bool has_residual = residual.has_value() && residual->defined();
+  const bool has_next = next_weight.has_value() && next_weight->defined();
+  TORCH_CHECK(!has_residual || (residual->is_contiguous() && residual->numel() == x.numel() &&
+                                residual->scalar_type() == x.scalar_type()), "residual: contiguous, like x");
+  TORCH_CHECK(!has_next || (has_residual && next_weight->is_contiguous() && next_weight->numel() == n &&
+                            next_weight->scalar_type() == x.scalar_type()), "next_weight: like weight, with a residual");
+  const auto shape = has_residual ? residual->sizes() : x.sizes();
+  at::Tensor residual_out = has_residual ? at::empty(shape, x.options()) : x;
+  at::Tensor out = has_residual && !has_next ? residual_out : at::empty(shape, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemma_rms_norm", [&] {
+    gemma_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), heads, token_stride, weight.data_ptr<scalar_t>(),
+                                  has_residual && !has_next ? nullptr : out.data_ptr<scalar_t>(),
+                                  has_residual ? residual->data_ptr<scalar_t>() : nullptr,
+                                  has_residual ? residual_out.data_ptr<scalar_t>() : nullptr,
+                                  has_next ? next_weight->data_ptr<scalar_t>() : nullptr, rows, n,
+                                  static_cast<float>(eps));
+  });
+  return {out, residual_out};
+}
+
+// x [rows, 2n] = [gate | up] -> gelu_tanh(gate) * up [rows, n] (Gemma's GeGLU).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x: contiguous [rows, 2n]");
+  const int64_t n = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_tanh_and_mul", [&] {
+    gelu_tanh_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), n);
   });
   return out;
 }
