@@ -1,7 +1,8 @@
 """The CPU kernels' AVX2 build (``SERVAL_CPU_ISA=avx2``, what AVX2-only CPUs such as AMD EPYC Zen 2/3 run) gives
 bitwise the outputs of this machine's build: the block linear, the tiled attention and silu are written once over
 vectors of 8 or 16 lanes with the same arithmetic per output. On an AVX-512 machine this is what tests the AVX2
-paths; on an AVX2 machine it compares two AVX2 builds. Gemma's gelu_tanh(gate) * up likewise."""
+paths; on an AVX2 machine it compares two AVX2 builds. Gemma's gelu_tanh(gate) * up (SLEEF's
+tanh in 8 lanes or 16) and norm likewise."""
 
 from __future__ import annotations
 
@@ -65,7 +66,10 @@ def outputs(k) -> dict[str, torch.Tensor]:
         for n in (1536, 40):  # a row that ends mid-vector
             gate_up = torch.randn(5, 2 * n, generator=torch.Generator().manual_seed(n)) * 6
             out[f"silu_and_mul {n} {dtype}"] = k.silu_and_mul(gate_up.to(dtype))
-            out[f"gelu_tanh_and_mul {n} {dtype}"] = k.gelu_tanh_and_mul(gate_up.to(dtype))
+            out[f"gelu_tanh_and_mul {n} {dtype}"] = k.gelu_tanh_and_mul(gate_up.to(dtype), 16)
+        x = torch.randn(5, 640, generator=torch.Generator().manual_seed(6)).to(dtype)
+        for lanes in (16, 8):  # Gemma's norm, its sum in the order of PyTorch's AVX-512 and AVX2 builds
+            out[f"gemma_rms_norm {lanes} {dtype}"] = k.gemma_rms_norm(x, (x[0] / 4).contiguous(), 1e-6, lanes)[0]
     logits = torch.randn(6, 49155, generator=torch.Generator().manual_seed(3))
     logits[1, 100] = logits[1, 40000] = logits[1].max() + 1  # a tie: the first wins
     logits[2, 49153] = logits[2].max() + 1  # in the tail past the last full vector
@@ -92,7 +96,8 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
                    cwd=HERE.parents[1], timeout=900)
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
-    assert avx2.keys() == native.keys() and len(native) == 8 * len(FORMATS) + 11 + 3 + 3 + 3 * 3 * 2 + 4  # + 4: gelu
+    # + 4 gelu, + 4 Gemma norm
+    assert avx2.keys() == native.keys() and len(native) == 8 * len(FORMATS) + 11 + 3 + 3 + 3 * 3 * 2 + 4 + 4
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case
     assert native["argmax"].tolist()[1:4] == [100, 49153, 7]

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from serval.layers import cpu_kernels
-from serval.layers.activation import silu_and_mul
-from serval.layers.norm import RMSNorm
+from serval.layers.activation import exact_gelu_lanes, gelu_tanh_and_mul, silu_and_mul
+from serval.layers.norm import GemmaRMSNorm, RMSNorm, exact_sum_lanes
 from serval.layers.rotary import RotaryEmbedding
 
 kernels = cpu_kernels.load()
@@ -126,99 +126,104 @@ def test_argmax_rows_is_torch_argmax_with_ties_and_nans():
 
 
 # --- Gemma: its RMSNorm, x / rms(x) * (1 + w) in float32 (alone, per head, and added into the residual stream and
-# normed again in one call), and GeGLU's gelu_tanh(gate) * up ---
+# normed again in one call), and GeGLU's gelu_tanh(gate) * up: the PyTorch lines' bits ---
+
+TORCH_LANES = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
 
 
-def gemma_reference(x, weight, eps):
-    """GemmaRMSNorm's PyTorch lines (its fallback): the formula the kernel replaces."""
-    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
+def gemma_norm(size, dtype, seed=3) -> GemmaRMSNorm:
+    norm = GemmaRMSNorm(size, 1e-6).to(dtype)
+    norm.weight.copy_(0.3 * torch.randn(size, generator=torch.Generator().manual_seed(seed)))
+    return norm
 
 
-def assert_within_rounding(got, want, dtype):
-    """The float32 sum runs in another order: at most one rounding step of the dtype apart, relative to each value
-    (2 ulps of the dtype, plus 1e-6 absolute for values near zero)."""
-    assert torch.all((got.float() - want.float()).abs() <= 2 * ulps(dtype) * want.float().abs() + 1e-6)
-
-
-def gemma_inputs(dtype, rows=37, size=640, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(rows, size, generator=g) * 3).to(dtype)
-    residual = (torch.randn(rows, size, generator=g) * 10).to(dtype)
-    weight = (0.3 * torch.randn(size, generator=g)).to(dtype)
-    next_weight = (0.3 * torch.randn(size, generator=g)).to(dtype)
-    return x, residual, weight, next_weight
+def gemma_rows(rows, size, dtype, seed=4, scale=3.0):
+    return (torch.randn(rows, size, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemma_rms_norm_matches_the_pytorch_formula(dtype):
-    x, _, weight, _ = gemma_inputs(dtype)
-    out, same = kernels.gemma_rms_norm(x, weight, 1e-6)
-    assert same is x
-    assert_within_rounding(out, gemma_reference(x, weight, 1e-6), dtype)
+@pytest.mark.parametrize("size", [640, 256, 1152, 100])  # Gemma 3 270M's width and head; 1B's width; a ragged one
+def test_gemma_rms_norm_is_the_pytorch_lines_bitwise(dtype, size):
+    """The C++ norm adds the squares in PyTorch's order (its float vectors, 4 accumulators, cascaded blocks), so on
+    rows of every scale it gives the PyTorch lines' bits."""
+    norm = gemma_norm(size, dtype)
+    assert exact_sum_lanes(kernels, size, dtype) is not None or TORCH_LANES is None
+    assert norm._kernel(gemma_rows(1, size, dtype)) is not None or TORCH_LANES is None
+    for seed, scale in ((4, 3.0), (5, 1e-3), (6, 500.0)):
+        x = gemma_rows(45, size, dtype, seed, scale) * torch.logspace(-2, 2, 45)[:, None].to(dtype)
+        assert torch.equal(norm(x), norm.reference(x))
+        assert torch.equal(norm(x[7:8]), norm.reference(x[7:8]))  # one row: the decode step's
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemma_rms_norm_of_each_head_inside_the_qkv_output(dtype):
-    """Queries as Gemma 3's attention passes them: a [T, heads, D] view into qkv, each head normed alone."""
-    g = torch.Generator().manual_seed(4)
-    qkv = (torch.randn(9, (4 + 2 + 2) * 32, generator=g) * 2).to(dtype)
-    q = qkv[:, :4 * 32].view(9, 4, 32)
-    weight = (0.3 * torch.randn(32, generator=g)).to(dtype)
-    out = kernels.gemma_rms_norm(q, weight, 1e-6)[0]
-    assert out.shape == (9, 4, 32) and out.is_contiguous()
-    assert_within_rounding(out, gemma_reference(q.contiguous(), weight, 1e-6), dtype)
-    assert torch.equal(out, kernels.gemma_rms_norm(q.contiguous(), weight, 1e-6)[0])  # strided = contiguous, bitwise
+def test_gemma_rms_norm_of_each_head_inside_the_qkv_output_is_the_pytorch_lines_bitwise(dtype):
+    """Queries and keys as Gemma 3's attention passes them: [T, heads, 256] views into qkv, each head normed alone."""
+    qkv = gemma_rows(9, (4 + 1 + 1) * 256, dtype, seed=7, scale=2.0)
+    q, k = qkv[:, :4 * 256].view(9, 4, 256), qkv[:, 4 * 256:5 * 256].view(9, 1, 256)
+    for heads in (q, k):
+        norm = gemma_norm(256, dtype, seed=8)
+        out = norm(heads)
+        assert out.shape == heads.shape and out.is_contiguous()
+        assert torch.equal(out, norm.reference(heads))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemma_add_and_norm_again_matches_the_pytorch_lines(dtype):
-    x, residual, weight, next_weight = gemma_inputs(dtype)
-    out, r = kernels.gemma_rms_norm(x, weight, 1e-6, residual, next_weight)
-    # The residual stream: the kernel's own norm of x added as the PyTorch add rounds it, bit for bit.
-    assert torch.equal(r, residual + kernels.gemma_rms_norm(x, weight, 1e-6)[0])
-    assert_within_rounding(r, residual + gemma_reference(x, weight, 1e-6), dtype)
-    assert_within_rounding(out, gemma_reference(r, next_weight, 1e-6), dtype)
-    only_r, same = kernels.gemma_rms_norm(x, weight, 1e-6, residual)  # no next norm: (r, r)
+def test_gemma_add_and_norm_again_is_the_pytorch_lines_bitwise(dtype):
+    """post_norm(x) added into the residual stream and the next pre-norm of it, in one call: the PyTorch lines'
+    residual + post_norm(x) and pre_norm of that sum, bit for bit."""
+    post, pre = gemma_norm(640, dtype, seed=9), gemma_norm(640, dtype, seed=10)
+    x = gemma_rows(37, 640, dtype, seed=11, scale=30.0)
+    residual = gemma_rows(37, 640, dtype, seed=12, scale=10.0)
+    out, r = post.add_to(x, residual, pre)
+    want_r = residual + post.reference(x)
+    assert torch.equal(r, want_r) and torch.equal(out, pre.reference(want_r))
+    lanes = exact_sum_lanes(kernels, 640, dtype)
+    only_r, same = kernels.gemma_rms_norm(x, post.weight, 1e-6, lanes, residual)  # no next norm: (r, r)
     assert torch.equal(only_r, r) and same is only_r
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemma_norm_and_geglu_rows_are_the_same_alone_or_in_a_batch(dtype):
-    x, residual, weight, next_weight = gemma_inputs(dtype, rows=33)
-    batch = kernels.gemma_rms_norm(x, weight, 1e-6, residual, next_weight)
-    heads = kernels.gemma_rms_norm(x.view(33, 20, 32), weight[:32].contiguous(), 1e-6)[0]
+    x, residual = gemma_rows(33, 640, dtype, seed=3), gemma_rows(33, 640, dtype, seed=13, scale=10.0)
+    weight, next_weight = gemma_norm(640, dtype, seed=14).weight, gemma_norm(640, dtype, seed=15).weight
+    lanes = exact_sum_lanes(kernels, 640, dtype) or 16
+    batch = kernels.gemma_rms_norm(x, weight, 1e-6, lanes, residual, next_weight)
+    heads = kernels.gemma_rms_norm(x.view(33, 20, 32), weight[:32].contiguous(), 1e-6, lanes)[0]
     gate_up = torch.cat([x, residual], dim=1)
-    geglu = kernels.gelu_tanh_and_mul(gate_up)
+    geglu = kernels.gelu_tanh_and_mul(gate_up, lanes)
     for row in (0, 17, 32):
-        alone = kernels.gemma_rms_norm(x[row:row + 1], weight, 1e-6, residual[row:row + 1], next_weight)
+        alone = kernels.gemma_rms_norm(x[row:row + 1], weight, 1e-6, lanes, residual[row:row + 1], next_weight)
         assert torch.equal(alone[0][0], batch[0][row]) and torch.equal(alone[1][0], batch[1][row])
-        assert torch.equal(kernels.gemma_rms_norm(x[row:row + 1], weight, 1e-6)[0][0],
-                           kernels.gemma_rms_norm(x, weight, 1e-6)[0][row])
-        head = kernels.gemma_rms_norm(x[row:row + 1].view(1, 20, 32), weight[:32].contiguous(), 1e-6)[0]
+        assert torch.equal(kernels.gemma_rms_norm(x[row:row + 1], weight, 1e-6, lanes)[0][0],
+                           kernels.gemma_rms_norm(x, weight, 1e-6, lanes)[0][row])
+        head = kernels.gemma_rms_norm(x[row:row + 1].view(1, 20, 32), weight[:32].contiguous(), 1e-6, lanes)[0]
         assert torch.equal(head[0], heads[row])
-        assert torch.equal(kernels.gelu_tanh_and_mul(gate_up[row:row + 1])[0], geglu[row])
+        assert torch.equal(kernels.gelu_tanh_and_mul(gate_up[row:row + 1], lanes)[0], geglu[row])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_tanh_and_mul_matches_the_pytorch_lines(dtype):
-    g = torch.Generator().manual_seed(5)
-    gate = torch.randn(13, 2050, generator=g) * 4  # a width that is no multiple of 16: the padded last lanes
+@pytest.mark.parametrize("width", [2048, 2050, 40])  # Gemma 3 270M's; past PyTorch's last pair of vectors
+def test_gelu_tanh_and_mul_is_the_pytorch_lines_bitwise(dtype, width):
+    """SLEEF's tanh in vectors and libm's past the last pair of vectors, as PyTorch's loop takes them, and its one
+    FMA in x + 0.044715 x^3: the bits of F.gelu(gate, approximate="tanh") * up."""
+    g = torch.Generator().manual_seed(width)
+    gate = torch.randn(13, width, generator=g) * 4
     gate[0, :6] = torch.tensor([0.0, -0.0, 30.0, -30.0, 1e20, -1e20])
-    gate_up = torch.cat([gate, torch.randn(13, 2050, generator=g)], dim=1).to(dtype)
-    up = gate_up[:, 2050:]
-    want = F.gelu(gate_up[:, :2050], approximate="tanh") * up
-    got = kernels.gelu_tanh_and_mul(gate_up)
-    # The gelu within float32 rounding (the sigmoid form rather than 1 + tanh), then PyTorch's roundings: at most one
-    # rounding step of the dtype apart per value (plus 1e-6 absolute, where 1 + tanh(u) cancels in PyTorch's form).
-    assert_within_rounding(got, want, dtype)
+    gate_up = torch.cat([gate, torch.randn(13, width, generator=g)], dim=1).to(dtype)
+    assert exact_gelu_lanes(kernels, width, dtype) == TORCH_LANES or TORCH_LANES is None
+    want = F.gelu(gate_up[:, :width], approximate="tanh") * gate_up[:, width:]
+    assert torch.equal(gelu_tanh_and_mul(gate_up), want)
+    assert torch.equal(gelu_tanh_and_mul(gate_up[4:5]), want[4:5])
 
 
-def test_gemma_layers_take_the_kernels_on_the_cpu_and_fall_back_without_them(monkeypatch):
-    """A Gemma 3 model (per-head q/k norms, GeGLU) runs no PyTorch norm or gelu on the CPU; without the kernels the
-    PyTorch lines give the same logits within rounding."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_layers_take_the_kernels_on_the_cpu_and_give_the_pytorch_lines_bits(monkeypatch, dtype):
+    """A Gemma 3 model (per-head q/k norms, GeGLU) runs no PyTorch norm or gelu on the CPU, and with the PyTorch
+    lines for them instead (every other kernel the same) it gives the same logits bit for bit."""
     from tiny_models import full_logits
 
     from serval.config import ModelConfig
+    from serval.layers import activation, norm
     from serval.model.gemma3 import Gemma3ForCausalLM
 
     config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -230,7 +235,9 @@ def test_gemma_layers_take_the_kernels_on_the_cpu_and_fall_back_without_them(mon
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape) * 0.3)
+            param.data = param.data.to(dtype)  # the weights in the dtype; the rotary tables stay float32
     ids = list(range(3, 30))
+    first = full_logits(model, ids)  # finds the kernels' exact widths (runs the PyTorch lines once to compare)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the PyTorch path ran on the CPU")
@@ -239,6 +246,7 @@ def test_gemma_layers_take_the_kernels_on_the_cpu_and_fall_back_without_them(mon
         patch.setattr(F, "rms_norm", refuse)
         patch.setattr(F, "gelu", refuse)
         fused = full_logits(model, ids)
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(norm, "exact_sum_lanes", lambda *args: None)
+    monkeypatch.setattr(activation, "exact_gelu_lanes", lambda *args: None)
     plain = full_logits(model, ids)
-    assert torch.allclose(fused, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+    assert torch.equal(fused, first) and torch.equal(fused, plain)

@@ -17,9 +17,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::
                                                 const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                                  const c10::optional<at::Tensor>& residual,
+                                                  int64_t lanes, const c10::optional<at::Tensor>& residual,
                                                   const c10::optional<at::Tensor>& next_weight);
-at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x, int64_t lanes);
 at::Tensor argmax_rows(const at::Tensor& x);
 void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 
@@ -38,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_panel_kernel_available", &block_panel_kernel_available, "whether block_panel_linear was compiled");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's x / rms(x) * (1 + w), optionally added to a residual and normed again",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("lanes"), py::arg("residual") = py::none(),
         py::arg("next_weight") = py::none(), no_gil());
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up for x = [gate | up]", no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (float32)", no_gil());

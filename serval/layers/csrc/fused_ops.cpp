@@ -12,6 +12,9 @@
 #include <vector>
 
 #include "vec_math.h"
+#if defined(SERVAL_V16)
+#include <sleef.h>  // the tanh PyTorch's gelu takes (libtorch_cpu exports it)
+#endif
 
 namespace {
 
@@ -102,28 +105,79 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
   });
 }
 
-// Gemma's RMSNorm of one row: x / rms(x) * (1 + w), all in float32, rounded to T once. r holds the row as floats.
-template <typename T>
-inline void gemma_norm_row(const float* r, const T* weight, T* out, int64_t n, float eps) {
-  float lanes[16] = {0.f};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) lanes[l] += r[i + l] * r[i + l];
-  for (; i < n; ++i) lanes[0] += r[i] * r[i];
-  float sum = 0.f;
-  for (float v : lanes) sum += v;
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (int64_t k = 0; k < n; ++k) out[k] = static_cast<T>((r[k] * inv) * (1.f + static_cast<float>(weight[k])));
+// ---- Gemma (gemma_rms_norm, gelu_tanh_and_mul): the same bits as the PyTorch lines of layers/norm.py and
+// layers/activation.py, op for op, including the order in which PyTorch's CPU kernels sum and where they round.
+
+// An opaque copy: the compiler can not fuse the product it holds into a following add (an FMA would skip the
+// product's rounding, which PyTorch rounds: there the product is its own kernel's output).
+inline float kept(float v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  volatile float copy = v;
+  v = copy;
+#endif
+  return v;
 }
 
-// Rows of n values, row r at x + r * row_stride (queries or keys of one head: a [tokens, heads, D] view into the qkv
-// output is tokens * heads rows with a token stride). Without a residual: out = norm(x). With one: residual_out =
-// residual + norm(x) rounded to T (Gemma's sublayer output joining the residual stream, as the PyTorch add rounds
-// it), and out = next_norm(residual_out) when next_weight is given (the next sublayer's pre-norm).
+// sum(r[i]^2) in the order of PyTorch's CPU sum over a contiguous row (x.pow(2).mean(-1)): the row as vectors of
+// `lanes` floats, added lane by lane into 4 accumulators (vector j into j % 4) in blocks cascaded over 4 levels
+// (at::native's multi_row_sum, level blocks of 2^max(4, ceil_log2(m / 4) / 4) steps), the vectors past the last
+// 4 into accumulator 0, accumulators 1-3 folded into 0; then the values past the last vector summed, and the lanes
+// added to that in order. lanes: PyTorch's float vector width on this CPU (16 with AVX-512, 8 with AVX2).
+inline float torch_sum_of_squares(const float* r, int64_t n, int64_t lanes) {
+  constexpr int kLevels = 4, kIlp = 4, kMaxLanes = 16;
+  float acc[kLevels][kIlp][kMaxLanes] = {};
+  const int64_t vectors = n / lanes, steps = vectors / kIlp;
+  auto add_vector = [&](float* a, int64_t v) {
+    for (int64_t l = 0; l < lanes; ++l) a[l] += kept(r[v * lanes + l] * r[v * lanes + l]);
+  };
+  int64_t ceil_log2 = 1;
+  if (steps > 2) ceil_log2 = 64 - __builtin_clzll(static_cast<uint64_t>(steps - 1));
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels);
+  const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
+  int64_t i = 0;
+  while (i + level_step <= steps) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], i * kIlp + k);
+    for (int level = 1; level < kLevels; ++level) {
+      for (int k = 0; k < kIlp; ++k)
+        for (int64_t l = 0; l < lanes; ++l) acc[level][k][l] += acc[level - 1][k][l], acc[level - 1][k][l] = 0.f;
+      if ((i & (level_mask << (level * level_power))) != 0) break;
+    }
+  }
+  for (; i < steps; ++i)
+    for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], i * kIlp + k);
+  for (int level = 1; level < kLevels; ++level)
+    for (int k = 0; k < kIlp; ++k)
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += acc[level][k][l];
+  for (int64_t v = steps * kIlp; v < vectors; ++v) add_vector(acc[0][0], v);
+  for (int k = 1; k < kIlp; ++k)
+    for (int64_t l = 0; l < lanes; ++l) acc[0][0][l] += acc[0][k][l];
+  float sum = 0.f;
+  for (int64_t k = vectors * lanes; k < n; ++k) sum += kept(r[k] * r[k]);
+  for (int64_t l = 0; l < lanes; ++l) sum += acc[0][0][l];
+  return sum;
+}
+
+// Gemma's RMSNorm of one row as norm.py's PyTorch lines compute it: r * (1 / sqrt(sum / n + eps)) (rsqrt is
+// 1 / sqrt there, each correctly rounded), times (1 + w) rounded to float32, rounded to T once. r: the row as floats.
+template <typename T>
+inline void gemma_norm_row(const float* r, const T* weight, T* out, int64_t n, float eps, int64_t lanes) {
+  const float inv = 1.f / std::sqrt(torch_sum_of_squares(r, n, lanes) / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; ++k) out[k] = static_cast<T>(kept(kept(r[k] * inv) * (1.f + static_cast<float>(weight[k]))));
+}
+
+// Rows of n values (queries or keys of one head: a [tokens, heads, D] view into the qkv output is tokens * heads
+// rows with a token stride). Without a residual: out = norm(x). With one: residual_out = residual + norm(x) rounded
+// to T (Gemma's sublayer output joining the residual stream, as the PyTorch add rounds it), and out =
+// next_norm(residual_out) when next_weight is given (the next sublayer's pre-norm).
 template <typename T>
 void gemma_rms_norm_rows(const T* x, int64_t heads, int64_t token_stride, const T* weight, T* out,
                          const T* residual, T* residual_out, const T* next_weight, int64_t rows, int64_t n,
-                         float eps) {
+                         float eps, int64_t lanes) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / n), [&](int64_t begin, int64_t end) {
     std::vector<float> r(n);
     std::vector<T> normed(residual ? n : 0);
@@ -131,55 +185,68 @@ void gemma_rms_norm_rows(const T* x, int64_t heads, int64_t token_stride, const 
       const T* xr = x + (row / heads) * token_stride + (row % heads) * n;
       for (int64_t i = 0; i < n; ++i) r[i] = static_cast<float>(xr[i]);
       if (!residual) {
-        gemma_norm_row<T>(r.data(), weight, out + row * n, n, eps);
+        gemma_norm_row<T>(r.data(), weight, out + row * n, n, eps, lanes);
         continue;
       }
-      gemma_norm_row<T>(r.data(), weight, normed.data(), n, eps);
+      gemma_norm_row<T>(r.data(), weight, normed.data(), n, eps, lanes);
       for (int64_t i = 0; i < n; ++i) {
         r[i] = round_to<T>(static_cast<float>(residual[row * n + i]) + static_cast<float>(normed[i]));
         residual_out[row * n + i] = static_cast<T>(r[i]);
       }
-      if (next_weight) gemma_norm_row<T>(r.data(), next_weight, out + row * n, n, eps);
+      if (next_weight) gemma_norm_row<T>(r.data(), next_weight, out + row * n, n, eps, lanes);
     }
   });
 }
 
-// gelu(x) with the tanh approximation, 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3);
-// the sigmoid from e^-|2u| as silu's is, so no exponent is positive.
+// gelu with the tanh approximation as PyTorch's CPU kernel (ATen/native/cpu/Gelu.h) computes it:
+// 0.5 x (1 + tanh(beta (x + kappa x^3))), x + kappa x^3 one FMA (as PyTorch's build contracts it), the tanh
+// SLEEF's (1 ulp) in vectors and libm's for the values past PyTorch's last pair of vectors.
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
+constexpr float kGeluKappa = static_cast<float>(0.044715);
+
 inline float gelu_tanh(float x) {
-  const float z = 1.5957691216057308f * (x + 0.044715f * (x * (x * x)));
-  const float e = std::exp(-std::fabs(z));
-  return z >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
+  const float inner = kept(kGeluBeta * std::fma(kGeluKappa, kept(kept(x * x) * x), x));
+  return kept(0.5f * x) * (1.f + std::tanh(inner));
 }
 #if defined(SERVAL_V16)
-// The same, 8 or 16 lanes, operation for operation (the same bits from AVX-512 and AVX2).
+inline __m256 kept(__m256 v) {
+  asm("" : "+x"(v));
+  return v;
+}
 inline __m256 gelu_tanh(__m256 x) {
-  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
-                                 _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f),
-                                                                _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
-  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), z);
-  const __m256 e = serval::exp_nonpositive(_mm256_sub_ps(_mm256_setzero_ps(), abs));
-  const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ));
-  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  const __m256 cube = kept(_mm256_mul_ps(kept(_mm256_mul_ps(x, x)), x));
+  const __m256 inner = kept(_mm256_mul_ps(_mm256_set1_ps(kGeluBeta),
+                                          _mm256_fmadd_ps(_mm256_set1_ps(kGeluKappa), cube, x)));
+  return _mm256_mul_ps(kept(_mm256_mul_ps(_mm256_set1_ps(0.5f), x)),
+                       _mm256_add_ps(_mm256_set1_ps(1.f), Sleef_tanhf8_u10(inner)));
 }
 #if defined(__AVX512F__)
-inline __m512 gelu_tanh(__m512 x) {
-  const __m512 z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f),
-                                 _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f),
-                                                                _mm512_mul_ps(x, _mm512_mul_ps(x, x)))));
-  const __m512 e = serval::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
-  const __m512 numerator = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), x, e);
-  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+inline __m512 kept(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
 }
-inline serval::V16 gelu_tanh16(serval::V16 a) { return {gelu_tanh(a.v)}; }
+inline __m512 gelu_tanh(__m512 x) {
+  const __m512 cube = kept(_mm512_mul_ps(kept(_mm512_mul_ps(x, x)), x));
+  const __m512 inner = kept(_mm512_mul_ps(_mm512_set1_ps(kGeluBeta),
+                                          _mm512_fmadd_ps(_mm512_set1_ps(kGeluKappa), cube, x)));
+  return _mm512_mul_ps(kept(_mm512_mul_ps(_mm512_set1_ps(0.5f), x)),
+                       _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_tanhf16_u10(inner)));
+}
+inline void gelu_tanh16(float* s) { _mm512_storeu_ps(s, gelu_tanh(_mm512_loadu_ps(s))); }
 #else
-inline serval::V16 gelu_tanh16(serval::V16 a) { return {gelu_tanh(a.lo), gelu_tanh(a.hi)}; }
+inline void gelu_tanh16(float* s) {
+  _mm256_storeu_ps(s, gelu_tanh(_mm256_loadu_ps(s)));
+  _mm256_storeu_ps(s + 8, gelu_tanh(_mm256_loadu_ps(s + 8)));
+}
 #endif
 #endif
 
-// out[r] = gelu_tanh(gate[r]) * up[r] for x [rows, 2n] = [gate | up], rounded as silu_and_mul_rows rounds.
+// out[r] = gelu_tanh(gate[r]) * up[r] for x [rows, 2n] = [gate | up]: the gelu rounded to T, then the product of
+// values rounded (F.gelu(gate) * up). PyTorch's elementwise loop takes each row's first n - n % vector_values in
+// vectors and the rest one by one (vector_values: two of its vectors of T, 64 bf16 or 32 floats with AVX-512).
 template <typename T>
-void gelu_tanh_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
+void gelu_tanh_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t vector_values) {
+  const int64_t vectorized = n - n % vector_values;
   at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* gate = x + row * 2 * n;
@@ -187,12 +254,11 @@ void gelu_tanh_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
       T* o = out + row * n;
       int64_t i = 0;
 #if defined(SERVAL_V16)
-      float s[16];
-      for (; i < n; i += 16) {
-        const int64_t count = std::min<int64_t>(16, n - i);
-        for (int j = 0; j < 16; ++j) s[j] = j < count ? static_cast<float>(gate[i + j]) : 0.f;
-        serval::store16(s, gelu_tanh16(serval::load16(s)));
-        for (int j = 0; j < count; ++j) o[i + j] = static_cast<T>(round_to<T>(s[j]) * static_cast<float>(up[i + j]));
+      alignas(64) float s[16];
+      for (; i + 16 <= vectorized; i += 16) {  // lane by lane: the same bits at any vector width
+        for (int j = 0; j < 16; ++j) s[j] = static_cast<float>(gate[i + j]);
+        gelu_tanh16(s);
+        for (int j = 0; j < 16; ++j) o[i + j] = static_cast<T>(round_to<T>(s[j]) * static_cast<float>(up[i + j]));
       }
 #endif
       for (; i < n; ++i)
@@ -252,11 +318,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // Gemma's RMSNorm, x / rms(x) * (1 + weight) in float32, for x [..., n] (contiguous, or [T, H, n] with each
 // token's heads contiguous: per-head queries or keys inside the qkv output). Without residual: returns
 // (norm(x), x). With residual [rows, n]: r = residual + norm(x) (rounded to the dtype), and returns
-// (next_norm(r), r) if next_weight is given, else (r, r).
+// (next_norm(r), r) if next_weight is given, else (r, r). lanes: PyTorch's float vector width on this CPU, the
+// order of its sums (norm.py finds it by comparing with the PyTorch lines).
 std::tuple<at::Tensor, at::Tensor> gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                                  const c10::optional<at::Tensor>& residual,
+                                                  int64_t lanes, const c10::optional<at::Tensor>& residual,
                                                   const c10::optional<at::Tensor>& next_weight) {
   const int64_t n = x.size(-1);
+  TORCH_CHECK(lanes == 4 || lanes == 8 || lanes == 16, "lanes: 4, 8 or 16");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && weight.scalar_type() == x.scalar_type(),
               "weight: contiguous [n], x's dtype");
   int64_t heads = 1, token_stride = n;
@@ -281,18 +349,21 @@ std::tuple<at::Tensor, at::Tensor> gemma_rms_norm(const at::Tensor& x, const at:
                                   has_residual ? residual->data_ptr<scalar_t>() : nullptr,
                                   has_residual ? residual_out.data_ptr<scalar_t>() : nullptr,
                                   has_next ? next_weight->data_ptr<scalar_t>() : nullptr, rows, n,
-                                  static_cast<float>(eps));
+                                  static_cast<float>(eps), lanes);
   });
   return {out, residual_out};
 }
 
-// x [rows, 2n] = [gate | up] -> gelu_tanh(gate) * up [rows, n] (Gemma's GeGLU).
-at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+// x [rows, 2n] = [gate | up] -> gelu_tanh(gate) * up [rows, n] (Gemma's GeGLU). lanes: PyTorch's float vector
+// width on this CPU (which values its loop takes in vectors; activation.py finds it by comparing).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x, int64_t lanes) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x: contiguous [rows, 2n]");
+  TORCH_CHECK(lanes == 4 || lanes == 8 || lanes == 16, "lanes: 4, 8 or 16");
   const int64_t n = x.size(1) / 2;
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_tanh_and_mul", [&] {
-    gelu_tanh_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), n);
+    const int64_t vector_values = 2 * lanes * static_cast<int64_t>(sizeof(float) / sizeof(scalar_t));
+    gelu_tanh_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), n, vector_values);
   });
   return out;
 }
