@@ -43,7 +43,9 @@ def exact_gelu_lanes(kernels, n: int, dtype: torch.dtype) -> int | None:
     """The width of PyTorch's float vectors in its gelu kernel on this CPU (16 with AVX-512, 8 with AVX2), which
     decides which values its elementwise loop takes in vectors (SLEEF's tanh) and which one by one (libm's): the
     width with which the C++ GeGLU gives the PyTorch lines' bits on float32 rows 60 wide (where each width splits
-    them differently), confirmed on rows of this width and dtype; found once. None if no width does."""
+    them differently), confirmed on rows of this width and dtype; found once. None if no width does. (Past 32768
+    values PyTorch splits its loop among threads at offsets of its own; with a thread count that is not a power of
+    two a split can fall mid-vector, and the few values there take libm's tanh in PyTorch but SLEEF's here.)"""
     lanes = next((lanes for lanes in (16, 8, 4) if _geglu_exact(kernels, 60, torch.float32, lanes)), None)
     return lanes if lanes is not None and _geglu_exact(kernels, n, dtype, lanes) else None
 
