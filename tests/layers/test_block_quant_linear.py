@@ -115,6 +115,20 @@ def test_each_row_is_the_same_whatever_the_batch(fmt, dtype):
         assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
+@needs_panels
+@torch.inference_mode()
+def test_later_calls_use_the_kept_panels_and_give_the_same_bits(monkeypatch):
+    """A layer of two parts in different formats builds each part's panels on its first call only: later calls build
+    no BlockWeight, and give the bits of each part's own kernel call, side by side."""
+    parts = [random_blocks("q4", 48, 96, seed=1), random_blocks("q8", 40, 96, seed=2)]
+    layer = BlockQuantLinear(parts)
+    x = activations(5, 96, torch.bfloat16)
+    first = layer(x)
+    monkeypatch.setattr(BlockQuantLinear, "block_weights", lambda self: pytest.fail("block weights built again"))
+    want = torch.cat([kernels.block_panel_linear(x, *p.panels(), p.format, p.out_features, False) for p in parts], 1)
+    assert torch.equal(layer(x), want) and torch.equal(first, want)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_repack_without_loss(qtype):
     """Blocks quantized by gguf-py, repacked for the kernel, dequantize to exactly what gguf-py reads from them
