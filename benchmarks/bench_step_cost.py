@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--no-parts", action="store_true", help="time whole steps only (no wrappers)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {describe_hardware()}, {args.threads} thread(s)", flush=True)
+    print(f"machine: {describe_hardware()}", flush=True)
     engine = LLMEngine(EngineConfig(speculative=SpeculativeConfig(method=None)))
     timer = None if args.no_parts else PartTimer()
     if timer is not None:
