@@ -103,7 +103,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.qkv_proj_bias is not None:
             qkv = qkv + self.qkv_proj_bias
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # split_with_sizes, not Tensor.split: the same views without a Python wrapper, twice per layer and step.
+        qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
         heads = self.num_heads + self.num_kv_heads
         if self.q_norm is None:
             qk = qk.view(-1, heads, self.head_dim)
@@ -114,7 +115,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([q, k], dim=1)
         # Queries and keys rotate in one call, in place: fewer small ops per layer, which batch-1 decode pays for.
         qk = rope.rotate_(qk)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = qk.split_with_sizes([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
         return self.o_proj(out.flatten(1))

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from serval.layers import cpu_kernels
+from serval.layers import linear as linear_module
 from serval.layers.linear import EXTRA_BITS, BlockQuantLinear, BlockWeight, padded_matmul
 from serval.model.gguf_file import _to_block_weight
 
@@ -113,6 +114,25 @@ def test_each_row_is_the_same_whatever_the_batch(fmt, dtype):
     assert layer.min_rows == 1
     for rows in range(1, 41):
         assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+@needs_panels
+@torch.inference_mode()
+def test_later_calls_use_the_kept_panels_and_give_the_same_bits(monkeypatch):
+    """A layer of two parts in different formats builds each part's panels on its first call only: later calls of
+    rows [M, in] build no BlockWeight and skip the reshape and padding, and give the bits of each part's own kernel
+    call, side by side; other shapes still take the general path."""
+    parts = [random_blocks("q4", 48, 96, seed=1), random_blocks("q8", 40, 96, seed=2)]
+    layer = BlockQuantLinear(parts)
+    x = activations(5, 96, torch.bfloat16)
+    first = layer(x)
+    monkeypatch.setattr(BlockQuantLinear, "block_weights", lambda self: pytest.fail("block weights built again"))
+    general = linear_module._row_invariant_forward
+    monkeypatch.setattr(linear_module, "_row_invariant_forward", lambda *a: pytest.fail("the general path taken"))
+    want = torch.cat([kernels.block_panel_linear(x, *p.panels(), p.format, p.out_features, False) for p in parts], 1)
+    assert torch.equal(layer(x), want) and torch.equal(first, want)
+    monkeypatch.setattr(linear_module, "_row_invariant_forward", general)
+    assert torch.equal(layer(x.view(1, 5, 96)), want.view(1, 5, 88))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])

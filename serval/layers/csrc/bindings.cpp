@@ -22,6 +22,7 @@ std::tuple<at::Tensor, at::Tensor> gemma_rms_norm(const at::Tensor& x, const at:
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x, int64_t lanes);
 at::Tensor argmax_rows(const at::Tensor& x);
 void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul_v16(const at::Tensor& x);
 
 // Every kernel lets go of the GIL while it runs, as PyTorch's own ops do: the server's event loop thread keeps
 // serving HTTP while the engine thread is inside a kernel.
@@ -34,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_kv_", &quantize_kv_, "writes keys or values into 8-bit cache rows with a scale each", no_gil());
   m.def("add_rms_norm", &add_rms_norm, "weight * rms_norm(x + residual) and x + residual, in one pass", no_gil());
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place, by position", no_gil());
+  m.def("silu_and_mul_v16", &silu_and_mul_v16, "silu_and_mul, bfloat16 16 lanes at a time (the same bits)", no_gil());
   m.def("block_panel_linear", &block_panel_linear, "x W^T with W in 16-column panels of blocks (q4, q8)", no_gil());
   m.def("block_panel_kernel_available", &block_panel_kernel_available, "whether block_panel_linear was compiled");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());

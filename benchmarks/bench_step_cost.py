@@ -1,0 +1,119 @@
+"""Where an offline decode step's time goes outside the linear kernels: the engine's step at B concurrent greedy
+decodes (speculation off), each part timed by the thread's CPU clock around it, medians of many steps.
+
+    .venv/bin/python benchmarks/bench_step_cost.py [--batch 1 16] [--steps 200] [--threads 1]
+
+One thread by default: on a shared machine, CPU time of one thread is what other processes disturb least.
+Parts: the block linears of the layers, the head (logits of the sampled rows), attention (KV write and attend),
+RMSNorm with the residual add, RoPE, SiLU-and-mul, the embedding lookup, the argmax, and the rest of the step
+(scheduler, runner, output processing in Python, and small aten ops), each in ms a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from serval import LLMEngine, SamplingParams
+from serval.config import EngineConfig, SpeculativeConfig
+from serval.platform_info import describe_hardware
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+
+
+class PartTimer:
+    """Adds the thread CPU time spent in each wrapped callable to its part (outermost call only)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.depth = 0
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[part] += time.thread_time() - start
+                self.depth -= 1
+        return timed
+
+
+def instrument(engine: LLMEngine, timer: PartTimer) -> None:
+    import serval.engine.runner as runner_module
+    import serval.model.llama as llama
+    from serval.layers.rotary import RotaryStep
+
+    model = engine.core.runner.model
+    for name, module in model.named_modules():
+        if name == "lm_head":
+            module.forward = timer.wrap("head", module.forward)
+        elif name.endswith(("_proj", "gate_up_proj", "down_proj")) and hasattr(module, "forward"):
+            module.forward = timer.wrap("linears", module.forward)
+        elif name.endswith(("layernorm", "norm")):
+            module.forward = timer.wrap("norms", module.forward)
+        elif name == "embed_tokens":
+            module.forward = timer.wrap("embedding", module.forward)
+    llama.paged_attention = timer.wrap("attention", llama.paged_attention)
+    llama.silu_and_mul = timer.wrap("silu_and_mul", llama.silu_and_mul)
+    RotaryStep.rotate_ = timer.wrap("rope", RotaryStep.rotate_)
+    runner_module.greedy_tokens = timer.wrap("argmax", runner_module.greedy_tokens)
+
+
+def start_decodes(engine: LLMEngine, batch: int, max_tokens: int) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}-{time.monotonic_ns()}", PROMPT + f" number {i}", params)
+    while engine.core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                               for r in engine.core.scheduler.running):
+        engine.step()
+    engine.step()
+
+
+def measure(engine: LLMEngine, batch: int, steps: int, instrumented: PartTimer | None) -> dict:
+    start_decodes(engine, batch, steps + 8)
+    per_step: dict[str, list[float]] = defaultdict(list)
+    for _ in range(steps):
+        if instrumented is not None:
+            instrumented.totals.clear()
+        start = time.thread_time()
+        engine.step()
+        total = time.thread_time() - start
+        per_step["step"].append(total)
+        if instrumented is not None:
+            for part, seconds in instrumented.totals.items():
+                per_step[part].append(seconds)
+            per_step["rest"].append(total - sum(instrumented.totals.values()))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {part: round(1000 * statistics.median(values), 3) for part, values in per_step.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-parts", action="store_true", help="time whole steps only (no wrappers)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"machine: {describe_hardware()}", flush=True)
+    engine = LLMEngine(EngineConfig(speculative=SpeculativeConfig(method=None)))
+    timer = None if args.no_parts else PartTimer()
+    if timer is not None:
+        instrument(engine, timer)
+    measure(engine, 1, 8, timer)  # warm-up
+    for batch in args.batch:
+        print(json.dumps({"batch": batch, "ms_per_step": measure(engine, batch, args.steps, timer)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
