@@ -11,12 +11,14 @@ work on the machine costs little of the figure. Not a timed test.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -52,17 +54,17 @@ def main() -> None:
         for out_features, in_features in SHAPES:
             gen = torch.Generator().manual_seed(0)
             weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
-            padding = row_padding(lambda x, w=weight: torch.nn.functional.linear(x, w), in_features,
+            padding = row_padding(functools.partial(F.linear, weight=weight), in_features,
                                   ("dense", out_features, in_features), dtype, torch.device("cpu"))
             layer = Linear(in_features, out_features)
             layer.weight.data = weight.clone()
-            assert lay_out_for_cpu_kernels(layer) == 1
+            assert lay_out_for_cpu_kernels(layer, bfloat16_linears=True) == 1
             cells = []
             for rows in ROWS:
                 x = torch.randn(rows, in_features, generator=gen).to(dtype)
-                before = median_us(lambda: padded_matmul(lambda r: torch.nn.functional.linear(r, weight), x, padding),
-                                   args.repeats)
-                after = median_us(lambda: layer(x), args.repeats)
+                before = median_us(functools.partial(padded_matmul, functools.partial(F.linear, weight=weight), x,
+                                                     padding), args.repeats)
+                after = median_us(functools.partial(layer, x), args.repeats)
                 cells.append(f"{before:8.0f} {after:7.0f} {before / after:4.1f}x")
             print(f"{str(dtype).removeprefix('torch.'):9} {out_features:5} x {in_features:<5} {padding:>6} | "
                   + " ".join(cells))

@@ -8,9 +8,10 @@ Both models are the Llama decoder with random weights, built from a ModelConfig 
 both. Each step decodes ``--rows`` requests that already hold 64 tokens of context (so attention is the same in
 both); the step time is the median over ``--steps`` steps. What the MoE step pays beyond the dense one: the router,
 sorting the (token, slot) pairs, one matmul per expert over its few rows, and reading 8 experts' weights instead of
-one MLP's once the batch covers them all. Both weight forms, A/B in one process: F.linear with each matmul padded to
-its probed row count, and the weights laid out for the CPU kernel (layers/linear.py ``lay_out_for_cpu_kernels``, as
-load_model does; no padding). With ``--threads 1`` the time is this thread's CPU time (time.thread_time), which
+one MLP's once the batch covers them all. Three weight forms, A/B in one process: F.linear with each matmul padded
+to its probed row count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32
+matrices on the CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX); every matrix on the
+kernel. With ``--threads 1`` the time is this thread's CPU time (time.thread_time), which
 other work on the machine disturbs less. Not a timed test.
 """
 
@@ -41,7 +42,9 @@ SHAPE = dict(vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv
 EXPERTS, TOP_K, EXPERT_WIDTH, CONTEXT, BLOCK = 8, 2, 768, 64, 16
 
 
-def build(config: ModelConfig, dtype: torch.dtype, kernel: bool) -> LlamaForCausalLM:
+def build(config: ModelConfig, dtype: torch.dtype, kernel: bool | None) -> LlamaForCausalLM:
+    """``kernel``: False, F.linear padded; None, load_model's choice (lay_out_for_cpu_kernels); True, every matrix on
+    the kernel."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -53,7 +56,7 @@ def build(config: ModelConfig, dtype: torch.dtype, kernel: bool) -> LlamaForCaus
     model = model.to(dtype).eval()
     fresh = type(model.rotary)(*model.rotary.args)  # the rotary tables stay float32, as load_model keeps them
     model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
-    if kernel and not lay_out_for_cpu_kernels(model):
+    if kernel is not False and not lay_out_for_cpu_kernels(model, bfloat16_linears=kernel):
         raise SystemExit("the CPU kernels do not run here")
     probe_row_padding(model, dtype)
     return model
@@ -105,7 +108,7 @@ def main() -> None:
     dense = ModelConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH)
     moe = ModelConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                       moe_intermediate_size=EXPERT_WIDTH, moe_layers=list(range(SHAPE["num_layers"])))
-    for form, kernel in (("F.linear padded", False), ("CPU kernel", True)):
+    for form, kernel in (("F.linear padded", False), ("load_model's choice", None), ("all on the kernel", True)):
         results, weights = {}, {}
         for name, config in (("dense", dense), ("moe", moe)):
             model = build(config, dtype, kernel)

@@ -84,9 +84,11 @@ def _panel_kernels(device: torch.device):
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, in] times ``weight`` [out, in] transposed: the CPU kernel where the weight is laid out for it (each
     row's result independent of the others: csrc/panel_linear.cpp), else F.linear."""
-    kernels = dense_kernels(weight)
-    if kernels is not None:
-        return kernels.dense_panel_linear(x, weight.t(), False)
+    transposed = weight.t()
+    if weight.dtype in DENSE_KERNEL_DTYPES and transposed.is_contiguous():
+        kernels = _panel_kernels(weight.device)
+        if kernels is not None:
+            return kernels.dense_panel_linear(x, transposed, False)
     return F.linear(x, weight)
 
 
@@ -378,15 +380,32 @@ def probe_row_padding(model: nn.Module, dtype: torch.dtype) -> None:
             module.probe_row_padding(dtype)
 
 
-def lay_out_for_cpu_kernels(model: nn.Module) -> int:
-    """Stores every dense Linear's weight of ``model`` (and each module's ``dense_weights()``: the stacked experts
-    of layers/moe.py) transposed in memory, W^T [in, out] row-major, where the CPU kernels run: the layout their
-    dense linear reads (csrc/panel_linear.cpp), with no row padding. The parameter keeps its shape [out, in] and
-    values (a transposed view), so a tied head stays the embedding's parameter and there is one copy. Their row
-    paddings are probed again (1). Returns how many weights were re-laid (0 off the CPU or without the kernels)."""
+def amx_bfloat16_gemms() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs on AMX tiles here. Then they ran 1.6x to 7x the dense kernel's speed from
+    16 rows up (the kernel's float32 FMA chains: 2.5-5x faster at 1 to 4 rows; benchmarks/README.md)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def lay_out_for_cpu_kernels(model: nn.Module, bfloat16_linears: bool | None = None) -> int:
+    """Stores the dense weights of ``model`` transposed in memory, W^T [in, out] row-major, where the CPU kernels
+    run: the layout their dense linear reads (csrc/panel_linear.cpp), with no row padding. The parameter keeps its
+    shape [out, in] and values (a transposed view), so a tied head stays the embedding's parameter and there is
+    one copy. Their row paddings are probed again (1). Returns how many weights were re-laid (0 off the CPU or
+    without the kernels).
+
+    Which: every module's ``dense_weights()`` (the stacked experts of layers/moe.py: an expert sees a k / experts
+    share of a step's rows, which a padded matmul per expert would multiply up), every float32 Linear (MKL's
+    float32 GEMMs were no faster than the kernel at many rows), and the bfloat16 Linears if ``bfloat16_linears``
+    (default: unless ``amx_bfloat16_gemms()``, where a Linear's whole step of rows, a prefill chunk or a large
+    decode batch, runs faster padded on oneDNN)."""
+    if bfloat16_linears is None:
+        bfloat16_linears = not amx_bfloat16_gemms()
     laid = 0
     for module in model.modules():
-        weights = [module.weight] if isinstance(module, Linear) else getattr(module, "dense_weights", list)()
+        if isinstance(module, Linear):
+            weights = [module.weight] if bfloat16_linears or module.weight.dtype != torch.bfloat16 else []
+        else:
+            weights = getattr(module, "dense_weights", list)()
         for weight in weights:
             if (weight.dtype in DENSE_KERNEL_DTYPES and not weight.transpose(-1, -2).is_contiguous()
                     and _panel_kernels(weight.device) is not None):

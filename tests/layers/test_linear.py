@@ -8,6 +8,7 @@ from torch import nn
 
 from serval.layers import cpu_kernels
 from serval.layers.linear import Int8Linear, Linear, lay_out_for_cpu_kernels, padded_matmul, quantize_linears
+from serval.layers.moe import Experts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -85,7 +86,7 @@ def laid_out_linear(in_features: int, out_features: int, dtype: torch.dtype, see
     layer = Linear(in_features, out_features)
     gen = torch.Generator().manual_seed(seed)
     layer.weight.data = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
-    assert lay_out_for_cpu_kernels(layer) == 1
+    assert lay_out_for_cpu_kernels(layer, bfloat16_linears=True) == 1
     return layer
 
 
@@ -143,3 +144,19 @@ def test_laying_out_keeps_one_copy_and_tied_weights_tied():
     ids = torch.tensor([0, 299, 17])
     assert torch.equal(model.embed(ids), before[ids])
     assert torch.equal(model.head(torch.eye(64)[:5]), before.T[:5])
+
+
+@needs_dense_kernel
+@pytest.mark.parametrize("amx", [False, True], ids=["no AMX", "AMX"])
+def test_bfloat16_linears_stay_on_onednn_where_it_has_amx(monkeypatch, amx):
+    """The default choice: the stacked experts and float32 Linears always take the kernel; bfloat16 Linears unless
+    oneDNN runs their GEMMs on AMX tiles (faster from 16 rows up)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    model = nn.Module()
+    model.f32, model.bf16 = Linear(64, 32), Linear(64, 32)
+    model.bf16.weight.data = torch.randn(32, 64).bfloat16()
+    model.experts = Experts(2, 64, 32).to(torch.bfloat16)
+    assert lay_out_for_cpu_kernels(model) == (3 if amx else 4)
+    assert model.f32.weight.t().is_contiguous() and model.bf16.weight.t().is_contiguous() is not amx
+    assert model.experts.gate_up_proj.transpose(1, 2).is_contiguous()
+    assert model.experts.down_proj.transpose(1, 2).is_contiguous()
