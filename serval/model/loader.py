@@ -103,7 +103,9 @@ def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dt
     blocks would only be dequantized again), "gptq" or "awq" for such a checkpoint on the CPU (the same 4-bit
     blocks), else "none". Measured on an AVX-512 + bf16 CPU
     (benchmarks/bench_engine.py, 2 threads): bfloat16 1.8x the dense tokens/s on one stream and 0.97x at 16
-    streams; float32 5.1x and 1.3x."""
+    streams; float32 5.1x and 1.3x. Both before dense float32 weights (and bfloat16 ones where oneDNN has no AMX)
+    took the panel kernel too, which made a tiny dense model's one-row decode step 2.4x faster (benchmarks/README.md,
+    "Dense weights on the panel kernel"), so the dense side's one stream is faster than these figures say."""
     if quantization == "gguf" and path.suffix != ".gguf":
         raise ValueError(f"{path.name}: --quantization gguf needs a GGUF file")
     checkpoint = read_weight_quantization(path)
