@@ -381,8 +381,9 @@ def probe_row_padding(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def amx_bfloat16_gemms() -> bool:
-    """Whether oneDNN runs bfloat16 GEMMs on AMX tiles here. Then they ran 1.6x to 7x the dense kernel's speed from
-    16 rows up (the kernel's float32 FMA chains: 2.5-5x faster at 1 to 4 rows; benchmarks/README.md)."""
+    """Whether oneDNN runs bfloat16 GEMMs on AMX tiles here. Padded to 64 rows, they ran 3x to 7x the dense kernel's
+    speed from 64 rows up, even at 16, while the kernel (float32 FMA chains) was 2-6x faster at 1 to 4 rows
+    (benchmarks/README.md, "Dense weights on the panel kernel")."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 

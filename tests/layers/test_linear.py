@@ -1,4 +1,5 @@
-"""Linear layers: the int8 weight-only form stays close to the dense one and swaps in place."""
+"""Linear layers: the int8 weight-only form stays close to the dense one and swaps in place; dense weights laid out
+for the CPU kernel equal float64 closely and need no row padding."""
 
 from __future__ import annotations
 
