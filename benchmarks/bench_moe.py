@@ -1,14 +1,18 @@
 """A mixture-of-experts model's decode step against a dense model with the same active parameters, one run.
 
-    .venv/bin/python benchmarks/bench_moe.py [--rows 16] [--steps 30] [--dtype auto]
+    .venv/bin/python benchmarks/bench_moe.py [--rows 16] [--steps 30] [--dtype auto] [--threads N]
 
 Both models are the Llama decoder with random weights, built from a ModelConfig (no files): hidden 512, 4 layers,
 8 query / 2 KV heads, vocabulary 8192. The MoE model's MLPs are 8 experts of width 768 with 2 chosen per token
 (layers/moe.py); the dense model's MLP is 2 x 768 = 1536 wide, so that a token meets the same number of weights in
 both. Each step decodes ``--rows`` requests that already hold 64 tokens of context (so attention is the same in
 both); the step time is the median over ``--steps`` steps. What the MoE step pays beyond the dense one: the router,
-sorting the (token, slot) pairs, one matmul per expert over its few rows (each padded to its probed row count), and
-reading 8 experts' weights instead of one MLP's once the batch covers them all. Not a timed test.
+sorting the (token, slot) pairs, one matmul per expert over its few rows, and reading 8 experts' weights instead of
+one MLP's once the batch covers them all. Three weight forms, A/B in one process: F.linear with each matmul padded
+to its probed row count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32
+matrices on the CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX); every matrix on the
+kernel. With ``--threads 1`` the time is this thread's CPU time (time.thread_time), which
+other work on the machine disturbs less. Not a timed test.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from serval.config import EngineConfig, ModelConfig  # noqa: E402
 from serval.engine.request import Request  # noqa: E402
 from serval.engine.runner import ModelRunner  # noqa: E402
 from serval.engine.scheduler import SchedulerOutput  # noqa: E402
-from serval.layers.linear import probe_row_padding  # noqa: E402
+from serval.layers.linear import lay_out_for_cpu_kernels, probe_row_padding  # noqa: E402
 from serval.model.llama import LlamaForCausalLM  # noqa: E402
 from serval.platform_info import describe_hardware  # noqa: E402
 from serval.sampling_params import SamplingParams  # noqa: E402
@@ -38,7 +42,9 @@ SHAPE = dict(vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv
 EXPERTS, TOP_K, EXPERT_WIDTH, CONTEXT, BLOCK = 8, 2, 768, 64, 16
 
 
-def build(config: ModelConfig, dtype: torch.dtype) -> LlamaForCausalLM:
+def build(config: ModelConfig, dtype: torch.dtype, kernel: bool | None) -> LlamaForCausalLM:
+    """``kernel``: False, F.linear padded; None, load_model's choice (lay_out_for_cpu_kernels); True, every matrix on
+    the kernel."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -50,6 +56,8 @@ def build(config: ModelConfig, dtype: torch.dtype) -> LlamaForCausalLM:
     model = model.to(dtype).eval()
     fresh = type(model.rotary)(*model.rotary.args)  # the rotary tables stay float32, as load_model keeps them
     model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
+    laid = 0 if kernel is False else lay_out_for_cpu_kernels(model, bfloat16_linears=kernel)
+    print(f"{laid} weights laid out for the CPU kernel", end="; ")
     probe_row_padding(model, dtype)
     return model
 
@@ -77,11 +85,12 @@ def decode_step_ms(model: LlamaForCausalLM, dtype: torch.dtype, rows: int, steps
     model(prefill.input_ids, prefill.positions, runner.kv_cache, prefill.meta)
     decode = step_batch(runner, rows, CONTEXT, tokens)  # the same decode step, rewritten in place each time
     times = []
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     for _ in range(steps + 3):
-        start = time.perf_counter()
+        start = clock()
         hidden = model(decode.input_ids, decode.positions, runner.kv_cache, decode.meta)
         model.compute_logits(hidden)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return 1000 * statistics.median(times[3:])
 
 
@@ -90,22 +99,27 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="requests decoded per step")
     parser.add_argument("--steps", type=int, default=30, help="steps timed (after 3 warm-up steps)")
     parser.add_argument("--dtype", default="auto", help="auto (the engine's default on this CPU), bfloat16, float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = EngineConfig(dtype=args.dtype).torch_dtype
     print(f"machine: {describe_hardware()}", flush=True)
     dense = ModelConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH)
     moe = ModelConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                       moe_intermediate_size=EXPERT_WIDTH, moe_layers=list(range(SHAPE["num_layers"])))
-    results, weights = {}, {}
-    for name, config in (("dense", dense), ("moe", moe)):
-        model = build(config, dtype)
-        # Every weight is read each step: at 16 rows x 2 slots over 8 experts, all experts are chosen (7.9 expected).
-        weights[name] = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
-        results[name] = decode_step_ms(model, dtype, args.rows, args.steps)
-        print(f"{name:>5}: decode step at {args.rows} rows {results[name]:.2f} ms ({dtype}), "
-              f"{weights[name] / 1e6:.1f}M weights read", flush=True)
-    print(f"MoE / dense (same active parameters): {results['moe'] / results['dense']:.2f}x the step time, "
-          f"{weights['moe'] / weights['dense']:.2f}x the weights read (a memory-bound step's floor)")
+    for form, kernel in (("F.linear padded", False), ("load_model's choice", None), ("all on the kernel", True)):
+        results, weights = {}, {}
+        for name, config in (("dense", dense), ("moe", moe)):
+            model = build(config, dtype, kernel)
+            # Every weight is read each step: at 16 rows x 2 slots over 8 experts, all experts are chosen (7.9
+            # expected).
+            weights[name] = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
+            results[name] = decode_step_ms(model, dtype, args.rows, args.steps)
+            print(f"{form}: {name:>5}: decode step at {args.rows} rows {results[name]:.2f} ms ({dtype}), "
+                  f"{weights[name] / 1e6:.1f}M weights read", flush=True)
+        print(f"{form}: MoE / dense (same active parameters): {results['moe'] / results['dense']:.2f}x the step "
+              f"time, {weights['moe'] / weights['dense']:.2f}x the weights read (a memory-bound step's floor)")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ change with batch composition. CPU GEMM libraries pick a kernel by row count (a 
 row, other blockings for a few), and some of those sum in another order: measured here, float32 (MKL) gives
 three different results for a row at 1, 2-3 and 4+ rows, and bfloat16 (oneDNN) differs at 1-2 rows once the
 reduction is longer than 1024. So each weight shape is probed once on the CPU it runs on, and calls are padded
-to the smallest row count from which every row's result is the same.
+to the smallest row count from which every row's result is the same. Where the C++ kernels run, dense weights do
+not pay this: ``lay_out_for_cpu_kernels`` stores them transposed for ``csrc/panel_linear.cpp``, which computes each
+row alone (min_rows 1), as it does for the GGUF blocks.
 """
 
 from __future__ import annotations
@@ -63,6 +65,33 @@ def padded_matmul(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     return matmul(F.pad(x, (0, 0, 0, rows - m)))[:m]
 
 
+DENSE_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def dense_kernels(weight: torch.Tensor):
+    """The CPU kernels if ``weight`` [out, in] is laid out for their dense linear (its transpose W^T [in, out]
+    contiguous: ``lay_out_for_cpu_kernels``) and they run here; else None."""
+    if weight.dtype not in DENSE_KERNEL_DTYPES or not weight.t().is_contiguous():
+        return None
+    return _panel_kernels(weight.device)
+
+
+def _panel_kernels(device: torch.device):
+    kernels = cpu_kernels.for_device(device)
+    return kernels if kernels is not None and kernels.block_panel_kernel_available() else None
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, in] times ``weight`` [out, in] transposed: the CPU kernel where the weight is laid out for it (each
+    row's result independent of the others: csrc/panel_linear.cpp), else F.linear."""
+    transposed = weight.t()
+    if weight.dtype in DENSE_KERNEL_DTYPES and transposed.is_contiguous():
+        kernels = _panel_kernels(weight.device)
+        if kernels is not None:
+            return kernels.dense_panel_linear(x, transposed, False)
+    return F.linear(x, weight)
+
+
 def _row_invariant_forward(layer: Linear | Int8Linear | BlockQuantLinear, x: torch.Tensor, key: tuple) -> torch.Tensor:
     """``layer._matmul`` over x [..., in] flattened to rows, padded to the layer's probed row count."""
     flat = x.reshape(-1, layer.in_features)
@@ -72,7 +101,8 @@ def _row_invariant_forward(layer: Linear | Int8Linear | BlockQuantLinear, x: tor
 
 
 class Linear(nn.Module):
-    """y = x W^T, W stored [out_features, in_features] in the model dtype."""
+    """y = x W^T, W stored [out_features, in_features] in the model dtype (in memory as W^T [in, out] once laid out
+    for the CPU kernel: ``lay_out_for_cpu_kernels``)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -82,10 +112,13 @@ class Linear(nn.Module):
         self.min_rows: int | None = None  # row padding for batch invariance, probed on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.min_rows is None and dense_kernels(self.weight) is not None:
+            # Each row alone (tests/layers/test_linear.py::test_the_dense_kernel_needs_no_row_padding).
+            self.min_rows = 1
         return _row_invariant_forward(self, x, ("dense", *self.weight.shape))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return dense_matmul(x, self.weight)
 
 
 class Int8Linear(nn.Module):
@@ -355,6 +388,42 @@ def probe_row_padding(model: nn.Module, dtype: torch.dtype) -> None:
             module(torch.zeros(1, module.in_features, dtype=dtype, device=device))
         elif hasattr(module, "probe_row_padding") and module.min_rows is None:  # stacked experts (layers/moe.py)
             module.probe_row_padding(dtype)
+
+
+def amx_bfloat16_gemms() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs on AMX tiles here. Padded to 64 rows, they ran 3x to 7x the dense kernel's
+    speed from 64 rows up, even at 16, while the kernel (float32 FMA chains) was 2-6x faster at 1 to 4 rows
+    (benchmarks/README.md, "Dense weights on the panel kernel")."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def lay_out_for_cpu_kernels(model: nn.Module, bfloat16_linears: bool | None = None) -> int:
+    """Stores the dense weights of ``model`` transposed in memory, W^T [in, out] row-major, where the CPU kernels
+    run: the layout their dense linear reads (csrc/panel_linear.cpp), with no row padding. The parameter keeps its
+    shape [out, in] and values (a transposed view), so a tied head stays the embedding's parameter and there is
+    one copy. Their row paddings are probed again (1). Returns how many weights were re-laid (0 off the CPU or
+    without the kernels).
+
+    Which: every module's ``dense_weights()`` (the stacked experts of layers/moe.py: an expert sees a k / experts
+    share of a step's rows, which a padded matmul per expert would multiply up), every float32 Linear (MKL's
+    float32 GEMMs were no faster than the kernel at many rows), and the bfloat16 Linears if ``bfloat16_linears``
+    (default: unless ``amx_bfloat16_gemms()``, where a Linear's whole step of rows, a prefill chunk or a large
+    decode batch, runs faster padded on oneDNN)."""
+    if bfloat16_linears is None:
+        bfloat16_linears = not amx_bfloat16_gemms()
+    laid = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            weights = [module.weight] if bfloat16_linears or module.weight.dtype != torch.bfloat16 else []
+        else:
+            weights = getattr(module, "dense_weights", list)()
+        for weight in weights:
+            if (weight.dtype in DENSE_KERNEL_DTYPES and not weight.transpose(-1, -2).is_contiguous()
+                    and _panel_kernels(weight.device) is not None):
+                weight.data = weight.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+                module.min_rows = None
+                laid += 1
+    return laid
 
 
 def largest_row_padding(model: nn.Module) -> int:

@@ -3,8 +3,10 @@ them run on it, and their outputs are summed weighted by the router's probabilit
 
 The experts are computed grouped: the (token, slot) pairs are sorted by expert id, and each expert multiplies the
 rows routed to it in one matmul (a loop over experts, never over tokens). Greedy output must not change with batch
-composition, so each row's result may not depend on which other rows share its expert's matmul: the expert matmuls
-are padded to the row count probed for their weight shape (layers/linear.py ``row_padding``), as every Linear is.
+composition, so each row's result may not depend on which other rows share its expert's matmul: where the CPU
+kernels run, the experts' weights are laid out for their dense linear (layers/linear.py ``lay_out_for_cpu_kernels``),
+which computes each row alone, so an expert multiplies exactly its routed rows; elsewhere the expert matmuls are
+padded to the row count probed for their weight shape (layers/linear.py ``row_padding``), as every Linear is.
 The k weighted outputs of a token are then written to its own slots, never accumulated into a shared buffer, and
 added in slot order: the sum is the same whichever expert (and, under expert parallelism, whichever rank) computed
 each slot.
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serval.layers.activation import silu_and_mul
-from serval.layers.linear import Linear, padded_matmul, row_padding
+from serval.layers.linear import Linear, dense_kernels, dense_matmul, padded_matmul, row_padding
 
 
 class Experts(nn.Module):
@@ -41,12 +43,20 @@ class Experts(nn.Module):
         if self.min_rows is None:
             self.probe_row_padding(x.dtype)
         gate_up, down = self.gate_up_proj[index], self.down_proj[index]
-        h = padded_matmul(lambda rows: F.linear(rows, gate_up), x, self.min_rows[0])
-        return padded_matmul(lambda rows: F.linear(rows, down), silu_and_mul(h), self.min_rows[1])
+        h = padded_matmul(lambda rows: dense_matmul(rows, gate_up), x, self.min_rows[0])
+        return padded_matmul(lambda rows: dense_matmul(rows, down), silu_and_mul(h), self.min_rows[1])
+
+    def dense_weights(self) -> list[nn.Parameter]:
+        """The stacks that layers/linear.py ``lay_out_for_cpu_kernels`` lays out for the CPU kernel."""
+        return [self.gate_up_proj, self.down_proj]
 
     def probe_row_padding(self, dtype: torch.dtype) -> None:
-        """The row paddings of the two matmuls' shapes. The keys are a dense Linear's of the same shape: the matmul
-        is the same F.linear on a contiguous [out, in] weight."""
+        """The row paddings of the two matmuls' shapes: 1 where the CPU kernel multiplies them (each row alone),
+        else probed with the keys of a dense Linear of the same shape: the matmul is the same F.linear on a
+        contiguous [out, in] weight."""
+        if all(dense_kernels(w[0]) is not None for w in (self.gate_up_proj, self.down_proj)):
+            self.min_rows = (1, 1)
+            return
         device = self.gate_up_proj.device
         self.min_rows = tuple(
             row_padding(lambda rows, w=w: F.linear(rows, w), w.shape[1], ("dense", *w.shape), dtype, device)

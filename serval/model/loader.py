@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 
 from serval.distributed import ParallelGroup
 from serval.layers import cpu_kernels
-from serval.layers.linear import probe_row_padding, quantize_linears
+from serval.layers.linear import lay_out_for_cpu_kernels, probe_row_padding, quantize_linears
 from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
 from serval.model.gptq_awq import METHODS as CHECKPOINT_METHODS
@@ -84,8 +84,13 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     if group is not None and group.num_stages > 1:  # pipeline: this rank's run of layers
         model = PipelineStage(model, group)
     model.eval()
-    probe_row_padding(model, dtype)
     cpu_kernels.for_device(torch.device(device))  # built now (once per machine), not in the first request
+    # The dense matrices left (all of a safetensors model's, the experts', a router's) transposed in memory for the
+    # CPU kernel, which needs no row padding; once, after every slice and cast.
+    laid = lay_out_for_cpu_kernels(model)
+    if laid:
+        logger.info("%d dense weights laid out for the CPU kernel", laid)
+    probe_row_padding(model, dtype)
     logger.info("loaded %s model %s (%s, %s, weights %s) in %.1f s", config.architecture, path.name, dtype, device,
                 quantization, time.perf_counter() - start)
     return model
@@ -98,7 +103,9 @@ def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dt
     blocks would only be dequantized again), "gptq" or "awq" for such a checkpoint on the CPU (the same 4-bit
     blocks), else "none". Measured on an AVX-512 + bf16 CPU
     (benchmarks/bench_engine.py, 2 threads): bfloat16 1.8x the dense tokens/s on one stream and 0.97x at 16
-    streams; float32 5.1x and 1.3x."""
+    streams; float32 5.1x and 1.3x. Both before dense float32 weights (and bfloat16 ones where oneDNN has no AMX)
+    took the panel kernel too, which made a tiny dense model's one-row decode step 2.4x faster (benchmarks/README.md,
+    "Dense weights on the panel kernel"), so the dense side's one stream is faster than these figures say."""
     if quantization == "gguf" and path.suffix != ".gguf":
         raise ValueError(f"{path.name}: --quantization gguf needs a GGUF file")
     checkpoint = read_weight_quantization(path)

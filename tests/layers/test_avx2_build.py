@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def outputs(k) -> dict[str, torch.Tensor]:
-    """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings),
+    """Every case, computed by the kernels module k: panel linears (tile remainders, both output roundings; block
+    formats and dense bf16 and f32 weights),
     attention over a chunk of 70 queries with contexts 531-600 (head sizes 64, 128, 256; float32 and bfloat16 caches,
     and 8-bit caches of each code dtype with the bytes quantize_kv_ wrote; a sliding window of 100 keys, and with
     Gemma 2's soft-capping too),
@@ -39,6 +40,12 @@ def outputs(k) -> dict[str, torch.Tensor]:
                 x = activations(rows, weight.in_features, dtype)
                 out[f"linear {fmt} {dtype} {rows}"] = k.block_panel_linear(x, *weight.panels(), weight.format, 130,
                                                                            False)
+    # Dense weights (W^T [590, 130]: a short last block of inputs and a short last column tile), bf16 and f32.
+    dense = torch.randn(590, 130, generator=torch.Generator().manual_seed(5)) / 590**0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 5, 7, 40):
+            x = activations(rows, 590, dtype)
+            out[f"dense linear {dtype} {rows}"] = k.dense_panel_linear(x, dense.to(dtype), False)
     for head_dim in (64, 128, 256):
         gen = torch.Generator().manual_seed(head_dim)
         k_cache, v_cache = (torch.randn(48, 16, 3, head_dim, generator=gen) for _ in range(2))
@@ -96,8 +103,8 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
                    cwd=HERE.parents[1], timeout=900)
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
-    # + 4 gelu, + 4 Gemma norm
-    assert avx2.keys() == native.keys() and len(native) == 8 * len(FORMATS) + 11 + 3 + 3 + 3 * 3 * 2 + 4 + 4
+    # + 8 dense (bf16/f32 x 4 row counts), + 4 gelu, + 4 Gemma norm
+    assert avx2.keys() == native.keys() and len(native) == 8 * len(FORMATS) + 8 + 11 + 3 + 3 + 3 * 3 * 2 + 4 + 4
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case
     assert native["argmax"].tolist()[1:4] == [100, 49153, 7]

@@ -17,6 +17,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from serval.config import EngineConfig
+from serval.layers import cpu_kernels
+from serval.layers.linear import lay_out_for_cpu_kernels
 from serval.layers.moe import SparseMoE
 from serval.model.hf_config import read_hf_config
 from serval.model.loader import load_model
@@ -160,3 +162,36 @@ def test_expert_parallel_ranks_combine_to_one_process_bits(dtype):
         assert all(s.abs().sum(-1).count_nonzero() < len(s) for s in group.slots)  # each filled only its share
         combined = [rank(x) for rank in ranks]
         assert torch.equal(combined[0], whole(x)) and torch.equal(combined[1], combined[0])
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.load().block_panel_kernel_available(),
+                    reason="the dense kernel needs the C++ kernels and AVX2 (FMA, F16C) or AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, EngineConfig().torch_dtype], ids=str)
+def test_experts_laid_out_for_the_cpu_kernel_multiply_their_rows_alone(dtype):
+    """As load_model lays them out on the CPU (layers/linear.py ``lay_out_for_cpu_kernels``), the experts multiply
+    exactly their routed rows with the dense kernel, unpadded: zero, one and many tokens per expert give
+    transformers' output (float32), a row alone gives the batch's bits, and two expert-parallel ranks combine to
+    one process's bits."""
+    theirs, whole = _blocks("mixtral")
+    whole = whole.to(dtype)
+    group = _Ranks()
+    ranks = [SparseMoE(HIDDEN, WIDTH, EXPERTS, 2, True, local_experts=(r * 2, r * 2 + 2)).to(dtype) for r in (0, 1)]
+    for r, rank in enumerate(ranks):
+        rank.gate.weight.copy_(whole.gate.weight)
+        rank.experts.gate_up_proj.copy_(whole.experts.gate_up_proj[r * 2: r * 2 + 2])
+        rank.experts.down_proj.copy_(whole.experts.down_proj[r * 2: r * 2 + 2])
+        rank.group = group
+    for moe in (whole, *ranks):
+        # the router (bfloat16 on the kernel too, whatever the CPU), the stacked gate/up and down
+        assert lay_out_for_cpu_kernels(moe, bfloat16_linears=True) == 3
+    x = _zero_one_many(rows=20).to(dtype)
+    with torch.inference_mode():
+        got = whole(x)
+        assert whole.experts.min_rows == (1, 1) and whole.experts.gate_up_proj.transpose(1, 2).is_contiguous()
+        assert all(torch.equal(whole(x[i: i + 1]), got[i: i + 1]) for i in range(len(x)))
+        if dtype == torch.float32:
+            assert_logits_close(got, theirs(x[None])[0], FP32_REL)
+        for rank in ranks:
+            rank(x)  # records the rank's slots
+        combined = [rank(x) for rank in ranks]
+        assert torch.equal(combined[0], got) and torch.equal(combined[1], got)

@@ -19,6 +19,9 @@
 //   is exact in float32, so they equal the float32 formats' scales and give the same bits (0.08 bytes of scales
 //   per weight instead of 0.25).
 //   q8: panels [P, G, 32, 16]: signed byte j of position k is column j's q; scales [P, G, 1, 16]; w = d * q.
+//   bf16, f32 (dense weights, dense_panel_linear): no blocks to decode and no scales; the weight transposed,
+//   W^T [K, N] row-major (a model's Linear holds it as the [N, K] view of it, so there is one copy): a block of
+//   32 input positions of a tile is 32 rows of W^T, each kCols columns side by side (widened to float32).
 // (serval/layers/linear.py builds it from the GGUF layout without loss.)
 //
 // Why: a kernel that keeps one output per vector (a dot product over the GGUF layout) sums its lanes at the end
@@ -48,8 +51,9 @@ namespace {
 constexpr int64_t kBlock = 32;
 
 // The block formats (BlockWeight.format in linear.py). Each block holds 32 input positions of 16 columns.
-enum Format : int { kQ8, kQ4, kQ5, kQ4F, kQ5F, kQ6F, kQ4K, kQ5K, kQ6K };
-constexpr int kFormats = 9;
+enum Format : int { kQ8, kQ4, kQ5, kQ4F, kQ5F, kQ6F, kQ4K, kQ5K, kQ6K, kBF16, kF32 };
+constexpr int kFormats = 9;  // the block formats, named by format_index
+constexpr bool dense(int f) { return f == kBF16 || f == kF32; }  // W^T rows of bfloat16 or float32 values
 // Bits above the nibble (5- and 6-bit codes), in bit-plane rows after the 16 nibble rows.
 constexpr int extra_bits(int f) { return f == kQ5 || f == kQ5F || f == kQ5K ? 1 : f == kQ6F || f == kQ6K ? 2 : 0; }
 constexpr bool half_scales(int f) { return f == kQ8 || f == kQ4 || f == kQ5; }
@@ -78,6 +82,9 @@ inline Vec load_halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_
 inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline Vec unsigned_bytes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 inline Vec signed_bytes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+inline Vec load_bf16(const uint16_t* p) {  // bfloat16 bits are a float32's high half: exact
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 inline __mmask16 first(int count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1); }
 inline void store_out(float* y, Vec v, int count) { _mm512_mask_storeu_ps(y, first(count), v); }
 // float32 to bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN to its quiet NaN).
@@ -102,6 +109,9 @@ inline Vec load_halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si1
 inline __m128i load_bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 inline Vec unsigned_bytes(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 inline Vec signed_bytes(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+inline Vec load_bf16(const uint16_t* p) {  // bfloat16 bits are a float32's high half: exact
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 inline void store_out(float* y, Vec v, int count) {
   if (count >= 8) return _mm256_storeu_ps(y, v);
   alignas(32) float lanes[8];
@@ -136,10 +146,19 @@ struct Panels {
   const uint8_t* scales;
   int64_t groups, block_bytes, block_scale_bytes, scale_size;  // per 16-column panel, of one block
   int64_t super_block_bytes, super_header_bytes;  // K formats: of a super-block's scales, and of its float16 rows
+  // Dense formats: bytes from one input position's row of W^T to the next, of one weight, and K (the last block
+  // of 32 may be short: rows past K are not read).
+  int64_t row_bytes = 0, element_bytes = 0, depth = 0;
 
   void block(int64_t tile, int64_t g, const uint8_t* q[2], const uint8_t* s[2], const uint16_t* h[2]) const {
     for (int c = 0; c < 2; ++c) {
       const int64_t column = tile * kCols + c * kLanes;
+      if (row_bytes) {  // dense: the block's first row of W^T, at the vector's first column; no scales
+        q[c] = packed + g * kBlock * row_bytes + column * element_bytes;
+        s[c] = nullptr;
+        h[c] = nullptr;
+        continue;
+      }
       const int64_t index = (column / 16) * groups + g;
       q[c] = packed + index * block_bytes + column % 16;
       if (super_block_bytes) {
@@ -168,6 +187,7 @@ inline Vec load_scale(const uint8_t* s, const uint16_t* h, int row) {
 // q8: w = d * q (signed). q6f, q6k: scales (d of positions 0-15, d of 16-31), m = -32 d (exact: a power of two).
 template <int F>
 inline void block_scales(const uint8_t* const s[2], const uint16_t* const h[2], Vec d[2][2], Vec m[2][2]) {
+  if constexpr (dense(F)) return;  // no scales
   for (int c = 0; c < 2; ++c) {
     if constexpr (sub_blocks_of_16(F)) {
       for (int half = 0; half < 2; ++half) {
@@ -200,6 +220,37 @@ inline void pair_weights(const uint8_t* q, int pair, Vec d, Vec m, Vec& even, Ve
   }
   even = vfma(unsigned_bytes(lo), d, m);
   odd = vfma(unsigned_bytes(hi), d, m);
+}
+
+// Dense formats: one vector's columns of one row of W^T as float32; ``count`` of them lie inside the matrix (the
+// last tile's lanes past N are zero and read nothing).
+template <int F>
+inline Vec dense_weights(const uint8_t* p, int64_t count) {
+  alignas(64) uint8_t lanes[kLanes * 4];
+  if (count < kLanes) {
+    std::memset(lanes, 0, sizeof(lanes));
+    if (count > 0) std::memcpy(lanes, p, count * (F == kF32 ? 4 : 2));
+    p = lanes;
+  }
+  if constexpr (F == kF32) return vload(reinterpret_cast<const float*>(p));
+  else return load_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+
+// Dense formats: one block (up to 32 rows of W^T, fewer in the last) of a tile's columns as float32, out[k][0 ..
+// kCols): the same loads as tiles_dense's, so the same floats. A tile's rows are a cache line or two each, a row of
+// W^T apart, which the hardware does not prefetch: the next tile's are asked for here, while this one computes.
+template <int F>
+inline void decode_dense(const Panels& w, int64_t tile, int64_t g, int64_t N, float* out) {
+  const uint8_t* q[2];
+  const uint8_t* s[2];
+  const uint16_t* h[2];
+  w.block(tile, g, q, s, h);
+  const int64_t rows = std::min<int64_t>(kBlock, w.depth - g * kBlock);
+  for (int64_t k = 0; k < rows; ++k)
+    for (int c = 0; c < 2; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(q[c] + k * w.row_bytes + kCols * w.element_bytes), _MM_HINT_T0);
+      vstore(out + k * kCols + c * kLanes, dense_weights<F>(q[c] + k * w.row_bytes, N - tile * kCols - c * kLanes));
+    }
 }
 
 // One block (32 input positions) of a tile's columns, decoded to float32: out[k][0 .. kCols). The same
@@ -303,11 +354,68 @@ void rows_buffered(int64_t rows, const float* panel, int64_t K, const float* x, 
   }
 }
 
+// Dense formats, few rows: the tiles [t0, t1) over 16 input positions at a time, each tile's sums kept in memory
+// between them (stored and reloaded exactly: each output is the same FMA chain over k in order as in the buffered
+// path, so the same bits). Each row of W^T is then read along its columns, which the hardware prefetches; a tile
+// walking down its column of rows (a cache line in each, a row apart) ran at half the bandwidth at 3072 columns.
+constexpr int64_t kDenseChunk = 16;
+// Rows a pass: one under the block formats' tile (measured with AVX-512: 8 rows ran at 1.8x the time of 7, where 7
+// took 1.1x the time of 6), and passes of them up to kDenseStreamedRows, past which decoding a tile's rows once
+// into the buffer for all rows pays.
+constexpr int kDenseRows = kTileRows - 1;
+constexpr int64_t kDenseStreamedRows = 3 * kDenseRows;
+template <int F, int R, typename Out>
+void tiles_dense(const Panels& w, int64_t t0, int64_t t1, const float* x, int64_t ldx, Out* y, int64_t N) {
+  float* sums = serval::scratch(2, (t1 - t0) * R * kCols);  // slots 0 and 1 are the buffered path's and x's
+  const int64_t K = w.depth;
+  for (int64_t k0 = 0; k0 < K; k0 += kDenseChunk) {
+    const int64_t k1 = std::min(K, k0 + kDenseChunk);
+    for (int64_t t = t0; t < t1; ++t) {
+      float* sum = sums + (t - t0) * R * kCols;
+      Vec acc[R][2];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 2; ++c) acc[r][c] = k0 == 0 ? vzero() : vload(sum + r * kCols + c * kLanes);
+      const uint8_t* q = w.packed + t * kCols * w.element_bytes;
+      for (int64_t k = k0; k < k1; ++k) {
+        Vec wk[2];
+        for (int c = 0; c < 2; ++c)
+          wk[c] = dense_weights<F>(q + k * w.row_bytes + c * kLanes * w.element_bytes, N - t * kCols - c * kLanes);
+        for (int r = 0; r < R; ++r) {
+          const Vec xb = vset1(x[r * ldx + k]);
+          for (int c = 0; c < 2; ++c) acc[r][c] = vfma(xb, wk[c], acc[r][c]);
+        }
+      }
+      if (k1 < K) {
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < 2; ++c) vstore(sum + r * kCols + c * kLanes, acc[r][c]);
+      } else {
+        store<R, Out>(acc, y, N, t * kCols);
+      }
+    }
+  }
+}
+
+template <int F, int R, typename Out>
+void rows_dense(int64_t rows, const Panels& w, int64_t t0, int64_t t1, const float* x, int64_t ldx, Out* y,
+                int64_t N) {
+  if constexpr (R > 0) {
+    if (rows == R) return tiles_dense<F, R, Out>(w, t0, t1, x, ldx, y, N);
+    rows_dense<F, R - 1, Out>(rows, w, t0, t1, x, ldx, y, N);
+  }
+}
+
 template <int F, typename Out>
 void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, Out* y) {
   const int64_t tiles = (N + kCols - 1) / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    if (M <= kTileRows) {
+    if constexpr (dense(F)) {
+      if (M <= kDenseStreamedRows) {
+        for (int64_t r0 = 0; r0 < M; r0 += kDenseRows)
+          rows_dense<F, kDenseRows, Out>(std::min<int64_t>(kDenseRows, M - r0), w, begin, end, x + r0 * K, K,
+                                         y + r0 * N, N);
+        return;
+      }
+    } else if (M <= kTileRows) {
       for (int64_t t = begin; t < end; ++t) rows_inline<F, kTileRows, Out>(M, w, t, x, K, y, N);
       return;
     }
@@ -315,6 +423,10 @@ void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t 
     float* panel = serval::scratch(0, K * kCols);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t g = 0; g < w.groups; ++g) {
+        if constexpr (dense(F)) {
+          decode_dense<F>(w, t, g, N, panel + g * kBlock * kCols);
+          continue;
+        }
         const uint8_t* q[2];
         const uint8_t* s[2];
         const uint16_t* h[2];
@@ -342,6 +454,18 @@ void gemm_format(int format, const float* x, int64_t M, int64_t K, const Panels&
     case kQ5K: return gemm_panels<kQ5K, Out>(x, M, K, w, N, y);
     default: return gemm_panels<kQ6K, Out>(x, M, K, w, N, y);
   }
+}
+
+// x [M, K] as float32 rows (in per-thread scratch slot 1: slot 0 is the panels').
+inline float* float_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  float* xf = serval::scratch(1, M * K);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "float_rows", [&] {
+    const at::Tensor xc = x.contiguous();
+    const scalar_t* src = xc.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(src[i]);
+  });
+  return xf;
 }
 #endif
 
@@ -413,5 +537,40 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   return float_output ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "block_panel_linear needs AVX2 with FMA and F16C, or AVX-512 (check block_panel_kernel_available())");
+#endif
+}
+
+// x [M, K] (float32 or bfloat16) times a dense weight given as weight_t = W^T [K, N], contiguous, bfloat16 or
+// float32 (Linear's weight laid out for this kernel: layers/linear.py). Each output is one float32 FMA chain over k
+// in order, as the block formats': no row padding. Returns y [M, N] in x's dtype, or float32 with float_output.
+at::Tensor dense_panel_linear(const at::Tensor& x, const at::Tensor& weight_t, bool float_output) {
+  TORCH_CHECK(x.dim() == 2 && weight_t.dim() == 2 && x.size(1) == weight_t.size(0), "x [M, K] and W^T [K, N]");
+  TORCH_CHECK(weight_t.is_contiguous() &&
+                  (weight_t.scalar_type() == at::kBFloat16 || weight_t.scalar_type() == at::kFloat),
+              "W^T: contiguous bfloat16 or float32");
+#if defined(SERVAL_PANEL_KERNEL)
+  const int64_t M = x.size(0), K = x.size(1), N = weight_t.size(1);
+  const int format = weight_t.scalar_type() == at::kFloat ? kF32 : kBF16;
+  Panels w{};
+  w.packed = static_cast<const uint8_t*>(weight_t.data_ptr());
+  w.groups = (K + kBlock - 1) / kBlock;
+  w.element_bytes = weight_t.element_size();
+  w.row_bytes = N * w.element_bytes;
+  w.depth = K;
+  const float* xf = float_rows(x);
+  auto run = [&](auto* y) {
+    if (format == kF32) gemm_panels<kF32>(xf, M, K, w, N, y);
+    else gemm_panels<kBF16>(xf, M, K, w, N, y);
+  };
+  if (x.scalar_type() == at::kBFloat16 && !float_output) {
+    at::Tensor y = at::empty({M, N}, x.options());
+    run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    return y;
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  run(y.data_ptr<float>());
+  return float_output ? y : y.to(x.scalar_type());
+#else
+  TORCH_CHECK(false, "dense_panel_linear needs AVX2 with FMA and F16C, or AVX-512 (check block_panel_kernel_available())");
 #endif
 }
