@@ -299,6 +299,9 @@ class BlockQuantLinear(nn.Module):
         self._panels: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # built on the first CPU call
         # float32 results where the kernel computes them so (the logits: in bfloat16, scores 1/8 apart tie)
         self.float_output = False
+        # "int8": the kernel quantizes the activations per row and block of 32 (csrc/int8_linear.cpp), for every
+        # row count alike; set by use_activation_quantization (EngineConfig.activation_quantization)
+        self.activation_quantization = "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.min_rows is None and self._kernels(x.device) is not None:
@@ -318,7 +321,10 @@ class BlockQuantLinear(nn.Module):
             parts = self.block_weights()
             if self._panels is None:
                 self._panels = [part.panels() for part in parts]
-            outputs = [kernels.block_panel_linear(x, *panels, part.format, part.out_features, self.float_output)
+            linear = kernels.block_panel_linear
+            if self.activation_quantization == "int8" and kernels.block_int8_kernel_available():
+                linear = kernels.block_panel_linear_int8
+            outputs = [linear(x, *panels, part.format, part.out_features, self.float_output)
                        for part, panels in zip(parts, self._panels)]
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         if self._dense is None or self._dense.dtype != x.dtype:
@@ -358,6 +364,21 @@ def largest_row_padding(model: nn.Module) -> int:
         elif isinstance(min_rows, tuple):  # stacked experts: one per matmul
             paddings += min_rows
     return max(paddings)
+
+
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
+
+
+def use_activation_quantization(model: nn.Module, method: str) -> int:
+    """Sets how ``model``'s block linears multiply (EngineConfig.activation_quantization): "none", float32
+    activations; "int8", activations quantized per row and block of 32 and integer dot products, on a CPU with the
+    kernel (elsewhere the float path stays). Returns how many linears it set."""
+    if method not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(f"activation_quantization must be one of {ACTIVATION_QUANTIZATIONS}, got {method!r}")
+    linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+    for linear in linears:
+        linear.activation_quantization = method
+    return len(linears)
 
 
 QUANTIZATIONS = ("int8",)

@@ -13,6 +13,9 @@ void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, cons
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                               const std::string& format, int64_t out_features, bool float_output);
 bool block_panel_kernel_available();
+at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                                   const std::string& format, int64_t out_features, bool float_output);
+bool block_int8_kernel_available();
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
@@ -32,6 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place, by position", no_gil());
   m.def("block_panel_linear", &block_panel_linear, "x W^T with W in 16-column panels of blocks (q4, q8)", no_gil());
   m.def("block_panel_kernel_available", &block_panel_kernel_available, "whether block_panel_linear was compiled");
+  m.def("block_panel_linear_int8", &block_panel_linear_int8,
+        "block_panel_linear with the activations quantized to int8 per block (integer dot products)", no_gil());
+  m.def("block_int8_kernel_available", &block_int8_kernel_available, "whether block_panel_linear_int8 was compiled");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (float32)", no_gil());
 }
