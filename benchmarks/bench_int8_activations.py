@@ -55,9 +55,9 @@ def bench_linears(model, rows_list: list[int], dtype: torch.dtype, rounds: int) 
             found = {s: [] for s in SETTINGS}
             for _ in range(rounds):  # alternated: a slow spell of the machine hits both
                 for setting in SETTINGS:
-                    def call(linear=calls[setting]):
+                    def call(linear=calls[setting], x=x, parts=parts, panels=panels, out=layer.float_output):
                         for part, p in zip(parts, panels):
-                            linear(x, *p, part.format, part.out_features, layer.float_output)
+                            linear(x, *p, part.format, part.out_features, out)
                     call()
                     found[setting].append(thread_seconds(call, repeats))
             a, b = (statistics.median(found[s]) * 1e6 for s in SETTINGS)

@@ -1,10 +1,11 @@
 """`serval bench quality`: what each weight form costs in quality, measured through the engine itself.
 
-For each form (dtype + quantization, and optionally the activation quantization) of one model: the perplexity of a fixed English text that ships with Python
-itself (the library reference topics in ``pydoc_data.topics``: every machine has the same bytes), scored in
-windows through prompt logprobs, and the greedy agreement of seeded prose continuations with the reference form
-(float32, dequantized: the file's weights at full precision). Lower perplexity is better; agreement is the share
-of continuations identical token for token, and the mean share of tokens before the first difference.
+For each form (dtype + quantization, and optionally the activation quantization) of one model: the perplexity of a
+fixed English text that ships with Python itself (the library reference topics in ``pydoc_data.topics``: every
+machine has the same bytes), scored in windows through prompt logprobs, and the greedy agreement of seeded prose
+continuations with the reference form (float32, dequantized: the file's weights at full precision). Lower perplexity
+is better; agreement is the share of continuations identical token for token, and the mean share of tokens before
+the first difference.
 
     serval bench quality [--forms float32:none,bfloat16:gguf,bfloat16:gguf:int8] [--num-tokens 4096] [--window 512]
 """
