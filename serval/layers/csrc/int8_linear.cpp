@@ -124,11 +124,12 @@ inline Group shift_right(Group v, int n) { return _mm512_srli_epi16(v, n); }
 inline Ints int_zero() { return _mm512_setzero_si512(); }
 // acc + per lane the sum of its 4 unsigned bytes of w times the 4 signed bytes of word
 inline Ints dot(Ints acc, Group w, int32_t word) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(word)); }
-// The same with signed bytes w: |w| times the word's bytes with w's signs (|w| <= 128, |x| <= 127).
+// The same with signed bytes w, offset: w + 128 (w with its top bit flipped) as unsigned; the caller subtracts
+// 128 times the sum of the activation bytes (offset_signed_dot).
+constexpr bool offset_signed_dot = true;
 inline Ints dot_signed(Ints acc, Group w, int32_t word) {
-  const __m512i x = _mm512_set1_epi32(word);
-  const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-  return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w), signed_x);
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))),
+                             _mm512_set1_epi32(word));
 }
 inline Ints sub_times(Ints a, int32_t times, int32_t b) {
   return _mm512_sub_epi32(a, _mm512_set1_epi32(times * b));
@@ -194,6 +195,9 @@ inline Ints dot(Ints acc, Group w, int32_t word) {
   const __m256i x = _mm256_set1_epi32(word);
   return {dot8(acc.a, w.a, x), dot8(acc.b, w.b, x)};
 }
+// The same with signed bytes w: |w| times the word's bytes with w's signs (|w| <= 128, |x| <= 127: vpmaddubsw's
+// pairs stay under 2^15).
+constexpr bool offset_signed_dot = false;
 inline Ints dot_signed(Ints acc, Group w, int32_t word) {
   const __m256i x = _mm256_set1_epi32(word);
   return {dot8(acc.a, _mm256_abs_epi8(w.a), _mm256_sign_epi8(x, w.a)),
@@ -320,7 +324,9 @@ void panel_rows(const Panels& w, int64_t panel, const int32_t* words, const Bloc
         acc[r] = ffma(fmul(d0, dx), to_float(sub_times(sums[r][0], 32, b.sum[0])), acc[r]);
         acc[r] = ffma(fmul(d1, dx), to_float(sub_times(sums[r][1], 32, b.sum[1])), acc[r]);
       } else {
-        acc[r] = ffma(fmul(d0, dx), to_float(sums[r][0]), acc[r]);
+        Ints sum = sums[r][0];
+        if constexpr (F == kQ8 && offset_signed_dot) sum = sub_times(sum, 128, b.sum[0] + b.sum[1]);
+        acc[r] = ffma(fmul(d0, dx), to_float(sum), acc[r]);
         if constexpr (F != kQ8) acc[r] = ffma(d1, fset1(b.dx_sum), acc[r]);
       }
     }
