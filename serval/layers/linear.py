@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serval.config import ACTIVATION_QUANTIZATION_CHOICES
 from serval.layers import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -366,15 +367,12 @@ def largest_row_padding(model: nn.Module) -> int:
     return max(paddings)
 
 
-ACTIVATION_QUANTIZATIONS = ("none", "int8")
-
-
 def use_activation_quantization(model: nn.Module, method: str) -> int:
     """Sets how ``model``'s block linears multiply (EngineConfig.activation_quantization): "none", float32
     activations; "int8", activations quantized per row and block of 32 and integer dot products, on a CPU with the
     kernel (elsewhere the float path stays). Returns how many linears it set."""
-    if method not in ACTIVATION_QUANTIZATIONS:
-        raise ValueError(f"activation_quantization must be one of {ACTIVATION_QUANTIZATIONS}, got {method!r}")
+    if method not in ACTIVATION_QUANTIZATION_CHOICES:
+        raise ValueError(f"activation_quantization must be one of {ACTIVATION_QUANTIZATION_CHOICES}, got {method!r}")
     linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
     for linear in linears:
         linear.activation_quantization = method
