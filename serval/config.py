@@ -258,6 +258,7 @@ class SchedulerConfig(DeviceDefaults):
 
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8")
+ACTIVATION_QUANTIZATION_CHOICES = ("none", "int8")
 CONTEXT_POLICIES = ("error", "sliding_window")  # a chat longer than the context: refused, or its oldest turns dropped
 EARLY_EXIT_PREFIX = "self-layers:"
 CPU_SPECULATIVE_MAX_BATCH_SIZE = 4
@@ -424,6 +425,13 @@ class EngineConfig:
         "kernel) or as a GPTQ or AWQ checkpoint's 4-bit groups (gptq, awq: the same kernel), dequantized to --dtype "
         "(none), or weight-only int8 (int8); auto: gguf, gptq or awq on the CPU for a file or directory with such "
         "weights, else none", choices=QUANTIZATION_CHOICES))
+    # How the CPU kernel multiplies the file's blocks (serval/layers/csrc/int8_linear.cpp): "none", float32
+    # activations (the file's weights exactly); "int8", activations quantized per row and block of 32, integer dot
+    # products (faster; the cost in perplexity is in benchmarks/README.md). Batch invariance holds for both.
+    activation_quantization: str = field(default="none", metadata=flag(
+        "with GGUF or GPTQ/AWQ blocks on the CPU: int8 quantizes the activations per block of 32 and multiplies "
+        "with integer dot products (VNNI or AVX2), as llama.cpp does; none keeps them float32",
+        choices=ACTIVATION_QUANTIZATION_CHOICES))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -507,6 +515,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"EngineConfig.quantization must be one of {list(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.activation_quantization not in ACTIVATION_QUANTIZATION_CHOICES:
+            raise ValueError("EngineConfig.activation_quantization (--activation-quantization) must be one of "
+                             f"{list(ACTIVATION_QUANTIZATION_CHOICES)}, got {self.activation_quantization!r}")
         if self.scheduler.preemption_mode == "swap" and not self.cache.kv_offload_size:
             raise ValueError("preemption_mode 'swap' needs a second tier for the KV: set kv_offload_size "
                              "(--kv-offload-size GiB)")

@@ -59,10 +59,12 @@ def make_llm(smollm):
              max_model_len: int | None = 2048, context_policy: str = "error", speculative_model: str | None = "ngram",
              num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4, session_ttl: float = 600.0,
              session_cache_fraction: float = 0.5, kv_offload_size: float = 0.0, kv_offload_path: str | None = None,
-             preemption_mode: str = "auto", kv_cache_dtype: str = "auto") -> LLM:
+             preemption_mode: str = "auto", kv_cache_dtype: str = "auto",
+             activation_quantization: str = "none") -> LLM:
         model, tokenizer = smollm(dtype, quantization)
         config = EngineConfig(
             dtype=dtype, quantization=quantization, max_model_len=max_model_len, context_policy=context_policy,
+            activation_quantization=activation_quantization,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching, session_ttl=session_ttl,
                               session_cache_fraction=session_cache_fraction, kv_offload_size=kv_offload_size,

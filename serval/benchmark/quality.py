@@ -1,12 +1,13 @@
 """`serval bench quality`: what each weight form costs in quality, measured through the engine itself.
 
-For each form (dtype + quantization) of one model: the perplexity of a fixed English text that ships with Python
-itself (the library reference topics in ``pydoc_data.topics``: every machine has the same bytes), scored in
-windows through prompt logprobs, and the greedy agreement of seeded prose continuations with the reference form
-(float32, dequantized: the file's weights at full precision). Lower perplexity is better; agreement is the share
-of continuations identical token for token, and the mean share of tokens before the first difference.
+For each form (dtype + quantization, and optionally the activation quantization) of one model: the perplexity of a
+fixed English text that ships with Python itself (the library reference topics in ``pydoc_data.topics``: every
+machine has the same bytes), scored in windows through prompt logprobs, and the greedy agreement of seeded prose
+continuations with the reference form (float32, dequantized: the file's weights at full precision). Lower perplexity
+is better; agreement is the share of continuations identical token for token, and the mean share of tokens before
+the first difference.
 
-    serval bench quality [--forms float32:none,bfloat16:gguf] [--num-tokens 4096] [--window 512]
+    serval bench quality [--forms float32:none,bfloat16:gguf,bfloat16:gguf:int8] [--num-tokens 4096] [--window 512]
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="embedded model name, .gguf file or HF directory")
     parser.add_argument("--forms", default=DEFAULT_FORMS,
-                        help=f"dtype:quantization pairs, comma-separated; {REFERENCE_FORM} is the reference and is "
+                        help=f"dtype:quantization pairs, comma-separated, each with an optional third field, the "
+                        f"activation quantization (bfloat16:gguf:int8); {REFERENCE_FORM} is the reference and is "
                         "always measured")
     parser.add_argument("--num-tokens", type=int, default=4096, help="tokens of the text scored")
     parser.add_argument("--window", type=int, default=512, help="tokens per scored window (each starts afresh)")
@@ -93,16 +95,19 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     reference_tokens = None
     print(f"{'form':<18}{'weights':>8}{'perplexity':>12}{'vs ref':>9}{'identical':>11}{'prefix':>9}{'s':>7}")
     for form in forms:
-        dtype, quantization = form.split(":")
+        dtype, quantization, *activations = form.split(":")  # a third field: EngineConfig.activation_quantization
         start = time.perf_counter()
-        llm = LLM(args.model, dtype=dtype, quantization=quantization, max_model_len=max(args.window, 1024))
+        llm = LLM(args.model, dtype=dtype, quantization=quantization, max_model_len=max(args.window, 1024),
+                  activation_quantization=activations[0] if activations else "none")
         text_ids = llm.tokenizer.encode(reference_text())[: args.num_tokens]
         ppl, scored = perplexity(llm, windows(text_ids, args.window))
         tokens = continuations(llm, prompts, args.output_tokens)
         engine = llm.engine
         weights = resolve_quantization(engine.model_path, engine.config.device, engine.config.torch_dtype,
                                        quantization)
-        entry = {"dtype": dtype, "quantization": weights, "perplexity": ppl, "tokens_scored": scored,
+        entry = {"dtype": dtype, "quantization": weights,
+                 "activation_quantization": engine.config.activation_quantization, "perplexity": ppl,
+                 "tokens_scored": scored,
                  "seconds": time.perf_counter() - start}
         if reference_tokens is None:
             reference_tokens, results["model"] = tokens, str(engine.model_path)

@@ -25,6 +25,7 @@ from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler
 from serval.engine.spec_decode import NgramProposer
 from serval.engine.workers import start_ranks
+from serval.layers.linear import use_activation_quantization
 from serval.layers.sampler import TokenLogprobs
 from serval.model.loader import has_4bit_blocks, load_model
 from serval.model.registry import resolve_model_path
@@ -155,6 +156,7 @@ class EngineCore:
         self.group = self.ranks.group if self.ranks is not None else None
         self.model = model or load_model(model_path, config.torch_dtype, config.device, config.quantization,
                                          self.group, config.enable_expert_parallel)
+        use_activation_quantization(self.model, config.activation_quantization)  # a model given too
         model_config = self.model.config
         cache = config.cache
         num_blocks = num_kv_blocks(config, self.model)  # on a GPU, after a profiling forward of the largest step
@@ -216,7 +218,8 @@ class EngineCore:
         path = Path(model_path)
         return {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None,
                 "dtype": self.config.dtype, "quantization": self.config.quantization,
-                "kv_cache_dtype": self.config.cache.kv_cache_dtype}
+                "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+                "activation_quantization": self.config.activation_quantization}
 
     def _transfer(self) -> None:
         """Makes the copies between the KV tiers that the last allocations asked for (before any forward uses or
@@ -514,6 +517,7 @@ class EngineCore:
         else:
             draft_model = load_model(resolve_model_path(spec.draft_model), config.torch_dtype, config.device,
                                      config.quantization)
+        use_activation_quantization(draft_model, config.activation_quantization)
         self.runner.draft = proposer = DraftProposer(self.runner, draft_model)
         return proposer
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serval.config import ACTIVATION_QUANTIZATION_CHOICES
 from serval.layers import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -333,8 +334,12 @@ class BlockQuantLinear(nn.Module):
         # and build no BlockWeight objects (which cost a one-row decode step 0.8 ms of Python, 121 linears).
         self._panels: list[tuple[str, int, tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._panel_linear = None  # the kernel's function, kept with the panels
+        self._panel_linear_int8 = None  # its int8-activation twin (csrc/int8_linear.cpp), where it was compiled
         # float32 results where the kernel computes them so (the logits: in bfloat16, scores 1/8 apart tie)
         self.float_output = False
+        # "int8": the kernel quantizes the activations per row and block of 32 (csrc/int8_linear.cpp), for every
+        # row count alike; set by use_activation_quantization (EngineConfig.activation_quantization)
+        self.activation_quantization = "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._panels is not None and x.dim() == 2 and x.shape[0] and x.is_cpu:
@@ -358,6 +363,8 @@ class BlockQuantLinear(nn.Module):
             if self._panels is None:
                 self._panels = [(part.format, part.out_features, part.panels()) for part in self.block_weights()]
                 self._panel_linear = kernels.block_panel_linear
+                if kernels.block_int8_kernel_available():
+                    self._panel_linear_int8 = kernels.block_panel_linear_int8
             return self._panel_matmul(x)
         if self._dense is None or self._dense.dtype != x.dtype:
             dense = torch.cat([part.dequantize() for part in self.block_weights()])
@@ -365,7 +372,10 @@ class BlockQuantLinear(nn.Module):
         return F.linear(x, self._dense)
 
     def _panel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        outputs = [self._panel_linear(x, *panels, fmt, out_features, self.float_output)
+        linear = self._panel_linear
+        if self.activation_quantization == "int8" and self._panel_linear_int8 is not None:
+            linear = self._panel_linear_int8
+        outputs = [linear(x, *panels, fmt, out_features, self.float_output)
                    for fmt, out_features, panels in self._panels]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
@@ -437,6 +447,18 @@ def largest_row_padding(model: nn.Module) -> int:
         elif isinstance(min_rows, tuple):  # stacked experts: one per matmul
             paddings += min_rows
     return max(paddings)
+
+
+def use_activation_quantization(model: nn.Module, method: str) -> int:
+    """Sets how ``model``'s block linears multiply (EngineConfig.activation_quantization): "none", float32
+    activations; "int8", activations quantized per row and block of 32 and integer dot products, on a CPU with the
+    kernel (elsewhere the float path stays). Returns how many linears it set."""
+    if method not in ACTIVATION_QUANTIZATION_CHOICES:
+        raise ValueError(f"activation_quantization must be one of {ACTIVATION_QUANTIZATION_CHOICES}, got {method!r}")
+    linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+    for linear in linears:
+        linear.activation_quantization = method
+    return len(linears)
 
 
 QUANTIZATIONS = ("int8",)

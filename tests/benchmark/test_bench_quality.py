@@ -25,14 +25,17 @@ def test_perplexity_matches_transformers_and_forms_compare_to_float32(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     report = tmp_path / "quality.json"
-    assert main(["bench", "quality", "--forms", "float32:none,bfloat16:gguf", "--num-tokens", "96", "--window", "48",
-                 "--num-prompts", "2", "--output-tokens", "8", "--output", str(report)]) == 0
+    assert main(["bench", "quality", "--forms", "float32:none,bfloat16:gguf,bfloat16:gguf:int8", "--num-tokens", "96",
+                 "--window", "48", "--num-prompts", "2", "--output-tokens", "8", "--output", str(report)]) == 0
     results = json.loads(report.read_text())
     reference, blocks = results["forms"]["float32:none"], results["forms"]["bfloat16:gguf"]
     assert reference["tokens_scored"] == blocks["tokens_scored"] == 2 * 47
     assert reference["identical"] == 1.0 and reference["perplexity_vs_reference"] == 1.0
     assert blocks["quantization"] == "gguf" and 0.0 <= blocks["mean_prefix_share"] <= 1.0
     assert 0.9 < blocks["perplexity_vs_reference"] < 1.1  # the same file's weights, in bfloat16
+    int8 = results["forms"]["bfloat16:gguf:int8"]  # a third field: the activation quantization
+    assert (blocks["activation_quantization"], int8["activation_quantization"]) == ("none", "int8")
+    assert int8["quantization"] == "gguf" and 0.9 < int8["perplexity_vs_reference"] < 1.1
 
     # The same windows through transformers in float32: the same perplexity.
     tokenizer = AutoTokenizer.from_pretrained(MODEL_PATH.parent, gguf_file=MODEL_PATH.name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from serval.layers.linear import BlockQuantLinear, use_activation_quantization
 from serval.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,27 @@ def test_chunked_prefill_equals_unchunked(make_llm, dtype, reference, budget):
     llm = make_llm(dtype=dtype, max_num_batched_tokens=budget, enable_prefix_caching=False)
     assert _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
     assert llm.engine.stats.num_steps > len(PROMPTS)  # the long prompts really were cut into chunks
+    _assert_no_owned_blocks(llm)
+
+
+@pytest.fixture(scope="module")
+def int8_activations(make_llm):
+    """bfloat16 with int8 activations (EngineConfig.activation_quantization) on the shared model: each prompt run
+    alone, the truth for that setting; the shared model is set back to float activations afterwards."""
+    llm = make_llm(dtype="bfloat16", max_num_seqs=1, activation_quantization="int8")
+    yield _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    use_activation_quantization(llm.engine.model, "none")
+
+
+@pytest.mark.parametrize("budget", [None, 7])  # None: the batch of 16 unchunked (the default budget, 512)
+def test_int8_activations_keep_greedy_output_independent_of_batch_and_chunks(make_llm, int8_activations, budget):
+    """The int8 kernel quantizes each row by itself (csrc/int8_linear.cpp): a batch of 16 and chunked prefills give
+    each prompt's output alone."""
+    llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, activation_quantization="int8",
+                   **({} if budget is None else {"max_num_batched_tokens": budget}))
+    assert all(m.activation_quantization == "int8" for m in llm.engine.model.modules()
+               if isinstance(m, BlockQuantLinear))
+    assert _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == int8_activations
     _assert_no_owned_blocks(llm)
 
 

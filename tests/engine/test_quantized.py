@@ -18,12 +18,14 @@ PROMPTS = ["The capital city of Korea is", "def fibonacci(n):", "Once upon a tim
 LAYERS = {"int8": Int8Linear, "gguf": BlockQuantLinear}
 
 
-@pytest.fixture(scope="module", params=[(q, d) for q in LAYERS for d in ("bfloat16", "float32")],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[(q, d, "none") for q in LAYERS for d in ("bfloat16", "float32")]
+                + [("gguf", "bfloat16", "int8")], ids=lambda p: "-".join(p))
 def quantized_llm(request):
-    """int8 or GGUF-block weights with bfloat16 (the default where the CPU has it) or float32 activations."""
-    quantization, dtype = request.param
-    llm = LLM(dtype=dtype, quantization=quantization, num_blocks=256, max_model_len=1024)
+    """int8 or GGUF-block weights with bfloat16 (the default where the CPU has it) or float32 activations; and the
+    GGUF blocks with int8 activations (EngineConfig.activation_quantization)."""
+    quantization, dtype, activations = request.param
+    llm = LLM(dtype=dtype, quantization=quantization, num_blocks=256, max_model_len=1024,
+              activation_quantization=activations)
     assert any(isinstance(m, LAYERS[quantization]) for m in llm.engine.model.modules())
     return llm
 

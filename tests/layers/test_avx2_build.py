@@ -1,8 +1,8 @@
 """The CPU kernels' AVX2 build (``SERVAL_CPU_ISA=avx2``, what AVX2-only CPUs such as AMD EPYC Zen 2/3 run) gives
-bitwise the outputs of this machine's build: the block linear, the tiled attention and silu are written once over
-vectors of 8 or 16 lanes with the same arithmetic per output. On an AVX-512 machine this is what tests the AVX2
-paths; on an AVX2 machine it compares two AVX2 builds. Gemma's gelu_tanh(gate) * up (SLEEF's
-tanh in 8 lanes or 16) and norm likewise."""
+bitwise the outputs of this machine's build: the block linear (float32 and int8 activations), the dense linear, the
+tiled attention and silu are written once over vectors of 8 or 16 lanes with the same arithmetic per output. On an
+AVX-512 machine this is what tests the AVX2 paths; on an AVX2 machine it compares two AVX2 builds. Gemma's
+gelu_tanh(gate) * up (SLEEF's tanh in 8 lanes or 16) and norm likewise."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from serval.layers import cpu_kernels
 from serval.layers.attention import KV_CODE_DTYPES, new_kv_cache
 
 HERE = Path(__file__).parent
+INT8_CASES = [*FORMATS, "Q4_K f32", "Q5_K f32", "Q6_K f32"]  # and the K-quants with float32 scales (q4f, q5f, q6f)
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
     kernels is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
@@ -46,6 +47,14 @@ def outputs(k) -> dict[str, torch.Tensor]:
         for rows in (1, 5, 7, 40):
             x = activations(rows, 590, dtype)
             out[f"dense linear {dtype} {rows}"] = k.dense_panel_linear(x, dense.to(dtype), False)
+    for fmt in INT8_CASES:  # int8 activations: integer sums exact, the same float32 steps per output
+        weight = random_blocks(fmt.split()[0], 130, 576)
+        weight = weight.with_float32_scales() if fmt.endswith("f32") else weight
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows in (1, 3, 40):
+                x = activations(rows, weight.in_features, dtype)
+                out[f"int8 {fmt} {dtype} {rows}"] = k.block_panel_linear_int8(x, *weight.panels(), weight.format,
+                                                                             130, False)
     for head_dim in (64, 128, 256):
         gen = torch.Generator().manual_seed(head_dim)
         k_cache, v_cache = (torch.randn(48, 16, 3, head_dim, generator=gen) for _ in range(2))
@@ -93,6 +102,7 @@ from serval.layers.attention import KV_CODE_DTYPES, new_kv_cache
 from test_avx2_build import outputs
 k = cpu_kernels.load()
 assert k.__name__.startswith("serval_cpu_kernels_avx2_") and k.block_panel_kernel_available(), k
+assert k.block_int8_kernel_available(), k
 torch.save(outputs(k), sys.argv[1])
 """
 
@@ -104,7 +114,8 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
     avx2 = torch.load(tmp_path / "avx2.pt")
     native = outputs(kernels)
     # + 8 dense (bf16/f32 x 4 row counts), + 4 gelu, + 4 Gemma norm
-    assert avx2.keys() == native.keys() and len(native) == 8 * len(FORMATS) + 8 + 11 + 3 + 3 + 3 * 3 * 2 + 4 + 4
+    assert avx2.keys() == native.keys()
+    assert len(native) == 8 * len(FORMATS) + 6 * len(INT8_CASES) + 8 + 11 + 3 + 3 + 3 * 3 * 2 + 4 + 4
     for case, want in native.items():
         assert torch.equal(avx2[case], want), case
     assert native["argmax"].tolist()[1:4] == [100, 49153, 7]

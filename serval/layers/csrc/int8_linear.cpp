@@ -1,0 +1,426 @@
+// y = x W^T for the block weights of panel_linear.cpp (the same panel bytes and scales), with the activations
+// quantized to int8 per row and block of 32 inputs and multiplied by integer dot products: 4 multiply-adds per
+// 32-bit lane and instruction (vpdpbusd with VNNI; vpmaddubsw + vpmaddwd with AVX2) instead of one float32 FMA.
+// EngineConfig.activation_quantization "int8" picks it; it changes the numerics (see benchmarks/README.md).
+//
+// Per row and block b of 32 inputs (x padded with zeros to the blocks' width):
+//   dx[b] = amax|x| / 127 (float32), xq = round-to-nearest-even(x / dx) in int8 (0 where dx = 0),
+//   sx[b] = sum of xq (q6k, q6f: of positions 0-15 and of 16-31).
+// Output n, over the blocks in order, acc starting at 0 (every step float32, fma rounding once):
+//   q8:             acc = fma(d dx, float(sum q xq), acc)                      (q signed)
+//   q4, q5, q4k, q5k, q4f, q5f (w = d q + m):
+//                   acc = fma(d dx, float(sum q xq), acc); acc = fma(m, dx float(sx), acc)
+//   q6k, q6f (w = d_h (q - 32), h the half of the block):
+//                   acc = fma(d_h dx, float(sum_h q xq - 32 sx_h), acc) for h = 0, 1
+// The sums are integers, exact in any order; so a row's bits depend on its own values only (not on the number of
+// rows, the tile or the thread), and the AVX2 build gives the bits of the VNNI one.
+//
+// Layout: a block's panel bytes are rows of 16 columns (panel_linear.cpp). 64 bytes (4 rows) are regrouped so that
+// each 32-bit lane holds one column's 4 bytes of those rows (vpermb with AVX-512 VBMI; with AVX2 a vpermq, a
+// vpshufb and a vpunpck*wd, which leave the columns in the order 0-3, 8-11 | 4-7, 12-15, kept up to the store).
+// From such a group, masks and shifts take the low nibbles (positions 2p), the high nibbles (2p + 1) or the extra
+// bits (times 16, so they add to the nibbles' sum); each is dotted with a 32-bit word of the 4 activation bytes in
+// the matching positions, arranged once per row (a "step", see step_position).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "scratch.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+// panel_linear.cpp's formats, in its order.
+enum Format : int { kQ8, kQ4, kQ5, kQ4F, kQ5F, kQ6F, kQ4K, kQ5K, kQ6K };
+constexpr int kFormats = 9;
+constexpr int extra_bits(int f) { return f == kQ5 || f == kQ5F || f == kQ5K ? 1 : f == kQ6F || f == kQ6K ? 2 : 0; }
+constexpr bool half_scales(int f) { return f == kQ8 || f == kQ4 || f == kQ5; }
+constexpr bool k_scales(int f) { return f == kQ4K || f == kQ5K || f == kQ6K; }
+constexpr bool six_bit(int f) { return f == kQ6F || f == kQ6K; }
+constexpr int block_rows(int f) { return f == kQ8 ? 32 : 16 + 4 * extra_bits(f); }
+constexpr int scale_rows(int f) { return f == kQ8 ? 1 : 2; }
+constexpr int64_t kSuperBlocks = 8;
+constexpr int super_rows(int f) { return f == kQ6K ? 1 : 2; }
+constexpr int64_t super_bytes(int f) { return super_rows(f) * 32 + kSuperBlocks * scale_rows(f) * 16; }
+
+// Dot-product steps per block: q8 one per group of 4 rows (8); the nibble formats a low and a high one per group of
+// 4 pair rows (8), plus 8 for the fifth bit (one group of 4 rows, bit b) or for the two sixth bits (two groups of 4
+// rows, bits 2t).
+constexpr int steps(int f) { return f == kQ8 ? 8 : 8 + 8 * (extra_bits(f) > 0); }
+
+// The input position (0-31) whose activation byte s (0-3) of step i multiplies: byte s of a lane is the column's
+// byte in row 4 L + s of the step's group L.
+constexpr int step_position(int f, int i, int s) {
+  if (f == kQ8) return 4 * i + s;
+  if (i < 8) return 2 * (4 * (i / 2) + s) + i % 2;  // pair row 4 L + s: low nibble 2p, high 2p + 1
+  const int j = i - 8;
+  if (extra_bits(f) == 1) return 8 * s + j;  // row 16 + s holds positions 8 s .. 8 s + 7 at bits 0-7
+  return 16 * (j / 4) + 4 * s + j % 4;       // row 16 + r holds positions 4 r .. 4 r + 3 at bits 0-1, ..., 6-7
+}
+
+// A row's quantized block: its scale dx, dx times the sum of its codes (formats with a min), and the halves' sums.
+struct BlockActivations {
+  float dx, dx_sum;
+  int32_t sum[2];
+};
+
+// x [M, K] (float32) → per row and block: steps(f) words of 4 activation bytes, and the block's scales and sums.
+template <int F>
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t groups, int32_t* words, BlockActivations* blocks) {
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float v[kBlock];
+      for (int k = 0; k < kBlock; ++k) v[k] = g * kBlock + k < K ? x[r * K + g * kBlock + k] : 0.f;
+      float amax = 0.f;
+      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float dx = amax / 127.f;
+      int8_t q[kBlock];
+      int32_t sum[2] = {0, 0};
+      for (int k = 0; k < kBlock; ++k) {
+        q[k] = dx == 0.f ? 0 : static_cast<int8_t>(std::nearbyint(v[k] / dx));  // the default rounding: to even
+        sum[k / 16] += q[k];
+      }
+      BlockActivations& b = blocks[r * groups + g];
+      b.dx = dx;
+      b.dx_sum = dx * static_cast<float>(sum[0] + sum[1]);
+      b.sum[0] = sum[0], b.sum[1] = sum[1];
+      int32_t* w = words + (r * groups + g) * steps(F);
+      for (int i = 0; i < steps(F); ++i) {
+        uint32_t word = 0;
+        for (int s = 0; s < 4; ++s) word |= static_cast<uint32_t>(static_cast<uint8_t>(q[step_position(F, i, s)])) << (8 * s);
+        w[i] = static_cast<int32_t>(word);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
+#define SERVAL_INT8_KERNEL 512
+// A group: 16 columns' 4 bytes, one column per 32-bit lane, columns in order. F16: their 16 float32 values.
+using Group = __m512i;
+using Ints = __m512i;
+using F16 = __m512;
+constexpr int kTileRows = 6;
+inline Group load_group(const uint8_t* p) {
+  // byte 4 j + s of the result is byte 16 s + j of the 4 rows: column j's byte of row s
+  const __m512i index = _mm512_set_epi8(
+      63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42, 26, 10,
+      57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
+      51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+  return _mm512_permutexvar_epi8(index, _mm512_loadu_si512(p));
+}
+inline Group mask(Group v, int m) { return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(m))); }
+inline Group shift_left(Group v, int n) { return _mm512_slli_epi16(v, n); }
+inline Group shift_right(Group v, int n) { return _mm512_srli_epi16(v, n); }
+inline Ints int_zero() { return _mm512_setzero_si512(); }
+// acc + per lane the sum of its 4 unsigned bytes of w times the 4 signed bytes of word
+inline Ints dot(Ints acc, Group w, int32_t word) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(word)); }
+// The same with signed bytes w, offset: w + 128 (w with its top bit flipped) as unsigned; the caller subtracts
+// 128 times the sum of the activation bytes (offset_signed_dot).
+constexpr bool offset_signed_dot = true;
+inline Ints dot_signed(Ints acc, Group w, int32_t word) {
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))),
+                             _mm512_set1_epi32(word));
+}
+inline Ints sub_times(Ints a, int32_t times, int32_t b) {
+  return _mm512_sub_epi32(a, _mm512_set1_epi32(times * b));
+}
+inline F16 to_float(Ints a) { return _mm512_cvtepi32_ps(a); }
+inline F16 fzero() { return _mm512_setzero_ps(); }
+inline F16 fset1(float v) { return _mm512_set1_ps(v); }
+inline F16 fmul(F16 a, F16 b) { return _mm512_mul_ps(a, b); }
+inline F16 ffma(F16 a, F16 b, F16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline F16 load_halves(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline F16 load_floats(const float* p) { return _mm512_loadu_ps(p); }
+inline F16 load_unsigned_bytes(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline F16 load_signed_bytes(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void store_out(float* y, F16 v, int count) {
+  _mm512_mask_storeu_ps(y, count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1), v);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SERVAL_INT8_KERNEL 256
+// A group in two vectors: columns 0-3, 8-11 and 4-7, 12-15 (what in-lane unpacking gives); F16 the same order.
+struct Group {
+  __m256i a, b;
+};
+using Ints = Group;
+struct F16 {
+  __m256 a, b;
+};
+constexpr int kTileRows = 2;
+inline Group load_group(const uint8_t* p) {
+  // rows 0, 1 and 2, 3 as [row0 c0-7, row1 c0-7 | row0 c8-15, row1 c8-15], then each lane's two rows interleaved
+  // bytewise, then the two pairs of rows interleaved by 16 bits: a lane per column.
+  const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  const __m256i r01 = _mm256_shuffle_epi8(
+      _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0xD8), order);
+  const __m256i r23 = _mm256_shuffle_epi8(
+      _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 0xD8), order);
+  return {_mm256_unpacklo_epi16(r01, r23), _mm256_unpackhi_epi16(r01, r23)};
+}
+inline Group mask(Group v, int m) {
+  const __m256i k = _mm256_set1_epi8(static_cast<char>(m));
+  return {_mm256_and_si256(v.a, k), _mm256_and_si256(v.b, k)};
+}
+inline Group shift_left(Group v, int n) { return {_mm256_slli_epi16(v.a, n), _mm256_slli_epi16(v.b, n)}; }
+inline Group shift_right(Group v, int n) { return {_mm256_srli_epi16(v.a, n), _mm256_srli_epi16(v.b, n)}; }
+inline Ints int_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline __m256i dot8(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, w, x);
+#else
+  // pairs of u8 x s8 products summed to int16 (at most 2 * 128 * 127: no saturation), then pairs of those to int32
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+inline Ints dot(Ints acc, Group w, int32_t word) {
+  const __m256i x = _mm256_set1_epi32(word);
+  return {dot8(acc.a, w.a, x), dot8(acc.b, w.b, x)};
+}
+// The same with signed bytes w: |w| times the word's bytes with w's signs (|w| <= 128, |x| <= 127: vpmaddubsw's
+// pairs stay under 2^15).
+constexpr bool offset_signed_dot = false;
+inline Ints dot_signed(Ints acc, Group w, int32_t word) {
+  const __m256i x = _mm256_set1_epi32(word);
+  return {dot8(acc.a, _mm256_abs_epi8(w.a), _mm256_sign_epi8(x, w.a)),
+          dot8(acc.b, _mm256_abs_epi8(w.b), _mm256_sign_epi8(x, w.b))};
+}
+inline Ints sub_times(Ints v, int32_t times, int32_t b) {
+  const __m256i k = _mm256_set1_epi32(times * b);
+  return {_mm256_sub_epi32(v.a, k), _mm256_sub_epi32(v.b, k)};
+}
+inline F16 to_float(Ints v) { return {_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
+inline F16 fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 fset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline F16 fmul(F16 x, F16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline F16 ffma(F16 x, F16 y, F16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+// Columns 0-7, 8-15 → 0-3, 8-11 | 4-7, 12-15; the same shuffle takes them back.
+inline F16 regroup(__m256 lo, __m256 hi) {
+  return {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+}
+inline F16 load_halves(const uint16_t* p) {
+  return regroup(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+}
+inline F16 load_floats(const float* p) { return regroup(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+inline F16 load_unsigned_bytes(const uint8_t* p) {
+  return regroup(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
+}
+inline F16 load_signed_bytes(const uint8_t* p) {
+  return regroup(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
+}
+inline void store_out(float* y, F16 v, int count) {
+  const F16 natural = regroup(v.a, v.b);
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, natural.a);
+  _mm256_store_ps(lanes + 8, natural.b);
+  std::memcpy(y, lanes, std::min(count, 16) * sizeof(float));
+}
+#endif
+
+#if defined(SERVAL_INT8_KERNEL)
+// Where a 16-column panel's blocks and scales are (panel_linear.cpp's layout).
+struct Panels {
+  const uint8_t* packed;
+  const uint8_t* scales;
+  int64_t groups;
+};
+
+// A block's scales of the panel's 16 columns: d and m (w = d q + m; q8: m unused), or q6's d of each half.
+template <int F>
+inline void block_scales(const Panels& w, int64_t panel, int64_t g, F16& d0, F16& d1) {
+  const int64_t index = panel * w.groups + g;
+  if constexpr (k_scales(F)) {
+    const uint8_t* super = w.scales + (index / kSuperBlocks) * super_bytes(F);
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(super);
+    const uint8_t* s = super + super_rows(F) * 32 + (g % kSuperBlocks) * scale_rows(F) * 16;
+    if constexpr (F == kQ6K) {
+      const F16 d = load_halves(h);
+      d0 = fmul(d, load_signed_bytes(s));
+      d1 = fmul(d, load_signed_bytes(s + 16));
+    } else {
+      d0 = fmul(load_halves(h), load_unsigned_bytes(s));
+      d1 = fmul(load_halves(h + 16), load_unsigned_bytes(s + 16));
+    }
+  } else if constexpr (half_scales(F)) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(w.scales) + index * scale_rows(F) * 16;
+    d0 = load_halves(s);
+    d1 = F == kQ8 ? fzero() : load_halves(s + 16);
+  } else {
+    const float* s = reinterpret_cast<const float*>(w.scales) + index * 32;
+    d0 = load_floats(s);
+    d1 = load_floats(s + 16);
+  }
+}
+
+// R rows (words, blocks: theirs, row after row) times one 16-column panel, into y (row stride N).
+template <int F, int R>
+void panel_rows(const Panels& w, int64_t panel, const int32_t* words, const BlockActivations* blocks, float* y,
+                int64_t N) {
+  constexpr int S = steps(F);
+  const int64_t G = w.groups;
+  F16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* q = w.packed + (panel * G + g) * block_rows(F) * 16;
+    Ints sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = int_zero();
+    const int32_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = words + (r * G + g) * S;
+    if constexpr (F == kQ8) {
+      for (int L = 0; L < 8; ++L) {
+        const Group v = load_group(q + 64 * L);
+        for (int r = 0; r < R; ++r) sums[r][0] = dot_signed(sums[r][0], v, x[r][L]);
+      }
+    } else {
+      for (int L = 0; L < 4; ++L) {
+        const Group v = load_group(q + 64 * L);
+        const Group lo = mask(v, 0x0F), hi = mask(shift_right(v, 4), 0x0F);
+        const int h = six_bit(F) ? L / 2 : 0;
+        for (int r = 0; r < R; ++r) sums[r][h] = dot(dot(sums[r][h], lo, x[r][2 * L]), hi, x[r][2 * L + 1]);
+      }
+      if constexpr (extra_bits(F) == 1) {  // bit b of row 16 + s, times 16
+        const Group v = load_group(q + 256);
+        for (int b = 0; b < 8; ++b) {
+          const Group bit = mask(b < 4 ? shift_left(v, 4 - b) : shift_right(v, b - 4), 0x10);
+          for (int r = 0; r < R; ++r) sums[r][0] = dot(sums[r][0], bit, x[r][8 + b]);
+        }
+      } else if constexpr (extra_bits(F) == 2) {  // bits 2t, 2t + 1 of rows 16 + 4 h + s, times 16
+        for (int h = 0; h < 2; ++h) {
+          const Group v = load_group(q + 256 + 64 * h);
+          for (int t = 0; t < 4; ++t) {
+            const Group bits = mask(t < 2 ? shift_left(v, 4 - 2 * t) : shift_right(v, 2 * t - 4), 0x30);
+            for (int r = 0; r < R; ++r) sums[r][h] = dot(sums[r][h], bits, x[r][8 + 4 * h + t]);
+          }
+        }
+      }
+    }
+    F16 d0, d1;
+    block_scales<F>(w, panel, g, d0, d1);
+    for (int r = 0; r < R; ++r) {
+      const BlockActivations& b = blocks[r * G + g];
+      const F16 dx = fset1(b.dx);
+      if constexpr (six_bit(F)) {
+        acc[r] = ffma(fmul(d0, dx), to_float(sub_times(sums[r][0], 32, b.sum[0])), acc[r]);
+        acc[r] = ffma(fmul(d1, dx), to_float(sub_times(sums[r][1], 32, b.sum[1])), acc[r]);
+      } else {
+        Ints sum = sums[r][0];
+        if constexpr (F == kQ8 && offset_signed_dot) sum = sub_times(sum, 128, b.sum[0] + b.sum[1]);
+        acc[r] = ffma(fmul(d0, dx), to_float(sum), acc[r]);
+        if constexpr (F != kQ8) acc[r] = ffma(d1, fset1(b.dx_sum), acc[r]);
+      }
+    }
+  }
+  const int count = static_cast<int>(std::min<int64_t>(16, N - panel * 16));
+  for (int r = 0; r < R; ++r) store_out(y + r * N + panel * 16, acc[r], count);
+}
+
+template <int F, int R>
+void rows_tail(int64_t rows, const Panels& w, int64_t panel, const int32_t* words, const BlockActivations* blocks,
+               float* y, int64_t N) {
+  if constexpr (R > 0) {
+    if (rows == R) return panel_rows<F, R>(w, panel, words, blocks, y, N);
+    rows_tail<F, R - 1>(rows, w, panel, words, blocks, y, N);
+  }
+}
+
+template <int F>
+void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y) {
+  const int64_t G = w.groups;
+  int32_t* words = reinterpret_cast<int32_t*>(serval::scratch(2, M * G * steps(F)));
+  BlockActivations* blocks =
+      reinterpret_cast<BlockActivations*>(serval::scratch(3, M * G * sizeof(BlockActivations) / sizeof(float)));
+  quantize_rows<F>(x, M, K, G, words, blocks);
+  const int64_t panels = (N + 15) / 16;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      int64_t r0 = 0;
+      for (; r0 + kTileRows <= M; r0 += kTileRows)
+        panel_rows<F, kTileRows>(w, p, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
+      rows_tail<F, kTileRows - 1>(M - r0, w, p, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
+    }
+  });
+}
+
+void gemm_format(int f, const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y) {
+  switch (f) {
+    case kQ8: return gemm_int8<kQ8>(x, M, K, w, N, y);
+    case kQ4: return gemm_int8<kQ4>(x, M, K, w, N, y);
+    case kQ5: return gemm_int8<kQ5>(x, M, K, w, N, y);
+    case kQ4F: return gemm_int8<kQ4F>(x, M, K, w, N, y);
+    case kQ5F: return gemm_int8<kQ5F>(x, M, K, w, N, y);
+    case kQ6F: return gemm_int8<kQ6F>(x, M, K, w, N, y);
+    case kQ4K: return gemm_int8<kQ4K>(x, M, K, w, N, y);
+    case kQ5K: return gemm_int8<kQ5K>(x, M, K, w, N, y);
+    default: return gemm_int8<kQ6K>(x, M, K, w, N, y);
+  }
+}
+#endif
+
+int format_index(const std::string& name) {
+  static const char* const names[kFormats] = {"q8", "q4", "q5", "q4f", "q5f", "q6f", "q4k", "q5k", "q6k"};
+  for (int f = 0; f < kFormats; ++f)
+    if (name == names[f]) return f;
+  TORCH_CHECK(false, "unknown block format ", name, " (q8, q4, q5, q4f, q5f, q6f, q4k, q5k, q6k)");
+  return -1;
+}
+
+}  // namespace
+
+bool block_int8_kernel_available() {
+#if defined(SERVAL_INT8_KERNEL)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// block_panel_linear's arguments and result (panel_linear.cpp), computed with int8 activations.
+at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                                   const std::string& format, int64_t out_features, bool float_output) {
+  const int f = format_index(format);
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 4 &&
+                  panels.size(2) == block_rows(f) && panels.size(3) == 16 && panels.size(0) % 2 == 0,
+              "panels: uint8 [P (even), G, ", block_rows(f), ", 16] for ", format);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, groups = panels.size(1);
+  TORCH_CHECK(panels.size(0) * 16 >= N && groups * kBlock >= K, "panels must cover the weight");
+  if (k_scales(f)) {
+    TORCH_CHECK(groups % kSuperBlocks == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                    scales.numel() == panels.size(0) * (groups / kSuperBlocks) * super_bytes(f),
+                "scales: uint8 [P, G / 8, ", super_bytes(f), "] for ", format, " (G a multiple of 8)");
+  } else {
+    TORCH_CHECK(scales.scalar_type() == (half_scales(f) ? at::kHalf : at::kFloat) && scales.is_contiguous() &&
+                    scales.numel() == panels.size(0) * groups * scale_rows(f) * 16,
+                "scales: [P, G, ", scale_rows(f), ", 16] ", half_scales(f) ? "float16" : "float32", " for ", format);
+  }
+#if defined(SERVAL_INT8_KERNEL)
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), groups};
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  gemm_format(f, xf.data_ptr<float>(), M, K, w, N, y.data_ptr<float>());
+  return float_output || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+#else
+  TORCH_CHECK(false, "block_panel_linear_int8 needs AVX2 with FMA and F16C (check block_int8_kernel_available())");
+#endif
+}

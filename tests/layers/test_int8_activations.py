@@ -1,0 +1,156 @@
+"""The block kernel with int8 activations (csrc/int8_linear.cpp, EngineConfig.activation_quantization "int8"):
+the activations quantized per row and block of 32 (dx = amax / 127, codes rounded to nearest even), integer dot
+products with the file's codes, float32 only for the scales. Against a float64 reference of that formula: the
+integers exact, the rest float32 rounding; a row alone equals the row in any batch; the error against float
+activations is bounded. (The AVX2 build gives the same bits: test_avx2_build.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_block_quant_linear import FORMATS, activations, random_blocks
+
+from serval.config import EngineConfig
+from serval.layers import cpu_kernels
+from serval.layers.linear import BlockQuantLinear, BlockWeight, use_activation_quantization
+
+kernels = cpu_kernels.load()
+needs_int8 = pytest.mark.skipif(kernels is None or not kernels.block_int8_kernel_available(),
+                                reason="the int8 kernel needs the C++ kernels and AVX2 (with FMA, F16C) or AVX-512")
+# Every layout: the test layouts q4 and q8, the GGUF types (q5, q4k, q5k, q6k), and the K-quants with float32 scales
+# per block (q4f, q5f, q6f: a slice that cuts super-blocks).
+CASES = [*FORMATS, "Q4_K f32", "Q5_K f32", "Q6_K f32"]
+
+
+def weight_of(case: str, out_features: int, in_features: int, seed: int = 0) -> BlockWeight:
+    weight = random_blocks(case.split()[0], out_features, in_features, seed)
+    return weight.with_float32_scales() if case.endswith("f32") else weight
+
+
+def quantized_activations(x: torch.Tensor, in_features: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's quantization in numpy float32: per block of 32 (zeros past in_features), dx = amax / 127 and
+    codes round-to-nearest-even(x / dx). Returns (codes [M, G, 32] int64, dx [M, G] float32)."""
+    x = x.float().numpy()
+    groups = -(-in_features // 32)
+    blocks = np.zeros((len(x), groups * 32), np.float32)
+    blocks[:, :in_features] = x
+    blocks = blocks.reshape(len(x), groups, 32)
+    dx = np.abs(blocks).max(-1) / np.float32(127)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        codes = np.where(dx[..., None] > 0, np.rint(blocks / dx[..., None]), 0)
+    return codes.astype(np.int64), dx.astype(np.float32)
+
+
+def reference(weight: BlockWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = sum over blocks of dx * sum(w * code), in float64 (w the file's weights, exact), and the sum of the
+    magnitudes of its terms (the scale of float32 rounding)."""
+    codes, dx = quantized_activations(x, weight.in_features)
+    xq = torch.from_numpy(codes * dx[..., None].astype(np.float64)).flatten(1)[:, : weight.in_features]
+    w = weight.dequantize().double()
+    return xq @ w.T, xq.abs() @ w.abs().T
+
+
+@needs_int8
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 37])
+@pytest.mark.parametrize("shape", [(200, 576), (37, 80)])  # a short last panel; a K the blocks pad
+def test_int8_kernel_equals_the_quantized_formula(case, rows, shape):
+    """Integer sums exact, then per block a float32 product of scales and an FMA: against float64 the error is
+    float32 rounding, under 2^-20 of the sum of |terms| (x w's rounding at 2^-24 per step, at most 3 per block)."""
+    weight = weight_of(case, *shape)
+    x = activations(rows, weight.in_features, torch.float32, seed=rows)
+    got = kernels.block_panel_linear_int8(x, *weight.panels(), weight.format, shape[0], False)
+    assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+    want, magnitude = reference(weight, x)
+    assert torch.all((got.double() - want).abs() <= 2**-20 * magnitude + 1e-30)
+
+
+@needs_int8
+@pytest.mark.parametrize("case", CASES)
+def test_int8_kernel_integer_sums_are_exact(case):
+    """With activations whose blocks have amax 127 (dx = 1: the codes are the rounded x) and weights whose scales
+    are small powers of two, every float32 step is exact: the kernel must give the float64 result bit for bit,
+    which only exact integer dot products over every code bit (nibbles, fifth and sixth bits, signs) can."""
+    weight = weight_of(case, 48, 512, seed=5)
+    if weight.format in ("q8", "q4", "q5"):  # float16 scales: d = 2^-6, m = -2^-3
+        values = torch.tensor([2.0**-6, -(2.0**-3)]).half()
+        weight.scales = values[: weight.scales.shape[-1]].expand_as(weight.scales.view(torch.float16)).contiguous()
+        weight.scales = weight.scales.view(torch.int16)
+    elif weight.format in ("q4f", "q5f", "q6f"):
+        values = torch.tensor([2.0**-6, -(2.0**-3)])
+        weight.scales = values[: weight.scales.shape[-1]].expand(*weight.scales.shape).contiguous().view(torch.int32)
+        if weight.format == "q6f":
+            weight.scales = torch.full(weight.scales.shape, 2.0**-6).view(torch.int32)
+    else:  # K formats: d = 2^-10 (and -dmin = -2^-9) per super-block, the file's sub-block bytes
+        supers = weight.super_scales.view(torch.float16)
+        values = torch.tensor([2.0**-10, -(2.0**-9)]).half()[: supers.shape[-1]]
+        weight.super_scales = values.expand_as(supers).contiguous().view(torch.int16)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randint(-127, 128, (5, 512), generator=gen).float()
+    x.view(5, 16, 32)[:, :, 3] = 127.0  # amax 127 in every block: dx = 1 exactly
+    got = kernels.block_panel_linear_int8(x, *weight.panels(), weight.format, 48, False)
+    want = x.double() @ weight.dequantize().double().T
+    assert torch.equal(got.double(), want)
+
+
+@needs_int8
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_each_row_is_the_same_whatever_the_batch(case, dtype):
+    """Batch invariance: a row alone gives bitwise that row's output among 1 to 64 rows (every tile remainder)."""
+    layer = BlockQuantLinear(weight_of(case, 130, 576))  # 130 columns: a short last panel
+    layer.activation_quantization = "int8"
+    x = activations(64, layer.in_features, dtype)
+    alone = torch.cat([layer(x[i: i + 1]) for i in range(len(x))])
+    for rows in range(1, 65):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+@needs_int8
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("outlier", "max_error", "rms_error"), [(False, 0.003, 0.008), (True, 0.02, 0.02)])
+def test_int8_activations_stay_near_float_activations(case, outlier, max_error, rms_error):
+    """The cost of quantizing the activations against the float kernel, on Gaussian activations: rounding to steps of
+    amax / 127 per block (about 0.016 sigma) leaves an error of about 0.5% of the outputs' root mean square and
+    0.14% of sum |x w| at most (measured, every format); an outlier channel (x 30) makes its blocks' steps 30 times
+    coarser: about 1.1% and 1.3%. Bounds: those, with margin."""
+    weight = weight_of(case, 200, 576)
+    x = activations(16, weight.in_features, torch.float32)
+    if not outlier:
+        x[:, 7] /= 30
+    exact = kernels.block_panel_linear(x, *weight.panels(), weight.format, 200, False).double()
+    got = kernels.block_panel_linear_int8(x, *weight.panels(), weight.format, 200, False).double()
+    w = weight.dequantize().double()
+    assert torch.all((got - exact).abs() <= max_error * (x.double().abs() @ w.abs().T))
+    assert (got - exact).pow(2).mean().sqrt() <= rms_error * exact.pow(2).mean().sqrt()
+
+
+@needs_int8
+@torch.inference_mode()
+def test_the_setting_picks_the_kernel_per_linear():
+    """use_activation_quantization sets every block linear; "none" is the float kernel's bits, "int8" the int8
+    kernel's, for one row and many alike; a fused weight of several formats uses it in each part."""
+    parts = [random_blocks("q4", 64, 256), random_blocks("q8", 32, 256, seed=1)]
+    layer = BlockQuantLinear(parts)
+    model = torch.nn.Sequential(layer)
+    x = activations(9, 256, torch.float32)
+    panels = [part.panels() for part in parts]
+
+    def kernel(linear) -> torch.Tensor:
+        return torch.cat([linear(x, *p, part.format, part.out_features, False) for part, p in zip(parts, panels)], -1)
+
+    assert use_activation_quantization(model, "int8") == 1
+    assert torch.equal(layer(x), kernel(kernels.block_panel_linear_int8))
+    assert torch.equal(layer(x[:1]), kernel(kernels.block_panel_linear_int8)[:1])
+    use_activation_quantization(model, "none")
+    assert torch.equal(layer(x), kernel(kernels.block_panel_linear))
+    with pytest.raises(ValueError, match="activation_quantization"):
+        use_activation_quantization(model, "int4")
+
+
+def test_the_config_validates_the_setting():
+    assert EngineConfig(device="cpu").activation_quantization == "none"
+    with pytest.raises(ValueError, match="--activation-quantization"):
+        EngineConfig(device="cpu", activation_quantization="fp8")
