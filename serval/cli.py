@@ -399,15 +399,18 @@ def _model_name(model: str | None) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from serval.model.gguf_file import ARCHITECTURES as GGUF_ARCHITECTURES
     from serval.model.gguf_file import SUPPORTED_TYPES
+    from serval.model.hf_config import ARCHITECTURES as HF_ARCHITECTURES
     from serval.model.registry import embedded_models
 
     print("Embedded models (from PyPI wheels):")
     for name, path in embedded_models().items():
         default = " (default)" if name == DEFAULT_MODEL else ""
         print(f"  {name}{default}: {path if path else 'not installed'}")
-    print("Also loads: a Llama-family .gguf file (tensor types " + ", ".join(sorted(SUPPORTED_TYPES)) + ")")
-    print("            or a Hugging Face directory (config.json + *.safetensors, LlamaForCausalLM)")
+    print("Also loads: a .gguf file of architecture " + ", ".join(GGUF_ARCHITECTURES)
+          + " (tensor types " + ", ".join(sorted(SUPPORTED_TYPES)) + ")")
+    print("            or a Hugging Face directory (config.json + *.safetensors) of " + ", ".join(HF_ARCHITECTURES))
     return 0
 
 

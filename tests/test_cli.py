@@ -50,6 +50,8 @@ def test_models_lists_the_embedded_model():
     proc = subprocess.run([SERVAL, "models"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert "smollm2-135m-instruct (default)" in proc.stdout and "Q4_1" in proc.stdout
+    # every architecture the loaders take is named, not only Llama's
+    assert all(name in proc.stdout for name in ("Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "gemma3", "qwen3moe"))
 
 
 def test_a_bad_engine_flag_fails_with_one_line():
