@@ -32,24 +32,12 @@
 #include <immintrin.h>
 #endif
 
+#include "block_formats.h"
 #include "scratch.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-
-// panel_linear.cpp's formats, in its order.
-enum Format : int { kQ8, kQ4, kQ5, kQ4F, kQ5F, kQ6F, kQ4K, kQ5K, kQ6K };
-constexpr int kFormats = 9;
-constexpr int extra_bits(int f) { return f == kQ5 || f == kQ5F || f == kQ5K ? 1 : f == kQ6F || f == kQ6K ? 2 : 0; }
-constexpr bool half_scales(int f) { return f == kQ8 || f == kQ4 || f == kQ5; }
-constexpr bool k_scales(int f) { return f == kQ4K || f == kQ5K || f == kQ6K; }
-constexpr bool six_bit(int f) { return f == kQ6F || f == kQ6K; }
-constexpr int block_rows(int f) { return f == kQ8 ? 32 : 16 + 4 * extra_bits(f); }
-constexpr int scale_rows(int f) { return f == kQ8 ? 1 : 2; }
-constexpr int64_t kSuperBlocks = 8;
-constexpr int super_rows(int f) { return f == kQ6K ? 1 : 2; }
-constexpr int64_t super_bytes(int f) { return super_rows(f) * 32 + kSuperBlocks * scale_rows(f) * 16; }
+using namespace serval_blocks;
 
 // Dot-product steps per block: q8 one per group of 4 rows (8); the nibble formats a low and a high one per group of
 // 4 pair rows (8), plus 8 for the fifth bit (one group of 4 rows, bit b) or for the two sixth bits (two groups of 4
@@ -296,7 +284,7 @@ void panel_rows(const Panels& w, int64_t panel, const int32_t* words, const Bloc
       for (int L = 0; L < 4; ++L) {
         const Group v = load_group(q + 64 * L);
         const Group lo = mask(v, 0x0F), hi = mask(shift_right(v, 4), 0x0F);
-        const int h = six_bit(F) ? L / 2 : 0;
+        const int h = sub_blocks_of_16(F) ? L / 2 : 0;
         for (int r = 0; r < R; ++r) sums[r][h] = dot(dot(sums[r][h], lo, x[r][2 * L]), hi, x[r][2 * L + 1]);
       }
       if constexpr (extra_bits(F) == 1) {  // bit b of row 16 + s, times 16
@@ -320,7 +308,7 @@ void panel_rows(const Panels& w, int64_t panel, const int32_t* words, const Bloc
     for (int r = 0; r < R; ++r) {
       const BlockActivations& b = blocks[r * G + g];
       const F16 dx = fset1(b.dx);
-      if constexpr (six_bit(F)) {
+      if constexpr (sub_blocks_of_16(F)) {
         acc[r] = ffma(fmul(d0, dx), to_float(sub_times(sums[r][0], 32, b.sum[0])), acc[r]);
         acc[r] = ffma(fmul(d1, dx), to_float(sub_times(sums[r][1], 32, b.sum[1])), acc[r]);
       } else {
@@ -377,14 +365,6 @@ void gemm_format(int f, const float* x, int64_t M, int64_t K, const Panels& w, i
 }
 #endif
 
-int format_index(const std::string& name) {
-  static const char* const names[kFormats] = {"q8", "q4", "q5", "q4f", "q5f", "q6f", "q4k", "q5k", "q6k"};
-  for (int f = 0; f < kFormats; ++f)
-    if (name == names[f]) return f;
-  TORCH_CHECK(false, "unknown block format ", name, " (q8, q4, q5, q4f, q5f, q6f, q4k, q5k, q6k)");
-  return -1;
-}
-
 }  // namespace
 
 bool block_int8_kernel_available() {
@@ -398,22 +378,9 @@ bool block_int8_kernel_available() {
 // block_panel_linear's arguments and result (panel_linear.cpp), computed with int8 activations.
 at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                                    const std::string& format, int64_t out_features, bool float_output) {
-  const int f = format_index(format);
-  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 4 &&
-                  panels.size(2) == block_rows(f) && panels.size(3) == 16 && panels.size(0) % 2 == 0,
-              "panels: uint8 [P (even), G, ", block_rows(f), ", 16] for ", format);
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, groups = panels.size(1);
-  TORCH_CHECK(panels.size(0) * 16 >= N && groups * kBlock >= K, "panels must cover the weight");
-  if (k_scales(f)) {
-    TORCH_CHECK(groups % kSuperBlocks == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
-                    scales.numel() == panels.size(0) * (groups / kSuperBlocks) * super_bytes(f),
-                "scales: uint8 [P, G / 8, ", super_bytes(f), "] for ", format, " (G a multiple of 8)");
-  } else {
-    TORCH_CHECK(scales.scalar_type() == (half_scales(f) ? at::kHalf : at::kFloat) && scales.is_contiguous() &&
-                    scales.numel() == panels.size(0) * groups * scale_rows(f) * 16,
-                "scales: [P, G, ", scale_rows(f), ", 16] ", half_scales(f) ? "float16" : "float32", " for ", format);
-  }
+  const BlockCall call = check_block_call(x, panels, scales, format, out_features);
+  const int f = call.format;
+  const int64_t M = call.rows, K = call.in_features, N = call.out_features, groups = call.groups;
 #if defined(SERVAL_INT8_KERNEL)
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), groups};

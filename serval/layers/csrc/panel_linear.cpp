@@ -44,26 +44,13 @@
 #include <immintrin.h>
 #endif
 
+#include "block_formats.h"
 #include "scratch.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-
-// The block formats (BlockWeight.format in linear.py). Each block holds 32 input positions of 16 columns.
-enum Format : int { kQ8, kQ4, kQ5, kQ4F, kQ5F, kQ6F, kQ4K, kQ5K, kQ6K, kBF16, kF32 };
-constexpr int kFormats = 9;  // the block formats, named by format_index
+using namespace serval_blocks;
 constexpr bool dense(int f) { return f == kBF16 || f == kF32; }  // W^T rows of bfloat16 or float32 values
-// Bits above the nibble (5- and 6-bit codes), in bit-plane rows after the 16 nibble rows.
-constexpr int extra_bits(int f) { return f == kQ5 || f == kQ5F || f == kQ5K ? 1 : f == kQ6F || f == kQ6K ? 2 : 0; }
-constexpr bool half_scales(int f) { return f == kQ8 || f == kQ4 || f == kQ5; }
-constexpr bool k_scales(int f) { return f == kQ4K || f == kQ5K || f == kQ6K; }  // the file's K-quant scales
-constexpr bool sub_blocks_of_16(int f) { return f == kQ6F || f == kQ6K; }  // a scale per 16 positions, w = d (q - 32)
-constexpr int block_rows(int f) { return f == kQ8 ? 32 : 16 + 4 * extra_bits(f); }
-constexpr int scale_rows(int f) { return f == kQ8 ? 1 : 2; }  // per block: rows of 16 scales (K formats: of bytes)
-constexpr int64_t kSuperBlocks = 8;  // blocks of 32 per K-quant super-block
-constexpr int super_rows(int f) { return f == kQ6K ? 1 : 2; }  // float16 rows of 16 per super-block: d (, -dmin)
-constexpr int64_t super_bytes(int f) { return super_rows(f) * 32 + kSuperBlocks * scale_rows(f) * 16; }
 
 // The vector operations the kernel is written in, for AVX-512 (16 lanes) or AVX2 (8 lanes). A tile is two
 // vectors wide (32 columns with AVX-512, 16 with AVX2) and has as many rows as the registers allow; each
@@ -469,14 +456,6 @@ inline float* float_rows(const at::Tensor& x) {
 }
 #endif
 
-int format_index(const std::string& name) {
-  static const char* const names[kFormats] = {"q8", "q4", "q5", "q4f", "q5f", "q6f", "q4k", "q5k", "q6k"};
-  for (int f = 0; f < kFormats; ++f)
-    if (name == names[f]) return f;
-  TORCH_CHECK(false, "unknown block format ", name, " (q8, q4, q5, q4f, q5f, q6f, q4k, q5k, q6k)");
-  return -1;
-}
-
 }  // namespace
 
 bool block_panel_kernel_available() {
@@ -494,22 +473,9 @@ bool block_panel_kernel_available() {
 // to bfloat16 would tie tokens whose scores differ by less than 1/8 at magnitude 16).
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                               const std::string& format, int64_t out_features, bool float_output) {
-  const int f = format_index(format);
-  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 4 &&
-                  panels.size(2) == block_rows(f) && panels.size(3) == 16 && panels.size(0) % 2 == 0,
-              "panels: uint8 [P (even), G, ", block_rows(f), ", 16] for ", format);
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, groups = panels.size(1);
-  TORCH_CHECK(panels.size(0) * 16 >= N && groups * kBlock >= K, "panels must cover the weight");
-  if (k_scales(f)) {
-    TORCH_CHECK(groups % kSuperBlocks == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
-                    scales.numel() == panels.size(0) * (groups / kSuperBlocks) * super_bytes(f),
-                "scales: uint8 [P, G / 8, ", super_bytes(f), "] for ", format, " (G a multiple of 8)");
-  } else {
-    TORCH_CHECK(scales.scalar_type() == (half_scales(f) ? at::kHalf : at::kFloat) && scales.is_contiguous() &&
-                    scales.numel() == panels.size(0) * groups * scale_rows(f) * 16,
-                "scales: [P, G, ", scale_rows(f), ", 16] ", half_scales(f) ? "float16" : "float32", " for ", format);
-  }
+  const BlockCall call = check_block_call(x, panels, scales, format, out_features);
+  const int f = call.format;
+  const int64_t M = call.rows, K = call.in_features, N = call.out_features, groups = call.groups;
 #if defined(SERVAL_PANEL_KERNEL)
   // The activations in float32, rows padded with zeros to the blocks' width; converted here rather than by
   // aten ops: at one row a call's fixed costs are a good part of its time.
