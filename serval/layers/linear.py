@@ -85,11 +85,9 @@ def _panel_kernels(device: torch.device):
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, in] times ``weight`` [out, in] transposed: the CPU kernel where the weight is laid out for it (each
     row's result independent of the others: csrc/panel_linear.cpp), else F.linear."""
-    transposed = weight.t()
-    if weight.dtype in DENSE_KERNEL_DTYPES and transposed.is_contiguous():
-        kernels = _panel_kernels(weight.device)
-        if kernels is not None:
-            return kernels.dense_panel_linear(x, transposed, False)
+    kernels = dense_kernels(weight)
+    if kernels is not None:
+        return kernels.dense_panel_linear(x, weight.t(), False)
     return F.linear(x, weight)
 
 
@@ -354,8 +352,7 @@ class BlockQuantLinear(nn.Module):
 
     @staticmethod
     def _kernels(device: torch.device):
-        kernels = cpu_kernels.for_device(device)
-        return kernels if kernels is not None and kernels.block_panel_kernel_available() else None
+        return _panel_kernels(device)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self._kernels(x.device)
