@@ -64,7 +64,8 @@ def num_kv_blocks(config: EngineConfig, model: torch.nn.Module) -> int:
 
 def profile_cuda_memory(config: EngineConfig, model: torch.nn.Module) -> tuple[int, int]:
     """(total, in use) bytes of the engine's GPU at the peak of a profiling forward: this process's tensors at their
-    peak (the profile's temporary KV cache left out) and what the CUDA context and other processes hold."""
+    peak (the profile's temporary KV cache left out) and everything else the driver counts as used (the CUDA
+    context, other processes, and what torch holds reserved after emptying its cache)."""
     device = torch.device(config.device)
     gc.collect()  # engines already dropped free their caches now, not at some later collection
     torch.cuda.empty_cache()
@@ -79,10 +80,14 @@ def profile_cuda_memory(config: EngineConfig, model: torch.nn.Module) -> tuple[i
             "--max-num-seqs, or free GPU memory") from exc
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    outside_torch = max(total_bytes - free_bytes - torch.cuda.memory_reserved(device), 0)
+    # What the driver counts as used once torch has handed back what it can, with this process's tensors at their
+    # profile peak instead of their size now. Memory torch keeps reserved and cannot hand back (a dropped engine's
+    # blocks still in a pool) counts as used: a new cache could not get it from cudaMalloc, and sizing the cache
+    # as if it could ran a second engine in one process out of memory on an H200 (test_cuda.py).
     torch.cuda.empty_cache()
-    return total_bytes, peak - temporary_cache_bytes + outside_torch
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    tensors_now = torch.cuda.memory_allocated(device)
+    return total_bytes, total_bytes - free_bytes - tensors_now + peak - temporary_cache_bytes
 
 
 def profile_forward(config: EngineConfig, model: torch.nn.Module) -> int:

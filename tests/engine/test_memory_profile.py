@@ -64,8 +64,8 @@ def test_the_profiling_forward_runs_through_the_runner_on_the_cpu(smollm):
 
 def test_the_profile_counts_the_peak_less_its_temporary_cache_and_what_torch_does_not_hold(smollm, monkeypatch):
     """The accounting of profile_cuda_memory, with the GPU's counters faked and the forward run on the CPU: the peak
-    of this process's tensors, less the profile's own temporary cache, plus what the CUDA context and other processes
-    hold (the memory in use that torch did not reserve)."""
+    of this process's tensors, less the profile's own temporary cache, plus everything else the driver counts as
+    used once torch emptied its cache (the CUDA context, other processes, reserved blocks torch cannot hand back)."""
     from serval.engine import memory_profile
 
     model, _ = smollm("float32")
@@ -73,18 +73,30 @@ def test_the_profile_counts_the_peak_less_its_temporary_cache_and_what_torch_doe
     for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda *args, name=name: calls.append(name))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 10 * GIB)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 15 * GIB)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GIB, 80 * GIB))
+    tensors_now = {"bytes": 8 * GIB}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: tensors_now["bytes"])
+
+    def mem_get_info(device):
+        calls.append("mem_get_info")
+        return 60 * GIB, 80 * GIB  # 20 GiB used: 8 of tensors, 12 of context, other processes, held reserve
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     config = EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
     temporary = profile_forward(config, model)
     total, in_use = memory_profile.profile_cuda_memory(config, model)
-    assert (total, in_use) == (80 * GIB, 10 * GIB - temporary + 5 * GIB)
-    # The peak is the profile's own (reset after the caches of dropped engines are freed), read once it finished.
-    assert calls == ["empty_cache", "synchronize", "reset_peak_memory_stats", "synchronize", "empty_cache"]
-    # With kv_cache_memory None (a GPU's default), the blocks are 0.9 of the 80 - (15 - temporary) GiB left.
+    assert (total, in_use) == (80 * GIB, 12 * GIB + 10 * GIB - temporary)
+    # The peak is the profile's own (reset after the caches of dropped engines are freed); the driver is asked
+    # only after torch handed back its free blocks.
+    assert calls == ["empty_cache", "synchronize", "reset_peak_memory_stats", "synchronize", "empty_cache",
+                     "mem_get_info"]
+    # Blocks torch holds reserved and cannot hand back (a dropped engine's cache, seen on an H200) are not free.
+    tensors_now["bytes"] = 1 * GIB
+    assert memory_profile.profile_cuda_memory(config, model) == (80 * GIB, 19 * GIB + 10 * GIB - temporary)
+    # With kv_cache_memory None (a GPU's default), the blocks are 0.9 of what is left.
+    tensors_now["bytes"] = 8 * GIB
     config.cache.kv_cache_memory = None
     block_bytes = kv_cache_block_bytes(model.config, 16, torch.float32)
-    assert num_kv_blocks(config, model) == kv_cache_num_blocks(80 * GIB, 15 * GIB - temporary, 0.9, block_bytes)
+    assert num_kv_blocks(config, model) == kv_cache_num_blocks(80 * GIB, 22 * GIB - temporary, 0.9, block_bytes)
 
 
 def test_a_profile_that_runs_out_of_gpu_memory_names_the_step_limits(smollm, monkeypatch):
