@@ -239,11 +239,19 @@ class SchedulerConfig(DeviceDefaults):
     preemption_mode: str = field(default="auto", metadata=flag(
         "a preempted request's KV: recomputed later, swapped to the second tier and back, or whichever costs less "
         "as measured (auto; recompute without a second tier)", choices=PREEMPTION_MODES))
+    # The offline engine's front end (detokenizing, stop strings, outputs) works on step N's tokens while the device
+    # computes step N+1, so its outputs come one step later. It pays where the device computes apart from the host
+    # (a GPU); on a CPU the forward holds the host, so there it only delays outputs. None: the device's default.
+    async_output_processing: bool | None = field(default=None, metadata=flag(
+        "the offline engine detokenizes a step's tokens while the device computes the next step (default: on for "
+        "CUDA, off on CPU)"))
 
     def device_defaults(self, kind: str) -> dict[str, Any]:
         if kind == "cuda":
-            return {"max_num_batched_tokens": CUDA_MAX_NUM_BATCHED_TOKENS, "max_num_seqs": CUDA_MAX_NUM_SEQS}
-        return {"max_num_batched_tokens": default_token_budget(), "max_num_seqs": CPU_MAX_NUM_SEQS}
+            return {"max_num_batched_tokens": CUDA_MAX_NUM_BATCHED_TOKENS, "max_num_seqs": CUDA_MAX_NUM_SEQS,
+                    "async_output_processing": True}
+        return {"max_num_batched_tokens": default_token_budget(), "max_num_seqs": CPU_MAX_NUM_SEQS,
+                "async_output_processing": False}
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -87,7 +87,8 @@ def add_flags(parser: argparse.ArgumentParser, config: type | Any, exclude: tupl
         kwargs: dict[str, Any] = {"default": default, "help": spec.help}
         annotation = str(field.type).replace(" | None", "")
         if annotation == "bool":
-            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+            # A switch that is on by default, or left to the device (None), can be turned off as well as on.
+            kwargs["action"] = argparse.BooleanOptionalAction if default or default is None else "store_true"
         elif spec.action is not None:
             kwargs["action"] = spec.action
         elif spec.type is not None:

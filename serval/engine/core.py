@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -393,9 +394,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._grammar_waiting)
 
     # -- the step ------------------------------------------------------------------------------------------------
-    def step(self) -> EngineCoreOutputs:
+    def step(self, while_device_runs: Callable[[], None] | None = None) -> EngineCoreOutputs:
         """One iteration: schedule, run the batch, advance the requests. Returns an output for every request that
-        got tokens, prompt logprobs or a finish reason, and the core's counters."""
+        got tokens, prompt logprobs or a finish reason, and the core's counters. ``while_device_runs``: host work
+        the runner does while the device computes the step's tokens, if the step samples any (ModelRunner.execute);
+        it must not touch this core."""
         self.poll_kv_transfers()
         if self._grammar_waiting:
             if not self.scheduler.has_unfinished_requests() and not self._pending:
@@ -437,7 +440,7 @@ class EngineCore:
         grammar_bitmasks, grammar_errors = self._grammar_bitmasks(scheduled)
         try:
             forward_start = time.perf_counter()
-            result = self.runner.execute(scheduled, grammar_bitmasks)
+            result = self.runner.execute(scheduled, grammar_bitmasks, while_device_runs)
             if scheduled.total_num_scheduled_tokens >= PROMPT_CHUNK_TIMING_TOKENS:  # what a recompute would cost
                 costs = self.scheduler.costs
                 costs.compute_per_token = costs.average(

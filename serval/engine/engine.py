@@ -1,6 +1,8 @@
 """LLMEngine: a front end and an EngineCore in one thread (offline use, tests, the in-process server engine).
 
 step() = core.step() (schedule → run → update, on token ids) → the front end's detokenizing and stop strings.
+With SchedulerConfig.async_output_processing (CUDA's default) the front end works on step N's core outputs while the
+device computes step N+1, so step() returns them one step later.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import logging
 import time
 
 from serval.config import EngineConfig
-from serval.engine.core import EngineCore, EngineCoreStats
+from serval.engine.core import EngineCore, EngineCoreOutput, EngineCoreStats
 from serval.engine.frontend import InputProcessor, OutputProcessor
 from serval.engine.request import RequestStatus
 from serval.model.registry import resolve_model_path
@@ -38,6 +40,8 @@ class LLMEngine:
         self.inputs = InputProcessor(config, self.tokenizer, info)
         self.outputs = OutputProcessor(self.tokenizer)
         self._finished_outputs: list[RequestOutput] = []
+        self._async_output_processing = config.scheduler.async_output_processing
+        self._unprocessed: list[EngineCoreOutput] = []  # the last step's core outputs, with async output processing
         self.load_time = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens, context %d", self.load_time,
                     info.num_blocks, config.cache.block_size, self.max_model_len)
@@ -100,15 +104,39 @@ class LLMEngine:
         self._finished_outputs.append(output)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.groups) or bool(self._finished_outputs)
+        return bool(self.outputs.groups) or bool(self._finished_outputs) or bool(self._unprocessed)
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration. Returns an output for every request that advanced or finished."""
+        """One engine iteration. Returns an output for every request that advanced or finished (with async output
+        processing: in the step before this one)."""
         outputs, self._finished_outputs = self._finished_outputs, []
+        if self._async_output_processing:
+            return outputs + self._step_processing_the_last_outputs()
         if not self.core.has_unfinished_requests():
             return outputs
         core_outputs = self.core.step()
         processed, stopped = self.outputs.process(core_outputs.outputs)
         self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs + processed
+
+    def _step_processing_the_last_outputs(self) -> list[RequestOutput]:
+        """A core step during whose forward the front end processes the previous step's core outputs. A request a
+        stop string ends there is already in this step's batch: the core finishes it after the step, and the front
+        end, which has finished it, drops the token it got."""
+        last, self._unprocessed = self._unprocessed, []
+        processed: list[RequestOutput] = []
+        stopped: list[str] = []
+
+        def process_last() -> None:
+            if last:
+                outputs, stops = self.outputs.process(last)
+                processed.extend(outputs)
+                stopped.extend(stops)
+                last.clear()
+
+        if self.core.has_unfinished_requests():
+            self._unprocessed = self.core.step(while_device_runs=process_last).outputs
+        process_last()  # a step that sampled nothing, or none ran
+        self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return processed

@@ -5,6 +5,7 @@ Owns the device side: the model and the preallocated KV cache tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,14 @@ from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
 from serval.layers.attention import AttentionMetadata, ScheduledSequence, new_kv_cache, select_backend
-from serval.layers.sampler import Sampler, SamplingRow, TokenLogprobs, greedy_tokens, takes_argmax_only, token_logprobs
+from serval.layers.sampler import (
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    greedy_token_tensor,
+    takes_argmax_only,
+    token_logprobs,
+)
 
 # Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long
 # chunk never holds a [chunk, vocab] tensor whole.
@@ -88,15 +96,19 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.attention_backend, decode_buckets,
                                               pad_block=num_blocks)
         self.draft = None  # a DraftProposer with a cache of its own runs each step's batch after the model
+        self._while_device_runs: Callable[[], None] | None = None  # execute's, until _collect calls it
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, grammar_bitmasks: dict[str, torch.Tensor] | None = None
-                ) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, grammar_bitmasks: dict[str, torch.Tensor] | None = None,
+                while_device_runs: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """Runs the step: samples for each request whose prompt is now fully computed (unless it asks for no
         tokens, max_tokens 0), and scores the prompt tokens of chunks whose request asks for prompt logprobs.
-        ``grammar_bitmasks``: the tokens each constrained request may take, one row per position it samples."""
+        ``grammar_bitmasks``: the tokens each constrained request may take, one row per position it samples.
+        ``while_device_runs``: host work to do once the step's forward is queued and before the host waits for its
+        tokens (on a GPU the two overlap); called at most once, and not at all by a step that samples nothing."""
         grammar_bitmasks = grammar_bitmasks or {}
         result = ModelRunnerOutput()
+        self._while_device_runs = while_device_runs
         steps = [inputs for inputs in map(self.prepare_inputs, self._micro_batches(out)) if inputs is not None]
         if not steps:
             return result
@@ -113,6 +125,7 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.mirror(inputs)
             self._collect(inputs, hidden, grammar_bitmasks, result)
+        self._while_device_runs = None  # a step that sampled nothing leaves it to the caller
         return result
 
     def _micro_batches(self, out: SchedulerOutput) -> list[SchedulerOutput]:
@@ -153,8 +166,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if not grammar_bitmasks and all(self._takes_argmax_only(r) for r in inputs.sampling_requests):
             # Every row greedy with nothing to add (the usual batch): the sampler's tokens with no per-row objects.
-            token_ids, logprobs = greedy_tokens(logits), []
+            token_tensor = greedy_token_tensor(logits)
+            self._host_work_while_device_runs()
+            token_ids, logprobs = token_tensor.tolist(), []
         else:
+            self._host_work_while_device_runs()
             # Row i of a request with guesses samples as if guesses[:i] had been accepted.
             rows = [self._sampling_row(request, guesses[:i], request.request_id in grammar_bitmasks)
                     for request, guesses in zip(inputs.sampling_requests, inputs.guesses)
@@ -169,6 +185,11 @@ class ModelRunner:
             if request.sampling_params.logprobs is not None:
                 result.logprobs[request.request_id] = logprobs[first: first + len(kept)]
             first += len(guesses) + 1
+
+    def _host_work_while_device_runs(self) -> None:
+        work, self._while_device_runs = self._while_device_runs, None
+        if work is not None:
+            work()
 
     def _logits_plan(self, inputs: StepInputs) -> list[list[int]]:
         """The hidden rows of each compute_logits call ``execute`` makes for this step, in order: every rank makes

@@ -93,7 +93,12 @@ def takes_argmax_only(params: SamplingParams) -> bool:
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The tokens the sampler gives rows that ``takes_argmax_only`` with nothing blocked, with no per-row work on the
     host: one argmax over the float32 logits, as ``Sampler`` takes it, and one copy back."""
-    return argmax(logits.float()).tolist()
+    return greedy_token_tensor(logits).tolist()
+
+
+def greedy_token_tensor(logits: torch.Tensor) -> torch.Tensor:
+    """``greedy_tokens`` still on the logits' device (on a GPU, queued: nothing waits for it yet)."""
+    return argmax(logits.float())
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
