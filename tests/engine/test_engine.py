@@ -124,8 +124,11 @@ def test_preemption_with_prefix_cache_changes_nothing(make_llm, dtype, reference
     _assert_no_owned_blocks(llm)
 
 
-def test_no_block_owned_after_finished_aborted_and_failed(make_llm):
-    llm = make_llm()
+# With async output processing the abort lands while a step's outputs wait for the front end, and the detokenizer
+# fails while the device computes the next step (tests/engine/test_async_output_processing.py has the rest).
+@pytest.mark.parametrize("async_output_processing", [False, True])
+def test_no_block_owned_after_finished_aborted_and_failed(make_llm, async_output_processing):
+    llm = make_llm(async_output_processing=async_output_processing)
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS[:6]):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=40))
