@@ -123,3 +123,26 @@ def test_k_quant_blocks_read_in_place_give_the_dequantized_paths_greedy_tokens(o
     in_place_error = (full_logits(ours[torch.bfloat16], PROMPT[:300]) - exact).abs().max()
     dequantized_error = (full_logits(dense, PROMPT[:300]) - exact).abs().max()
     assert in_place_error < dequantized_error, (in_place_error, dequantized_error)
+
+
+def test_chats_render_as_llama_cpps_gemma_format_after_one_bos(tokenizer):
+    """The prompt ids of the user path (LLM.chat, the CLI, /v1/chat/completions) for a question, a system prompt and a
+    multi-turn chat: one <bos>, Gemma's <start_of_turn>/<end_of_turn> turns, the system prompt before the first user
+    turn's text. Each list is what llama-server (--no-jinja --chat-template gemma) tokenized for the same messages,
+    measured 2026-11-27; the file carries no chat template (a base model, not -it), so these come from Serval's. Its
+    greedy answers repeat the question, as transformers' and llama.cpp's do on these ids."""
+    question = {"role": "user", "content": "What is the capital city of Korea?"}
+    chats = {
+        (2, 105, 2364, 107, 3689, 563, 506, 5279, 3207, 529, 15400, 236881, 106, 107, 105, 4368, 107): [question],
+        (2, 105, 2364, 107, 3048, 659, 496, 11045, 53842, 57153, 236761, 108, 3689, 563, 506, 5279, 3207, 529, 15400,
+         236881, 106, 107, 105, 4368, 107): [{"role": "system", "content": "You are a helpful geography tutor."},
+                                              question],
+        (2, 105, 2364, 107, 10979, 236888, 106, 107, 105, 4368, 107, 9259, 236888, 2088, 740, 564, 1601, 236881, 106,
+         107, 105, 2364, 107, 1567, 1806, 22640, 236761, 106, 107, 105, 4368, 107): [
+            {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Name three colours."}],
+    }
+    assert tokenizer.chat_template_source == "Serval's Gemma template (the GGUF header has none)"
+    for want, messages in chats.items():
+        assert tuple(tokenizer.apply_chat_template(messages)) == want
+    assert tokenizer.bos_token_id == 2 and {1, 106} <= tokenizer.eos_token_ids  # <eos> and <end_of_turn> stop
