@@ -189,6 +189,9 @@ class KVCacheManager:
         """Makes room for ``num_new_tokens`` more tokens of KV after the request's computed tokens and the cached
         prefix ``computed`` it takes (at admission), and queues the loads of what the second tier holds of it (the
         prefix's offloaded blocks, or a swapped-out request's own). False (nothing changed) when blocks run out."""
+        if computed is None and not request.swapped_slots and -(
+                -(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(request.block_ids):
+            return True  # a running request's tokens fit its blocks (most decodes): the general path would agree
         computed = computed or ComputedBlocks()
         num_total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         needed = -(-num_total // self.block_size) - len(request.block_ids) - len(computed.device)
