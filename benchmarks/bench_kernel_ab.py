@@ -43,8 +43,11 @@ def build_revision(rev: str):
     texts = {n: subprocess.run(["git", "-C", str(root), "show", f"{rev}:{csrc}/{n}"], check=True,
                                capture_output=True).stdout for n in names}
     cflags = cpu_kernels.CFLAGS
-    digest = hashlib.sha256(b"".join(texts.values()) + " ".join(cflags + [torch.__version__]).encode())
-    name = f"serval_ab_base_{digest.hexdigest()[:10]}"
+    digest = hashlib.sha256(b"".join(texts.values()) + " ".join(cflags + [torch.__version__]).encode()).hexdigest()
+    kind = torch.backends.cpu.get_cpu_capability().lower()
+    name = f"serval_cpu_kernels_{kind}_{digest[:10]}"  # that revision's own build, where a checkout of it made one
+    if not (cpu_kernels.build_directory(name) / f"{name}.so").is_file():
+        name = f"serval_ab_base_{digest[:10]}"
     build_dir = cpu_kernels.build_directory(name)
     built = build_dir / f"{name}.so"
     if not built.is_file():
