@@ -309,37 +309,17 @@ inline void block_scales(const Panels& w, int64_t panel, int64_t g, F16& d0, F16
   }
 }
 
-// Asks for a panel's block g (its bytes and scales) while the panel before it computes: a panel's blocks are a few KB
-// in a row, a stream that the hardware prefetcher takes several cache lines to find again at every panel. Always
-// inlined: GCC 12 finds a function of prefetches alone free of side effects and may delete the calls to it.
-template <int F>
-__attribute__((always_inline)) inline void prefetch_block(const Panels& w, int64_t panel, int64_t g) {
-  const int64_t index = panel * w.groups + g;
-  const uint8_t* q = w.packed + index * block_rows(F) * 16;
-  for (int b = 0; b < block_rows(F) * 16; b += 64) _mm_prefetch(reinterpret_cast<const char*>(q + b), _MM_HINT_T0);
-  if constexpr (k_scales(F)) {
-    const uint8_t* super = w.scales + (index / kSuperBlocks) * super_bytes(F);
-    if (g % kSuperBlocks == 0)
-      for (int b = 0; b < super_bytes(F); b += 64) _mm_prefetch(reinterpret_cast<const char*>(super + b), _MM_HINT_T0);
-  } else {
-    constexpr int bytes = scale_rows(F) * 16 * (half_scales(F) ? 2 : 4);
-    for (int b = 0; b < bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w.scales + index * bytes + b), _MM_HINT_T0);
-  }
-}
-
-// R rows (words, blocks: theirs, row after row) times one 16-column panel, into y (row stride N). The panel
-// ``ahead`` is prefetched block by block (the next one of this thread's, or this one for its last). At few rows a
-// block's dot products go to C independent sums per row and half, added at the end.
+// R rows (words, blocks: theirs, row after row) times one 16-column panel, into y (row stride N). At few rows a
+// block's dot products go to C independent sums per row and half, added at the end. (The panels are read in memory
+// order, one stream, which the hardware prefetcher follows: asking for the next panel's blocks measured no faster.)
 template <int F, int R>
-void panel_rows(const Panels& w, int64_t panel, int64_t ahead, const int32_t* words, const BlockActivations* blocks,
-                float* y, int64_t N) {
+void panel_rows(const Panels& w, int64_t panel, const int32_t* words, const BlockActivations* blocks, float* y,
+                int64_t N) {
   constexpr int S = steps(F), C = chains(R);
   const int64_t G = w.groups;
   F16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_block<F>(w, ahead, g);
     const uint8_t* q = w.packed + (panel * G + g) * block_rows(F) * 16;
     Ints part[R][2][C];
     for (int r = 0; r < R; ++r)
@@ -408,11 +388,11 @@ void panel_rows(const Panels& w, int64_t panel, int64_t ahead, const int32_t* wo
 }
 
 template <int F, int R>
-void rows_tail(int64_t rows, const Panels& w, int64_t panel, int64_t ahead, const int32_t* words,
-               const BlockActivations* blocks, float* y, int64_t N) {
+void rows_tail(int64_t rows, const Panels& w, int64_t panel, const int32_t* words, const BlockActivations* blocks,
+               float* y, int64_t N) {
   if constexpr (R > 0) {
-    if (rows == R) return panel_rows<F, R>(w, panel, ahead, words, blocks, y, N);
-    rows_tail<F, R - 1>(rows, w, panel, ahead, words, blocks, y, N);
+    if (rows == R) return panel_rows<F, R>(w, panel, words, blocks, y, N);
+    rows_tail<F, R - 1>(rows, w, panel, words, blocks, y, N);
   }
 }
 
@@ -426,11 +406,10 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N,
   const int64_t panels = (N + 15) / 16;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t ahead = std::min(p + 1, end - 1);
       int64_t r0 = 0;
       for (; r0 + kTileRows <= M; r0 += kTileRows)
-        panel_rows<F, kTileRows>(w, p, ahead, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
-      rows_tail<F, kTileRows - 1>(M - r0, w, p, ahead, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
+        panel_rows<F, kTileRows>(w, p, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
+      rows_tail<F, kTileRows - 1>(M - r0, w, p, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
     }
   });
 }
