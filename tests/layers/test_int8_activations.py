@@ -68,7 +68,8 @@ def test_int8_kernel_equals_the_quantized_formula(case, rows, shape):
 
 @needs_int8
 @pytest.mark.parametrize("case", CASES)
-def test_int8_kernel_integer_sums_are_exact(case):
+@pytest.mark.parametrize("rows", [1, 2, 5])  # 1 and 2 rows spread a block's dot products over several sums
+def test_int8_kernel_integer_sums_are_exact(case, rows):
     """With activations whose blocks have amax 127 (dx = 1: the codes are the rounded x) and weights whose scales
     are small powers of two, every float32 step is exact: the kernel must give the float64 result bit for bit,
     which only exact integer dot products over every code bit (nibbles, fifth and sixth bits, signs) can."""
@@ -89,9 +90,23 @@ def test_int8_kernel_integer_sums_are_exact(case):
     gen = torch.Generator().manual_seed(9)
     x = torch.randint(-127, 128, (5, 512), generator=gen).float()
     x.view(5, 16, 32)[:, :, 3] = 127.0  # amax 127 in every block: dx = 1 exactly
+    x = x[:rows]
     got = kernels.block_panel_linear_int8(x, *weight.panels(), weight.format, 48, False)
     want = x.double() @ weight.dequantize().double().T
     assert torch.equal(got.double(), want)
+
+
+@needs_int8
+@pytest.mark.parametrize("case", ["q4", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_bfloat16_results_are_the_float32_results_rounded(case, rows):
+    """The kernel rounds its float32 results to bfloat16 itself (no second pass by torch): exactly as torch does."""
+    weight = weight_of(case, 130, 576)
+    x = activations(rows, weight.in_features, torch.bfloat16)
+    got = kernels.block_panel_linear_int8(x, *weight.panels(), weight.format, 130, False)
+    as_float = kernels.block_panel_linear_int8(x, *weight.panels(), weight.format, 130, True)
+    assert got.dtype == torch.bfloat16 and as_float.dtype == torch.float32
+    assert torch.equal(as_float.to(torch.bfloat16), got)
 
 
 @needs_int8

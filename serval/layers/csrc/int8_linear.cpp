@@ -60,20 +60,43 @@ struct BlockActivations {
   int32_t sum[2];
 };
 
+#if defined(__AVX2__)
 // x [M, K] (float32) → per row and block: steps(f) words of 4 activation bytes, and the block's scales and sums.
+// In vectors of 8 (both builds): x / dx is correctly rounded in any width, and the conversion to int32 rounds by the
+// default mode, to nearest even, as nearbyint does; amax skips NaN as std::max(amax, |v|) did.
 template <int F>
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t groups, int32_t* words, BlockActivations* blocks) {
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      float v[kBlock];
-      for (int k = 0; k < kBlock; ++k) v[k] = g * kBlock + k < K ? x[r * K + g * kBlock + k] : 0.f;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t k0 = g * kBlock + 8 * i;
+        if (k0 + 8 <= K) {
+          v[i] = _mm256_loadu_ps(x + r * K + k0);
+        } else {  // past K: zeros
+          alignas(32) float lanes[8] = {};
+          for (int64_t k = k0; k < K; ++k) lanes[k - k0] = x[r * K + k];
+          v[i] = _mm256_load_ps(lanes);
+        }
+      }
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 top = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) top = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), top);  // NaN lanes keep top
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, top);
       float amax = 0.f;
-      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
+      for (int k = 0; k < 8; ++k) amax = std::max(amax, lanes[k]);
       const float dx = amax / 127.f;
+      alignas(32) int32_t codes[kBlock] = {};
+      if (dx != 0.f) {
+        const __m256 step = _mm256_set1_ps(dx);
+        for (int i = 0; i < 4; ++i)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), _mm256_cvtps_epi32(_mm256_div_ps(v[i], step)));
+      }
       int8_t q[kBlock];
       int32_t sum[2] = {0, 0};
       for (int k = 0; k < kBlock; ++k) {
-        q[k] = dx == 0.f ? 0 : static_cast<int8_t>(std::nearbyint(v[k] / dx));  // the default rounding: to even
+        q[k] = static_cast<int8_t>(codes[k]);
         sum[k / 16] += q[k];
       }
       BlockActivations& b = blocks[r * groups + g];
@@ -90,6 +113,25 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t groups, int32_t
   }
 }
 
+// float32 to bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN to its quiet NaN), 8 at a time.
+inline void to_bfloat16(const float* y, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(y + i);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    rounded = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                                                   _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                                                   _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m256i high = _mm256_srli_epi32(rounded, 16);  // < 2^16: packing without saturation
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
+  }
+  for (; i < n; ++i) out[i] = c10::BFloat16(y[i]).x;
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && \
     defined(__F16C__)
 #define SERVAL_INT8_KERNEL 512
@@ -98,6 +140,9 @@ using Group = __m512i;
 using Ints = __m512i;
 using F16 = __m512;
 constexpr int kTileRows = 6;
+// Independent integer sums a block's dot products are spread over, at 1 and 2 rows (one chain of 8 to 16 dependent
+// vpdpbusd per sum otherwise; the integers are the same in any order).
+constexpr int chains(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 inline Group load_group(const uint8_t* p) {
   // byte 4 j + s of the result is byte 16 s + j of the 4 rows: column j's byte of row s
   const __m512i index = _mm512_set_epi8(
@@ -122,6 +167,7 @@ inline Ints dot_signed(Ints acc, Group w, int32_t word) {
 inline Ints sub_times(Ints a, int32_t times, int32_t b) {
   return _mm512_sub_epi32(a, _mm512_set1_epi32(times * b));
 }
+inline Ints int_add(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
 inline F16 to_float(Ints a) { return _mm512_cvtepi32_ps(a); }
 inline F16 fzero() { return _mm512_setzero_ps(); }
 inline F16 fset1(float v) { return _mm512_set1_ps(v); }
@@ -151,6 +197,7 @@ struct F16 {
   __m256 a, b;
 };
 constexpr int kTileRows = 2;
+constexpr int chains(int rows) { return rows == 1 ? 2 : 1; }  // 16 registers: two sums of two each at one row
 inline Group load_group(const uint8_t* p) {
   // rows 0, 1 and 2, 3 as [row0 c0-7, row1 c0-7 | row0 c8-15, row1 c8-15], then each lane's two rows interleaved
   // bytewise, then the two pairs of rows interleaved by 16 bits: a lane per column.
@@ -195,6 +242,7 @@ inline Ints sub_times(Ints v, int32_t times, int32_t b) {
   const __m256i k = _mm256_set1_epi32(times * b);
   return {_mm256_sub_epi32(v.a, k), _mm256_sub_epi32(v.b, k)};
 }
+inline Ints int_add(Ints x, Ints y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
 inline F16 to_float(Ints v) { return {_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 inline F16 fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline F16 fset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
@@ -261,48 +309,64 @@ inline void block_scales(const Panels& w, int64_t panel, int64_t g, F16& d0, F16
   }
 }
 
-// R rows (words, blocks: theirs, row after row) times one 16-column panel, into y (row stride N).
+// R rows (words, blocks: theirs, row after row) times one 16-column panel, into y (row stride N). At few rows a
+// block's dot products go to C independent sums per row and half, added at the end. (The panels are read in memory
+// order, one stream, which the hardware prefetcher follows: asking for the next panel's blocks measured no faster.)
 template <int F, int R>
 void panel_rows(const Panels& w, int64_t panel, const int32_t* words, const BlockActivations* blocks, float* y,
                 int64_t N) {
-  constexpr int S = steps(F);
+  constexpr int S = steps(F), C = chains(R);
   const int64_t G = w.groups;
   F16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* q = w.packed + (panel * G + g) * block_rows(F) * 16;
-    Ints sums[R][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = int_zero();
+    Ints part[R][2][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) part[r][0][c] = part[r][1][c] = int_zero();
     const int32_t* x[R];
     for (int r = 0; r < R; ++r) x[r] = words + (r * G + g) * S;
     if constexpr (F == kQ8) {
+#pragma GCC unroll 8
       for (int L = 0; L < 8; ++L) {
         const Group v = load_group(q + 64 * L);
-        for (int r = 0; r < R; ++r) sums[r][0] = dot_signed(sums[r][0], v, x[r][L]);
+        for (int r = 0; r < R; ++r) part[r][0][L % C] = dot_signed(part[r][0][L % C], v, x[r][L]);
       }
     } else {
+#pragma GCC unroll 4
       for (int L = 0; L < 4; ++L) {
         const Group v = load_group(q + 64 * L);
         const Group lo = mask(v, 0x0F), hi = mask(shift_right(v, 4), 0x0F);
         const int h = sub_blocks_of_16(F) ? L / 2 : 0;
-        for (int r = 0; r < R; ++r) sums[r][h] = dot(dot(sums[r][h], lo, x[r][2 * L]), hi, x[r][2 * L + 1]);
+        for (int r = 0; r < R; ++r) {
+          part[r][h][(2 * L) % C] = dot(part[r][h][(2 * L) % C], lo, x[r][2 * L]);
+          part[r][h][(2 * L + 1) % C] = dot(part[r][h][(2 * L + 1) % C], hi, x[r][2 * L + 1]);
+        }
       }
       if constexpr (extra_bits(F) == 1) {  // bit b of row 16 + s, times 16
         const Group v = load_group(q + 256);
+#pragma GCC unroll 8
         for (int b = 0; b < 8; ++b) {
           const Group bit = mask(b < 4 ? shift_left(v, 4 - b) : shift_right(v, b - 4), 0x10);
-          for (int r = 0; r < R; ++r) sums[r][0] = dot(sums[r][0], bit, x[r][8 + b]);
+          for (int r = 0; r < R; ++r) part[r][0][b % C] = dot(part[r][0][b % C], bit, x[r][8 + b]);
         }
       } else if constexpr (extra_bits(F) == 2) {  // bits 2t, 2t + 1 of rows 16 + 4 h + s, times 16
         for (int h = 0; h < 2; ++h) {
           const Group v = load_group(q + 256 + 64 * h);
+#pragma GCC unroll 4
           for (int t = 0; t < 4; ++t) {
             const Group bits = mask(t < 2 ? shift_left(v, 4 - 2 * t) : shift_right(v, 2 * t - 4), 0x30);
-            for (int r = 0; r < R; ++r) sums[r][h] = dot(sums[r][h], bits, x[r][8 + 4 * h + t]);
+            for (int r = 0; r < R; ++r) part[r][h][t % C] = dot(part[r][h][t % C], bits, x[r][8 + 4 * h + t]);
           }
         }
       }
     }
+    Ints sums[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        sums[r][h] = part[r][h][0];
+        for (int c = 1; c < C; ++c) sums[r][h] = int_add(sums[r][h], part[r][h][c]);
+      }
     F16 d0, d1;
     block_scales<F>(w, panel, g, d0, d1);
     for (int r = 0; r < R; ++r) {
@@ -382,10 +446,30 @@ at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels
   const int f = call.format;
   const int64_t M = call.rows, K = call.in_features, N = call.out_features, groups = call.groups;
 #if defined(SERVAL_INT8_KERNEL)
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  // x as float32 rows and bfloat16 results written here, not by aten ops: at one row a call's fixed costs are a good
+  // part of its time.
+  const at::Tensor xc = x.contiguous();
+  const float* xf = nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    xf = xc.data_ptr<float>();
+  } else {
+    float* rows = serval::scratch(1, M * K);  // slots 2 and 3 are the quantized rows'
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "block_panel_linear_int8", [&] {
+      const scalar_t* src = xc.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * K; ++i) rows[i] = static_cast<float>(src[i]);
+    });
+    xf = rows;
+  }
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), groups};
+  if (x.scalar_type() == at::kBFloat16 && !float_output) {
+    float* yf = serval::scratch(0, M * N);
+    gemm_format(f, xf, M, K, w, N, yf);
+    at::Tensor y = at::empty({M, N}, x.options());
+    to_bfloat16(yf, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M * N);
+    return y;
+  }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  gemm_format(f, xf.data_ptr<float>(), M, K, w, N, y.data_ptr<float>());
+  gemm_format(f, xf, M, K, w, N, y.data_ptr<float>());
   return float_output || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "block_panel_linear_int8 needs AVX2 with FMA and F16C (check block_int8_kernel_available())");
