@@ -10,7 +10,8 @@ both); the step time is the median over ``--steps`` steps. What the MoE step pay
 sorting the (token, slot) pairs, one matmul per expert over its few rows, and reading 8 experts' weights instead of
 one MLP's once the batch covers them all. Three weight forms, A/B in one process: F.linear with each matmul padded
 to its probed row count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32
-matrices on the CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX); every matrix on the
+matrices on the CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX), with the experts in one C++
+call (csrc/moe_experts.cpp) and, for A/B, in the PyTorch loop over experts that it replaced; every matrix on the
 kernel. With ``--threads 1`` the time is this thread's CPU time (time.thread_time), which
 other work on the machine disturbs less. Not a timed test.
 """
@@ -33,6 +34,7 @@ from serval.engine.request import Request  # noqa: E402
 from serval.engine.runner import ModelRunner  # noqa: E402
 from serval.engine.scheduler import SchedulerOutput  # noqa: E402
 from serval.layers.linear import lay_out_for_cpu_kernels, probe_row_padding  # noqa: E402
+from serval.layers.moe import Experts  # noqa: E402
 from serval.model.llama import LlamaForCausalLM  # noqa: E402
 from serval.platform_info import describe_hardware  # noqa: E402
 from serval.sampling_params import SamplingParams  # noqa: E402
@@ -42,9 +44,9 @@ SHAPE = dict(vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv
 EXPERTS, TOP_K, EXPERT_WIDTH, CONTEXT, BLOCK = 8, 2, 768, 64, 16
 
 
-def build(config: ModelConfig, dtype: torch.dtype, kernel: bool | None) -> LlamaForCausalLM:
+def build(config: ModelConfig, dtype: torch.dtype, kernel: bool | None, loop: bool = False) -> LlamaForCausalLM:
     """``kernel``: False, F.linear padded; None, load_model's choice (lay_out_for_cpu_kernels); True, every matrix on
-    the kernel."""
+    the kernel. ``loop``: the experts in layers/moe.py's PyTorch loop, not csrc/moe_experts.cpp's one call."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -59,6 +61,9 @@ def build(config: ModelConfig, dtype: torch.dtype, kernel: bool | None) -> Llama
     laid = 0 if kernel is False else lay_out_for_cpu_kernels(model, bfloat16_linears=kernel)
     print(f"{laid} weights laid out for the CPU kernel", end="; ")
     probe_row_padding(model, dtype)
+    for module in model.modules():
+        if loop and isinstance(module, Experts):
+            module.kernels = None  # SparseMoE then takes grouped_slots
     return model
 
 
@@ -108,10 +113,12 @@ def main() -> None:
     dense = ModelConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH)
     moe = ModelConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                       moe_intermediate_size=EXPERT_WIDTH, moe_layers=list(range(SHAPE["num_layers"])))
-    for form, kernel in (("F.linear padded", False), ("load_model's choice", None), ("all on the kernel", True)):
+    forms = (("F.linear padded", False, False), ("load_model's choice, experts looped in PyTorch", None, True),
+             ("load_model's choice", None, False), ("all on the kernel", True, False))
+    for form, kernel, loop in forms:
         results, weights = {}, {}
         for name, config in (("dense", dense), ("moe", moe)):
-            model = build(config, dtype, kernel)
+            model = build(config, dtype, kernel, loop)
             # Every weight is read each step: at 16 rows x 2 slots over 8 experts, all experts are chosen (7.9
             # expected).
             weights[name] = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
