@@ -1,6 +1,7 @@
 """A MoE layer's experts in one C++ call (csrc/moe_experts.cpp), where they are laid out for the CPU kernel: the
 slots are the bits of the PyTorch loop over experts (layers/moe.py ``grouped_slots``), for every expert with zero,
-one or many rows, on an expert-parallel rank's share too, and a row's slots do not depend on the rows beside it."""
+one or many rows (1 to 9 each), on an expert-parallel rank's share too, and a row's slots do not depend on the rows
+beside it."""
 
 from __future__ import annotations
 
@@ -66,6 +67,22 @@ def test_the_one_call_gives_the_loop_over_experts_bits(dtype, local_experts):
     assert torch.equal(got, want)
     mine = (ids >= moe.first_expert) & (ids < moe.end_expert)
     assert got[mine].abs().sum(-1).min() > 0 and not got[~mine].any()  # other ranks' slots stay zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_one_call_gives_the_loops_bits_for_every_count_of_rows_an_expert_gets(dtype):
+    """1 to 9 rows an expert: a decode step's few (csrc/moe_experts.cpp's own schedule, up to 7 bfloat16 rows) and
+    more (dense_panel_linear's)."""
+    moe = _moe(dtype)
+    lay_out_for_cpu_kernels(moe, bfloat16_linears=True)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with torch.inference_mode():
+        for rows in range(1, len(x) + 1):
+            # every row routed to experts 2 and 4, so each gets exactly ``rows`` rows
+            ids = torch.tensor([[2, 4]] * rows)
+            weights = torch.rand(rows, TOP_K, generator=torch.Generator().manual_seed(rows))
+            got = _one_call(moe, x[:rows], weights, ids)
+            assert torch.equal(got, moe.grouped_slots(x[:rows], weights, ids).view(got.shape)), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

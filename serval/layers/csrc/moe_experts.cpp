@@ -2,18 +2,161 @@
 // kernel (W^T per expert). The layer's PyTorch path pays a dozen aten calls a layer to group the (token, slot)
 // pairs by expert and, per expert, a slice, two kernel calls, the activation, a cast, a multiply and the Python
 // between them: at 16 decode rows over 8 experts that was half the layer's time, the kernels the other half.
-// Here the grouping is a counting sort and each expert's rows go to the same kernels (panel_linear.cpp's
-// dense_panel_linear, bf16_rows.cpp's silu_and_mul_v16) with the same roundings: the slots are the PyTorch path's
-// bits. Each row is multiplied alone by those kernels, so a row's slots never depend on the rows beside it.
+// Here the grouping is a counting sort and each expert's rows go to the same kernels with the same roundings
+// (panel_linear.cpp's dense_panel_linear, or below for few bfloat16 rows its arithmetic on a faster schedule;
+// bf16_rows.cpp's silu_and_mul_v16): the slots are the PyTorch path's bits. Each row is multiplied alone, so a
+// row's slots never depend on the rows beside it.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SERVAL_MOE_FEW_ROWS 1
+#endif
 
 at::Tensor dense_panel_linear(const at::Tensor& x, const at::Tensor& weight_t, bool float_output);
 at::Tensor silu_and_mul_v16(const at::Tensor& x);
 
 namespace {
+
+#if defined(SERVAL_MOE_FEW_ROWS)
+// An expert's few rows (a decode step gives each a k / experts share of its rows) times its bfloat16 W^T [K, N],
+// with dense_panel_linear's arithmetic, so its bits: each output one float32 FMA chain over k in order from zero,
+// rounded to bfloat16 as its store rounds. What differs is the schedule, measured 1.2-1.6x faster at 1-7 rows
+// (benchmarks/README.md): up to 7 rows in one pass over the weights, 64-128 columns wide (8 to 28 accumulators, so
+// that one row's FMA chains do not wait on each other), walking down k with the rows ahead prefetched, and the
+// bfloat16 weights widened two columns per 32-bit lane by a shift and a mask (no shuffle; the two accumulators
+// interleaved back at the store). float32 weights are memory-bound there already: they keep dense_panel_linear.
+constexpr int64_t kFewRows = 7;
+
+// float32 to bfloat16 bits, as panel_linear.cpp's store_out.
+inline __m256i bf16_of(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+inline __mmask16 first16(int64_t c) { return c >= 16 ? 0xFFFF : c <= 0 ? 0 : static_cast<__mmask16>((1u << c) - 1); }
+inline __mmask32 first32(int64_t c) { return c >= 32 ? 0xFFFFFFFFu : c <= 0 ? 0 : static_cast<__mmask32>((1u << c) - 1); }
+
+inline void store16(float* y, __m512 v, int64_t c) { _mm512_mask_storeu_ps(y, first16(c), v); }
+inline void store16(uint16_t* y, __m512 v, int64_t c) { _mm256_mask_storeu_epi16(y, first16(c), bf16_of(v)); }
+
+// R rows times V / 2 chunks of 32 columns of W^T [K, N] from column n0, each output one FMA chain over k in order.
+// bf16: a chunk's 32 weights loaded as one vector: even columns are the low halves shifted up, odd the high halves
+// masked (exact), kept in two accumulators and interleaved back at the store.
+template <bool Bf16, int R, int C, bool Tail, typename Out>
+void block(const float* x, int64_t ldx, int64_t K, const uint8_t* w, int64_t N, int64_t n0, Out* y) {
+  __m512 acc[R][2 * C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t es = Bf16 ? 2 : 4, row_bytes = N * es;
+  const uint8_t* p = w + n0 * es;
+  __mmask32 m32[C];
+  __mmask16 m16[2 * C];
+  for (int c = 0; c < C; ++c) m32[c] = first32(N - n0 - 32 * c);
+  for (int c = 0; c < 2 * C; ++c) m16[c] = first16(N - n0 - 16 * c);
+  constexpr int64_t kAhead = 16;  // rows of W^T prefetched ahead: each is another page
+  for (int64_t k = 0; k < K; ++k, p += row_bytes) {
+    if (k + kAhead < K)
+      for (int64_t b = 0; b < C * 32 * es; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * row_bytes + b), _MM_HINT_T0);
+    __m512 wv[2 * C];
+    for (int c = 0; c < C; ++c) {
+      if constexpr (Bf16) {
+        const __m512i v = Tail ? _mm512_maskz_loadu_epi16(m32[c], p + c * 64) : _mm512_loadu_si512(p + c * 64);
+        wv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        wv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000)));
+      } else {
+        const float* f = reinterpret_cast<const float*>(p) + c * 32;
+        wv[2 * c] = Tail ? _mm512_maskz_loadu_ps(m16[2 * c], f) : _mm512_loadu_ps(f);
+        wv[2 * c + 1] = Tail ? _mm512_maskz_loadu_ps(m16[2 * c + 1], f + 16) : _mm512_loadu_ps(f + 16);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      __m512 lo = acc[r][2 * c], hi = acc[r][2 * c + 1];
+      if constexpr (Bf16) {
+        const __m512i ilo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i ihi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        const __m512 e = lo, o = hi;
+        lo = _mm512_permutex2var_ps(e, ilo, o);
+        hi = _mm512_permutex2var_ps(e, ihi, o);
+      }
+      Out* yr = y + r * N + n0 + 32 * c;
+      store16(yr, lo, N - n0 - 32 * c);
+      store16(yr + 16, hi, N - n0 - 32 * c - 16);
+    }
+}
+
+template <bool Bf16, int R, int C, typename Out>
+void rows(const float* x, int64_t K, const uint8_t* w, int64_t N, Out* y) {
+  const int64_t width = 32 * C, blocks = (N + width - 1) / width;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * width;
+      if (n0 + width <= N) block<Bf16, R, C, false, Out>(x, K, K, w, N, n0, y);
+      else block<Bf16, R, C, true, Out>(x, K, K, w, N, n0, y);
+    }
+  });
+}
+
+template <bool Bf16, typename Out>
+void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, Out* y) {
+  for (int64_t r0 = 0; r0 < M;) {
+    const int64_t left = M - r0;
+    const int R = left > 7 ? 4 : static_cast<int>(left);
+    const float* xr = x + r0 * K;
+    Out* yr = y + r0 * N;
+    switch (R) {
+      case 7: rows<Bf16, 7, 2>(xr, K, w, N, yr); break;
+      case 6: rows<Bf16, 6, 2>(xr, K, w, N, yr); break;
+      case 5: rows<Bf16, 5, 2>(xr, K, w, N, yr); break;
+      case 4: rows<Bf16, 4, 2>(xr, K, w, N, yr); break;
+      case 3: rows<Bf16, 3, 4>(xr, K, w, N, yr); break;
+      case 2: rows<Bf16, 2, 4>(xr, K, w, N, yr); break;
+      default: rows<Bf16, 1, 4>(xr, K, w, N, yr); break;
+    }
+    r0 += R;
+  }
+}
+template <typename Out>
+void few_rows_linear(const float* x, int64_t M, int64_t K, const at::Tensor& weight_t, Out* y) {
+  gemm<true, Out>(x, M, K, static_cast<const uint8_t*>(weight_t.data_ptr()), weight_t.size(1), y);
+}
+#endif
+
+// x [M, K] times W^T [K, N] in x's dtype: dense_panel_linear's bits, by the few-row schedule where it applies.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight_t) {
+#if defined(SERVAL_MOE_FEW_ROWS)
+  const int64_t M = x.size(0), K = x.size(1), N = weight_t.size(1);
+  if (M <= kFewRows && weight_t.scalar_type() == at::kBFloat16 && x.is_contiguous()) {
+    thread_local std::vector<float> rows;
+    rows.resize(M * K);
+    if (x.scalar_type() == at::kBFloat16) {
+      const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+      for (int64_t i = 0; i < M * K; ++i) rows[i] = static_cast<float>(src[i]);
+    } else {
+      std::memcpy(rows.data(), x.data_ptr<float>(), M * K * sizeof(float));
+    }
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (x.scalar_type() == at::kBFloat16)
+      few_rows_linear(rows.data(), M, K, weight_t, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    else
+      few_rows_linear(rows.data(), M, K, weight_t, y.data_ptr<float>());
+    return y;
+  }
+#endif
+  return dense_panel_linear(x, weight_t, false);
+}
+
 
 // slots[s] = float(y[i]) * weight[s] for s = order[i]: the expert's output rounded to the model dtype (as the
 // PyTorch path's matmul returns it), then weighted in float32.
@@ -73,8 +216,7 @@ at::Tensor moe_expert_slots(const at::Tensor& x, const at::Tensor& ids, const at
     at::Tensor rows = at::empty({n, H}, xc.options());
     uint8_t* rb = static_cast<uint8_t*>(rows.data_ptr());
     for (int64_t i = 0; i < n; ++i) std::memcpy(rb + i * row_bytes, xb + (rows_order[i] / k) * row_bytes, row_bytes);
-    const at::Tensor y = dense_panel_linear(silu_and_mul_v16(dense_panel_linear(rows, gate_up_t[e], false)),
-                                            down_t[e], false);
+    const at::Tensor y = linear_rows(silu_and_mul_v16(linear_rows(rows, gate_up_t[e])), down_t[e]);
     if (y.scalar_type() == at::kBFloat16)
       weighted_rows(y.data_ptr<at::BFloat16>(), rows_order, wc.data_ptr<float>(), n, H, slots.data_ptr<float>());
     else
