@@ -6,14 +6,15 @@ Both models are the Llama decoder with random weights, built from a ModelConfig 
 8 query / 2 KV heads, vocabulary 8192. The MoE model's MLPs are 8 experts of width 768 with 2 chosen per token
 (layers/moe.py); the dense model's MLP is 2 x 768 = 1536 wide, so that a token meets the same number of weights in
 both. Each step decodes ``--rows`` requests that already hold 64 tokens of context (so attention is the same in
-both); the step time is the median over ``--steps`` steps. What the MoE step pays beyond the dense one: the router,
-sorting the (token, slot) pairs, one matmul per expert over its few rows, and reading 8 experts' weights instead of
-one MLP's once the batch covers them all. Three weight forms, A/B in one process: F.linear with each matmul padded
-to its probed row count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32
-matrices on the CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX), with the experts in one C++
-call (csrc/moe_experts.cpp) and, for A/B, in the PyTorch loop over experts that it replaced; every matrix on the
-kernel. With ``--threads 1`` the time is this thread's CPU time (time.thread_time), which
-other work on the machine disturbs less. Not a timed test.
+both); the step time is the median over ``--steps`` steps, every model's steps taken in turn (so that all see the
+same load on the machine). What the MoE step pays beyond the dense one: the router, grouping the (token, slot) pairs
+by expert, one matmul per expert over its few rows, and reading 8 experts' weights instead of one MLP's once the
+batch covers them all. Four weight forms, A/B in one process: F.linear with each matmul padded to its probed row
+count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32 matrices on the
+CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX), with the experts in the PyTorch loop over
+experts (layers/moe.py ``grouped_slots``) and in one C++ call (csrc/moe_experts.cpp, what load_model's model runs);
+every matrix on the kernel. With ``--threads 1`` the time is this thread's CPU time (time.thread_time), which other
+work on the machine disturbs less. Not a timed test.
 """
 
 from __future__ import annotations
@@ -81,22 +82,29 @@ def step_batch(runner: ModelRunner, rows: int, computed: int, tokens: list[list[
 
 
 @torch.inference_mode()
-def decode_step_ms(model: LlamaForCausalLM, dtype: torch.dtype, rows: int, steps: int) -> float:
+def decode_step_ms(models: dict[tuple[str, str], LlamaForCausalLM], dtype: torch.dtype, rows: int,
+                   steps: int) -> dict[tuple[str, str], float]:
+    """Each model's median decode step, the models' steps taken in turn, so that all see the same load on the
+    machine."""
     blocks_each = -(-(CONTEXT + 1) // BLOCK)
-    runner = ModelRunner(model, rows * blocks_each, BLOCK, dtype, "cpu")
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, SHAPE["vocab_size"], (rows, CONTEXT + 1), generator=gen).tolist()
-    prefill = step_batch(runner, rows, 0, [t[:CONTEXT] for t in tokens])
-    model(prefill.input_ids, prefill.positions, runner.kv_cache, prefill.meta)
-    decode = step_batch(runner, rows, CONTEXT, tokens)  # the same decode step, rewritten in place each time
-    times = []
+    decodes = {}
+    for key, model in models.items():
+        runner = ModelRunner(model, rows * blocks_each, BLOCK, dtype, "cpu")
+        prefill = step_batch(runner, rows, 0, [t[:CONTEXT] for t in tokens])
+        model(prefill.input_ids, prefill.positions, runner.kv_cache, prefill.meta)
+        # the same decode step, rewritten in place each time
+        decodes[key] = (model, runner.kv_cache, step_batch(runner, rows, CONTEXT, tokens))
+    times = {key: [] for key in models}
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     for _ in range(steps + 3):
-        start = clock()
-        hidden = model(decode.input_ids, decode.positions, runner.kv_cache, decode.meta)
-        model.compute_logits(hidden)
-        times.append(clock() - start)
-    return 1000 * statistics.median(times[3:])
+        for key, (model, kv_cache, decode) in decodes.items():
+            start = clock()
+            hidden = model(decode.input_ids, decode.positions, kv_cache, decode.meta)
+            model.compute_logits(hidden)
+            times[key].append(clock() - start)
+    return {key: 1000 * statistics.median(t[3:]) for key, t in times.items()}
 
 
 def main() -> None:
@@ -115,19 +123,22 @@ def main() -> None:
                       moe_intermediate_size=EXPERT_WIDTH, moe_layers=list(range(SHAPE["num_layers"])))
     forms = (("F.linear padded", False, False), ("load_model's choice, experts looped in PyTorch", None, True),
              ("load_model's choice", None, False), ("all on the kernel", True, False))
+    models, weights = {}, {}
     for form, kernel, loop in forms:
-        results, weights = {}, {}
         for name, config in (("dense", dense), ("moe", moe)):
-            model = build(config, dtype, kernel, loop)
+            models[form, name] = build(config, dtype, kernel, loop)
             # Every weight is read each step: at 16 rows x 2 slots over 8 experts, all experts are chosen (7.9
             # expected).
-            weights[name] = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
-            results[name] = decode_step_ms(model, dtype, args.rows, args.steps)
-            print(f"{form}: {name:>5}: decode step at {args.rows} rows {results[name]:.2f} ms ({dtype}), "
+            weights[name] = sum(p.numel() for p in models[form, name].parameters()) - \
+                models[form, name].embed_tokens.weight.numel()
+    print()
+    results = decode_step_ms(models, dtype, args.rows, args.steps)
+    for form, _, _ in forms:
+        for name in ("dense", "moe"):
+            print(f"{form}: {name:>5}: decode step at {args.rows} rows {results[form, name]:.2f} ms ({dtype}), "
                   f"{weights[name] / 1e6:.1f}M weights read", flush=True)
-        print(f"{form}: MoE / dense (same active parameters): {results['moe'] / results['dense']:.2f}x the step "
-              f"time, {weights['moe'] / weights['dense']:.2f}x the weights read (a memory-bound step's floor)")
-
+        print(f"{form}: MoE / dense (same active parameters): {results[form, 'moe'] / results[form, 'dense']:.2f}x "
+              f"the step time, {weights['moe'] / weights['dense']:.2f}x the weights read (a memory-bound step's floor)")
 
 if __name__ == "__main__":
     main()

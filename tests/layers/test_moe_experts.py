@@ -108,3 +108,15 @@ def test_forward_runs_the_one_call_only_where_the_experts_are_laid_out(monkeypat
         assert laid.experts.kernels is not None
         monkeypatch.undo()
         assert plain.experts.kernels is None and torch.equal(plain(x), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_slots_summed_in_one_pass_are_the_pytorch_lines_bits(dtype, k):
+    gen = torch.Generator().manual_seed(k)
+    slots = torch.randn(7, k, HIDDEN, generator=gen) * torch.logspace(-3, 3, HIDDEN)
+    slots[0, 0] = 0.0  # a token's first slot from another rank: zero
+    want = slots[:, 0]
+    for j in range(1, k):
+        want = want + slots[:, j]
+    assert torch.equal(kernels.moe_sum_slots(slots, torch.empty(0, dtype=dtype)), want.to(dtype))

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -24,112 +25,91 @@ namespace {
 #if defined(SERVAL_MOE_FEW_ROWS)
 // An expert's few rows (a decode step gives each a k / experts share of its rows) times its bfloat16 W^T [K, N],
 // with dense_panel_linear's arithmetic, so its bits: each output one float32 FMA chain over k in order from zero,
-// rounded to bfloat16 as its store rounds. What differs is the schedule, measured 1.2-1.6x faster at 1-7 rows
-// (benchmarks/README.md): up to 7 rows in one pass over the weights, 64-128 columns wide (8 to 28 accumulators, so
-// that one row's FMA chains do not wait on each other), walking down k with the rows ahead prefetched, and the
-// bfloat16 weights widened two columns per 32-bit lane by a shift and a mask (no shuffle; the two accumulators
-// interleaved back at the store). float32 weights are memory-bound there already: they keep dense_panel_linear.
+// rounded to bfloat16 as its store rounds. What differs is the schedule, 1.8x faster over a layer's 8 experts at
+// 2-7 rows each (benchmarks/README.md): up to 7 rows in one pass over the weights; 64 or 128 columns at a time
+// (8 to 28 accumulators, so that one row's FMA chains do not wait on each other); 32 weights widened by one shift
+// and one mask (even columns are the low halves shifted up, odd ones the high halves; two accumulators interleaved
+// back at the store), no shuffle; and walking down k, each row of W^T another page that the hardware does not
+// prefetch, the rows 32 ahead prefetched (16 ran 1.2x the time, none 2x). float32 weights gained nothing here
+// (bound by memory already): they keep dense_panel_linear.
 constexpr int64_t kFewRows = 7;
+constexpr int64_t kAhead = 32;
 
-// float32 to bfloat16 bits, as panel_linear.cpp's store_out.
-inline __m256i bf16_of(__m512 v) {
+// float32 to bfloat16 bits, rounding to nearest even and NaN to its quiet NaN, as panel_linear.cpp's store_out.
+inline __m256i bf16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
-inline __mmask16 first16(int64_t c) { return c >= 16 ? 0xFFFF : c <= 0 ? 0 : static_cast<__mmask16>((1u << c) - 1); }
-inline __mmask32 first32(int64_t c) { return c >= 32 ? 0xFFFFFFFFu : c <= 0 ? 0 : static_cast<__mmask32>((1u << c) - 1); }
+inline __mmask16 first16(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1); }
+inline __mmask32 first32(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : n <= 0 ? 0 : static_cast<__mmask32>((1u << n) - 1); }
+inline void store16(float* y, __m512 v, int64_t n) { _mm512_mask_storeu_ps(y, first16(n), v); }
+inline void store16(uint16_t* y, __m512 v, int64_t n) { _mm256_mask_storeu_epi16(y, first16(n), bf16_bits(v)); }
 
-inline void store16(float* y, __m512 v, int64_t c) { _mm512_mask_storeu_ps(y, first16(c), v); }
-inline void store16(uint16_t* y, __m512 v, int64_t c) { _mm256_mask_storeu_epi16(y, first16(c), bf16_of(v)); }
-
-// R rows times V / 2 chunks of 32 columns of W^T [K, N] from column n0, each output one FMA chain over k in order.
-// bf16: a chunk's 32 weights loaded as one vector: even columns are the low halves shifted up, odd the high halves
-// masked (exact), kept in two accumulators and interleaved back at the store.
-template <bool Bf16, int R, int C, bool Tail, typename Out>
-void block(const float* x, int64_t ldx, int64_t K, const uint8_t* w, int64_t N, int64_t n0, Out* y) {
+// R rows of x (float32, row stride K) times C chunks of 32 columns of W^T from column n0 (Tail: the last, past N
+// masked) into y [R, N].
+template <int R, int C, bool Tail, typename Out>
+void column_block(const float* x, int64_t K, const uint16_t* w, int64_t N, int64_t n0, Out* y) {
   __m512 acc[R][2 * C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t es = Bf16 ? 2 : 4, row_bytes = N * es;
-  const uint8_t* p = w + n0 * es;
-  __mmask32 m32[C];
-  __mmask16 m16[2 * C];
-  for (int c = 0; c < C; ++c) m32[c] = first32(N - n0 - 32 * c);
-  for (int c = 0; c < 2 * C; ++c) m16[c] = first16(N - n0 - 16 * c);
-  constexpr int64_t kAhead = 16;  // rows of W^T prefetched ahead: each is another page
-  for (int64_t k = 0; k < K; ++k, p += row_bytes) {
-    if (k + kAhead < K)
-      for (int64_t b = 0; b < C * 32 * es; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * row_bytes + b), _MM_HINT_T0);
-    __m512 wv[2 * C];
+  __mmask32 mask[C];
+  for (int c = 0; c < C; ++c) mask[c] = first32(N - n0 - 32 * c);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint16_t* p = w + n0;
+  for (int64_t k = 0; k < K; ++k, p += N) {
+    // The rows kAhead on, then the next block's first rows (this thread's next block, if it has one).
+    const uint16_t* ahead = k + kAhead < K ? p + kAhead * N : n0 + 32 * C < N ? w + n0 + 32 * C + (k + kAhead - K) * N
+                                                                                 : nullptr;
+    if (ahead)
+      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * c), _MM_HINT_T0);
+    __m512 wk[2 * C];
     for (int c = 0; c < C; ++c) {
-      if constexpr (Bf16) {
-        const __m512i v = Tail ? _mm512_maskz_loadu_epi16(m32[c], p + c * 64) : _mm512_loadu_si512(p + c * 64);
-        wv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        wv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000)));
-      } else {
-        const float* f = reinterpret_cast<const float*>(p) + c * 32;
-        wv[2 * c] = Tail ? _mm512_maskz_loadu_ps(m16[2 * c], f) : _mm512_loadu_ps(f);
-        wv[2 * c + 1] = Tail ? _mm512_maskz_loadu_ps(m16[2 * c + 1], f + 16) : _mm512_loadu_ps(f + 16);
-      }
+      const __m512i v = Tail ? _mm512_maskz_loadu_epi16(mask[c], p + 32 * c) : _mm512_loadu_si512(p + 32 * c);
+      wk[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wk[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wv[c], acc[r][c]);
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wk[c], acc[r][c]);
     }
   }
+  const __m512i low_index = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high_index = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      __m512 lo = acc[r][2 * c], hi = acc[r][2 * c + 1];
-      if constexpr (Bf16) {
-        const __m512i ilo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-        const __m512i ihi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-        const __m512 e = lo, o = hi;
-        lo = _mm512_permutex2var_ps(e, ilo, o);
-        hi = _mm512_permutex2var_ps(e, ihi, o);
-      }
       Out* yr = y + r * N + n0 + 32 * c;
-      store16(yr, lo, N - n0 - 32 * c);
-      store16(yr + 16, hi, N - n0 - 32 * c - 16);
+      const int64_t left = N - n0 - 32 * c;
+      store16(yr, _mm512_permutex2var_ps(acc[r][2 * c], low_index, acc[r][2 * c + 1]), left);
+      store16(yr + 16, _mm512_permutex2var_ps(acc[r][2 * c], high_index, acc[r][2 * c + 1]), left - 16);
     }
 }
 
-template <bool Bf16, int R, int C, typename Out>
-void rows(const float* x, int64_t K, const uint8_t* w, int64_t N, Out* y) {
-  const int64_t width = 32 * C, blocks = (N + width - 1) / width;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * width;
-      if (n0 + width <= N) block<Bf16, R, C, false, Out>(x, K, K, w, N, n0, y);
-      else block<Bf16, R, C, true, Out>(x, K, K, w, N, n0, y);
+template <int R, int C, typename Out>
+void column_blocks(const float* x, int64_t K, const uint16_t* w, int64_t N, Out* y) {
+  const int64_t width = 32 * C;
+  at::parallel_for(0, (N + width - 1) / width, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if ((b + 1) * width <= N) column_block<R, C, false, Out>(x, K, w, N, b * width, y);
+      else column_block<R, C, true, Out>(x, K, w, N, b * width, y);
     }
   });
 }
 
-template <bool Bf16, typename Out>
-void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, Out* y) {
-  for (int64_t r0 = 0; r0 < M;) {
-    const int64_t left = M - r0;
-    const int R = left > 7 ? 4 : static_cast<int>(left);
-    const float* xr = x + r0 * K;
-    Out* yr = y + r0 * N;
-    switch (R) {
-      case 7: rows<Bf16, 7, 2>(xr, K, w, N, yr); break;
-      case 6: rows<Bf16, 6, 2>(xr, K, w, N, yr); break;
-      case 5: rows<Bf16, 5, 2>(xr, K, w, N, yr); break;
-      case 4: rows<Bf16, 4, 2>(xr, K, w, N, yr); break;
-      case 3: rows<Bf16, 3, 4>(xr, K, w, N, yr); break;
-      case 2: rows<Bf16, 2, 4>(xr, K, w, N, yr); break;
-      default: rows<Bf16, 1, 4>(xr, K, w, N, yr); break;
-    }
-    r0 += R;
-  }
-}
+// x [M, K] float32 (M <= kFewRows) times W^T [K, N] bfloat16 into y [M, N].
 template <typename Out>
-void few_rows_linear(const float* x, int64_t M, int64_t K, const at::Tensor& weight_t, Out* y) {
-  gemm<true, Out>(x, M, K, static_cast<const uint8_t*>(weight_t.data_ptr()), weight_t.size(1), y);
+void few_rows_linear(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, Out* y) {
+  switch (M) {
+    case 7: return column_blocks<7, 2, Out>(x, K, w, N, y);
+    case 6: return column_blocks<6, 2, Out>(x, K, w, N, y);
+    case 5: return column_blocks<5, 2, Out>(x, K, w, N, y);
+    case 4: return column_blocks<4, 2, Out>(x, K, w, N, y);
+    case 3: return column_blocks<3, 4, Out>(x, K, w, N, y);
+    case 2: return column_blocks<2, 4, Out>(x, K, w, N, y);
+    default: return column_blocks<1, 4, Out>(x, K, w, N, y);
+  }
 }
 #endif
 
@@ -146,11 +126,12 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight_t) {
     } else {
       std::memcpy(rows.data(), x.data_ptr<float>(), M * K * sizeof(float));
     }
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(weight_t.data_ptr<at::BFloat16>());
     at::Tensor y = at::empty({M, N}, x.options());
     if (x.scalar_type() == at::kBFloat16)
-      few_rows_linear(rows.data(), M, K, weight_t, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+      few_rows_linear(rows.data(), M, K, w, N, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
     else
-      few_rows_linear(rows.data(), M, K, weight_t, y.data_ptr<float>());
+      few_rows_linear(rows.data(), M, K, w, N, y.data_ptr<float>());
     return y;
   }
 #endif
@@ -223,4 +204,29 @@ at::Tensor moe_expert_slots(const at::Tensor& x, const at::Tensor& ids, const at
       weighted_rows(y.data_ptr<float>(), rows_order, wc.data_ptr<float>(), n, H, slots.data_ptr<float>());
   }
   return slots;
+}
+
+// slots [T, k, H] float32 summed over k in slot order (each token's sum alone: the same bits whichever expert or
+// rank filled each slot), rounded once to like's dtype: the PyTorch lines' slots[:, 0] + slots[:, 1] + ... then
+// .to(dtype), in one pass.
+at::Tensor moe_sum_slots(const at::Tensor& slots, const at::Tensor& like) {
+  TORCH_CHECK(slots.dim() == 3 && slots.scalar_type() == at::kFloat && slots.size(1) > 0, "slots: [T, k, H] float32");
+  TORCH_CHECK(like.scalar_type() == at::kBFloat16 || like.scalar_type() == at::kFloat, "like: bfloat16 or float32");
+  const at::Tensor sc = slots.contiguous();
+  const int64_t T = sc.size(0), k = sc.size(1), H = sc.size(2);
+  at::Tensor out = at::empty({T, H}, like.options());
+  const float* s = sc.data_ptr<float>();
+  auto run = [&](auto* o) {
+    using Out = std::remove_pointer_t<decltype(o)>;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* v = s + t * k * H + h;
+        float total = v[0];
+        for (int64_t j = 1; j < k; ++j) total += v[j * H];
+        o[t * H + h] = static_cast<Out>(total);
+      }
+  };
+  if (like.scalar_type() == at::kBFloat16) run(out.data_ptr<at::BFloat16>());
+  else run(out.data_ptr<float>());
+  return out;
 }
