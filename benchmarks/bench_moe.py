@@ -6,15 +6,15 @@ Both models are the Llama decoder with random weights, built from a ModelConfig 
 8 query / 2 KV heads, vocabulary 8192. The MoE model's MLPs are 8 experts of width 768 with 2 chosen per token
 (layers/moe.py); the dense model's MLP is 2 x 768 = 1536 wide, so that a token meets the same number of weights in
 both. Each step decodes ``--rows`` requests that already hold 64 tokens of context (so attention is the same in
-both); the step time is the median over ``--steps`` steps, every model's steps taken in turn (so that all see the
-same load on the machine). What the MoE step pays beyond the dense one: the router, grouping the (token, slot) pairs
-by expert, one matmul per expert over its few rows, and reading 8 experts' weights instead of one MLP's once the
-batch covers them all. Four weight forms, A/B in one process: F.linear with each matmul padded to its probed row
-count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32 matrices on the
-CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX), with the experts in the PyTorch loop over
-experts (layers/moe.py ``grouped_slots``) and in one C++ call (csrc/moe_experts.cpp, what load_model's model runs);
-every matrix on the kernel. With ``--threads 1`` the time is this thread's CPU time (time.thread_time), which other
-work on the machine disturbs less. Not a timed test.
+both); the step time is the median over ``--steps`` steps, the dense and MoE models' steps taken in turn (so that
+both see the same load on the machine). What the MoE step pays beyond the dense one: the router, grouping the
+(token, slot) pairs by expert, one matmul per expert over its few rows, and reading 8 experts' weights instead of one
+MLP's once the batch covers them all. Four weight forms, A/B in one process: F.linear with each matmul padded to
+its probed row count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32
+matrices on the CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX), with the experts in the
+PyTorch loop over experts (layers/moe.py ``grouped_slots``) and in one C++ call (csrc/moe_experts.cpp, what
+load_model's model runs); every matrix on the kernel. With ``--threads 1`` the time is this thread's CPU time
+(time.thread_time), which other work on the machine disturbs less. Not a timed test.
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ def step_batch(runner: ModelRunner, rows: int, computed: int, tokens: list[list[
 
 
 @torch.inference_mode()
-def decode_step_ms(models: dict[tuple[str, str], LlamaForCausalLM], dtype: torch.dtype, rows: int,
-                   steps: int) -> dict[tuple[str, str], float]:
+def decode_step_ms(models: dict[str, LlamaForCausalLM], dtype: torch.dtype, rows: int, steps: int) -> dict[str, float]:
     """Each model's median decode step, the models' steps taken in turn, so that all see the same load on the
     machine."""
     blocks_each = -(-(CONTEXT + 1) // BLOCK)
@@ -123,22 +122,20 @@ def main() -> None:
                       moe_intermediate_size=EXPERT_WIDTH, moe_layers=list(range(SHAPE["num_layers"])))
     forms = (("F.linear padded", False, False), ("load_model's choice, experts looped in PyTorch", None, True),
              ("load_model's choice", None, False), ("all on the kernel", True, False))
-    models, weights = {}, {}
     for form, kernel, loop in forms:
+        models, weights = {}, {}
         for name, config in (("dense", dense), ("moe", moe)):
-            models[form, name] = build(config, dtype, kernel, loop)
+            models[name] = build(config, dtype, kernel, loop)
             # Every weight is read each step: at 16 rows x 2 slots over 8 experts, all experts are chosen (7.9
             # expected).
-            weights[name] = sum(p.numel() for p in models[form, name].parameters()) - \
-                models[form, name].embed_tokens.weight.numel()
-    print()
-    results = decode_step_ms(models, dtype, args.rows, args.steps)
-    for form, _, _ in forms:
-        for name in ("dense", "moe"):
-            print(f"{form}: {name:>5}: decode step at {args.rows} rows {results[form, name]:.2f} ms ({dtype}), "
+            weights[name] = sum(p.numel() for p in models[name].parameters()) - models[name].embed_tokens.weight.numel()
+        print()
+        results = decode_step_ms(models, dtype, args.rows, args.steps)
+        for name in models:
+            print(f"{form}: {name:>5}: decode step at {args.rows} rows {results[name]:.2f} ms ({dtype}), "
                   f"{weights[name] / 1e6:.1f}M weights read", flush=True)
-        print(f"{form}: MoE / dense (same active parameters): {results[form, 'moe'] / results[form, 'dense']:.2f}x "
-              f"the step time, {weights['moe'] / weights['dense']:.2f}x the weights read (a memory-bound step's floor)")
+        print(f"{form}: MoE / dense (same active parameters): {results['moe'] / results['dense']:.2f}x the step "
+              f"time, {weights['moe'] / weights['dense']:.2f}x the weights read (a memory-bound step's floor)")
 
 if __name__ == "__main__":
     main()
