@@ -30,8 +30,8 @@ namespace {
 // (8 to 28 accumulators, so that one row's FMA chains do not wait on each other); 32 weights widened by one shift
 // and one mask (even columns are the low halves shifted up, odd ones the high halves; two accumulators interleaved
 // back at the store), no shuffle; and walking down k, each row of W^T another page that the hardware does not
-// prefetch, the rows 32 ahead prefetched (16 ran 1.2x the time, none 2x). float32 weights gained nothing here
-// (bound by memory already): they keep dense_panel_linear.
+// prefetch, the rows 32 ahead prefetched (16 ran 1.1-1.3x the time, none 2.4x, 48-128 no faster). float32 weights
+// gained nothing here (bound by memory already): they keep dense_panel_linear.
 constexpr int64_t kFewRows = 7;
 constexpr int64_t kAhead = 32;
 
