@@ -6,13 +6,15 @@ Both models are the Llama decoder with random weights, built from a ModelConfig 
 8 query / 2 KV heads, vocabulary 8192. The MoE model's MLPs are 8 experts of width 768 with 2 chosen per token
 (layers/moe.py); the dense model's MLP is 2 x 768 = 1536 wide, so that a token meets the same number of weights in
 both. Each step decodes ``--rows`` requests that already hold 64 tokens of context (so attention is the same in
-both); the step time is the median over ``--steps`` steps. What the MoE step pays beyond the dense one: the router,
-sorting the (token, slot) pairs, one matmul per expert over its few rows, and reading 8 experts' weights instead of
-one MLP's once the batch covers them all. Three weight forms, A/B in one process: F.linear with each matmul padded
-to its probed row count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32
-matrices on the CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX); every matrix on the
-kernel. With ``--threads 1`` the time is this thread's CPU time (time.thread_time), which
-other work on the machine disturbs less. Not a timed test.
+both); the step time is the median over ``--steps`` steps, the dense and MoE models' steps taken in turn (so that
+both see the same load on the machine). What the MoE step pays beyond the dense one: the router, grouping the
+(token, slot) pairs by expert, one matmul per expert over its few rows, and reading 8 experts' weights instead of one
+MLP's once the batch covers them all. Four weight forms, A/B in one process: F.linear with each matmul padded to
+its probed row count; load_model's choice (layers/linear.py ``lay_out_for_cpu_kernels``: the experts and float32
+matrices on the CPU kernel, with no padding, bfloat16 Linears too unless oneDNN has AMX), with the experts in the
+PyTorch loop over experts (layers/moe.py ``grouped_slots``) and in one C++ call (csrc/moe_experts.cpp, what
+load_model's model runs); every matrix on the kernel. With ``--threads 1`` the time is this thread's CPU time
+(time.thread_time), which other work on the machine disturbs less. Not a timed test.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from serval.engine.request import Request  # noqa: E402
 from serval.engine.runner import ModelRunner  # noqa: E402
 from serval.engine.scheduler import SchedulerOutput  # noqa: E402
 from serval.layers.linear import lay_out_for_cpu_kernels, probe_row_padding  # noqa: E402
+from serval.layers.moe import Experts  # noqa: E402
 from serval.model.llama import LlamaForCausalLM  # noqa: E402
 from serval.platform_info import describe_hardware  # noqa: E402
 from serval.sampling_params import SamplingParams  # noqa: E402
@@ -42,9 +45,9 @@ SHAPE = dict(vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv
 EXPERTS, TOP_K, EXPERT_WIDTH, CONTEXT, BLOCK = 8, 2, 768, 64, 16
 
 
-def build(config: ModelConfig, dtype: torch.dtype, kernel: bool | None) -> LlamaForCausalLM:
+def build(config: ModelConfig, dtype: torch.dtype, kernel: bool | None, loop: bool = False) -> LlamaForCausalLM:
     """``kernel``: False, F.linear padded; None, load_model's choice (lay_out_for_cpu_kernels); True, every matrix on
-    the kernel."""
+    the kernel. ``loop``: the experts in layers/moe.py's PyTorch loop, not csrc/moe_experts.cpp's one call."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -59,6 +62,9 @@ def build(config: ModelConfig, dtype: torch.dtype, kernel: bool | None) -> Llama
     laid = 0 if kernel is False else lay_out_for_cpu_kernels(model, bfloat16_linears=kernel)
     print(f"{laid} weights laid out for the CPU kernel", end="; ")
     probe_row_padding(model, dtype)
+    for module in model.modules():
+        if loop and isinstance(module, Experts):
+            module.kernels = None  # SparseMoE then takes grouped_slots
     return model
 
 
@@ -76,22 +82,28 @@ def step_batch(runner: ModelRunner, rows: int, computed: int, tokens: list[list[
 
 
 @torch.inference_mode()
-def decode_step_ms(model: LlamaForCausalLM, dtype: torch.dtype, rows: int, steps: int) -> float:
+def decode_step_ms(models: dict[str, LlamaForCausalLM], dtype: torch.dtype, rows: int, steps: int) -> dict[str, float]:
+    """Each model's median decode step, the models' steps taken in turn, so that all see the same load on the
+    machine."""
     blocks_each = -(-(CONTEXT + 1) // BLOCK)
-    runner = ModelRunner(model, rows * blocks_each, BLOCK, dtype, "cpu")
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, SHAPE["vocab_size"], (rows, CONTEXT + 1), generator=gen).tolist()
-    prefill = step_batch(runner, rows, 0, [t[:CONTEXT] for t in tokens])
-    model(prefill.input_ids, prefill.positions, runner.kv_cache, prefill.meta)
-    decode = step_batch(runner, rows, CONTEXT, tokens)  # the same decode step, rewritten in place each time
-    times = []
+    decodes = {}
+    for key, model in models.items():
+        runner = ModelRunner(model, rows * blocks_each, BLOCK, dtype, "cpu")
+        prefill = step_batch(runner, rows, 0, [t[:CONTEXT] for t in tokens])
+        model(prefill.input_ids, prefill.positions, runner.kv_cache, prefill.meta)
+        # the same decode step, rewritten in place each time
+        decodes[key] = (model, runner.kv_cache, step_batch(runner, rows, CONTEXT, tokens))
+    times = {key: [] for key in models}
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     for _ in range(steps + 3):
-        start = clock()
-        hidden = model(decode.input_ids, decode.positions, runner.kv_cache, decode.meta)
-        model.compute_logits(hidden)
-        times.append(clock() - start)
-    return 1000 * statistics.median(times[3:])
+        for key, (model, kv_cache, decode) in decodes.items():
+            start = clock()
+            hidden = model(decode.input_ids, decode.positions, kv_cache, decode.meta)
+            model.compute_logits(hidden)
+            times[key].append(clock() - start)
+    return {key: 1000 * statistics.median(t[3:]) for key, t in times.items()}
 
 
 def main() -> None:
@@ -108,19 +120,22 @@ def main() -> None:
     dense = ModelConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH)
     moe = ModelConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_WIDTH, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                       moe_intermediate_size=EXPERT_WIDTH, moe_layers=list(range(SHAPE["num_layers"])))
-    for form, kernel in (("F.linear padded", False), ("load_model's choice", None), ("all on the kernel", True)):
-        results, weights = {}, {}
+    forms = (("F.linear padded", False, False), ("load_model's choice, experts looped in PyTorch", None, True),
+             ("load_model's choice", None, False), ("all on the kernel", True, False))
+    for form, kernel, loop in forms:
+        models, weights = {}, {}
         for name, config in (("dense", dense), ("moe", moe)):
-            model = build(config, dtype, kernel)
+            models[name] = build(config, dtype, kernel, loop)
             # Every weight is read each step: at 16 rows x 2 slots over 8 experts, all experts are chosen (7.9
             # expected).
-            weights[name] = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
-            results[name] = decode_step_ms(model, dtype, args.rows, args.steps)
+            weights[name] = sum(p.numel() for p in models[name].parameters()) - models[name].embed_tokens.weight.numel()
+        print()
+        results = decode_step_ms(models, dtype, args.rows, args.steps)
+        for name in models:
             print(f"{form}: {name:>5}: decode step at {args.rows} rows {results[name]:.2f} ms ({dtype}), "
                   f"{weights[name] / 1e6:.1f}M weights read", flush=True)
         print(f"{form}: MoE / dense (same active parameters): {results['moe'] / results['dense']:.2f}x the step "
               f"time, {weights['moe'] / weights['dense']:.2f}x the weights read (a memory-bound step's floor)")
-
 
 if __name__ == "__main__":
     main()

@@ -5,8 +5,10 @@ The experts are computed grouped: the (token, slot) pairs are sorted by expert i
 rows routed to it in one matmul (a loop over experts, never over tokens). Greedy output must not change with batch
 composition, so each row's result may not depend on which other rows share its expert's matmul: where the CPU
 kernels run, the experts' weights are laid out for their dense linear (layers/linear.py ``lay_out_for_cpu_kernels``),
-which computes each row alone, so an expert multiplies exactly its routed rows; elsewhere the expert matmuls are
-padded to the row count probed for their weight shape (layers/linear.py ``row_padding``), as every Linear is.
+which computes each row alone, so an expert multiplies exactly its routed rows, and the grouping and every expert
+run in one C++ call (csrc/moe_experts.cpp: the loop's bits, without its dozen small aten calls a layer and several
+per expert); elsewhere the expert matmuls are padded to the row count probed for their weight shape
+(layers/linear.py ``row_padding``), as every Linear is.
 The k weighted outputs of a token are then written to its own slots, never accumulated into a shared buffer, and
 added in slot order: the sum is the same whichever expert (and, under expert parallelism, whichever rank) computed
 each slot.
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serval.layers.activation import silu_and_mul
-from serval.layers.linear import Linear, dense_kernels, dense_matmul, padded_matmul, row_padding
+from serval.layers.linear import DENSE_KERNEL_DTYPES, Linear, dense_kernels, dense_matmul, padded_matmul, row_padding
 
 
 class Experts(nn.Module):
@@ -37,6 +39,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(count, hidden_size, intermediate_size), requires_grad=False)
         self.min_rows: tuple[int, int] | None = None  # (gate_up, down) row paddings, probed on first use
+        # The CPU kernels where both stacks are laid out for them: then SparseMoE runs all experts in one call of
+        # theirs (csrc/moe_experts.cpp); found with min_rows
+        self.kernels = None
 
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``index``'s output for the rows x [n, hidden]."""
@@ -54,7 +59,9 @@ class Experts(nn.Module):
         """The row paddings of the two matmuls' shapes: 1 where the CPU kernel multiplies them (each row alone),
         else probed with the keys of a dense Linear of the same shape: the matmul is the same F.linear on a
         contiguous [out, in] weight."""
-        if all(dense_kernels(w[0]) is not None for w in (self.gate_up_proj, self.down_proj)):
+        kernels = [dense_kernels(w[0]) for w in (self.gate_up_proj, self.down_proj)]
+        self.kernels = kernels[0] if None not in kernels and dtype in DENSE_KERNEL_DTYPES else None
+        if None not in kernels:
             self.min_rows = (1, 1)
             return
         device = self.gate_up_proj.device
@@ -92,13 +99,36 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, k = x.shape[0], self.top_k
         weights, ids = self.route(x)
+        if self.experts.min_rows is None:
+            self.experts.probe_row_padding(x.dtype)
+        if (kernels := self.experts.kernels) is not None:
+            # One C++ call for the grouping and every expert (csrc/moe_experts.cpp): the same bits as the loop below
+            # (tests/layers/test_moe_experts.py).
+            slots = kernels.moe_expert_slots(x, ids, weights, self.experts.gate_up_proj.transpose(1, 2),
+                                             self.experts.down_proj.transpose(1, 2), self.first_expert)
+        else:
+            slots = self.grouped_slots(x, weights, ids)
+        if self.group is not None:
+            slots = self.group.all_reduce(slots)
+        slots = slots.view(tokens, k, -1)
+        if kernels is not None:
+            return kernels.moe_sum_slots(slots, x)  # the lines below in one pass, the same bits
+        total = slots[:, 0]
+        for j in range(1, k):  # in slot order, elementwise: each row's sum alone
+            total = total + slots[:, j]
+        return total.to(x.dtype)
+
+    def grouped_slots(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weighted outputs [T * k, hidden] float32 of this rank's experts per slot (zero for other ranks'), in
+        PyTorch: a loop over the experts."""
+        k = self.top_k
         flat = ids.flatten()  # slot s = token * k + j holds the token's j-th expert
         order = torch.argsort(flat, stable=True)  # the slots grouped by expert, in token order within each
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one device sync a layer
         # Gathered once in expert order, so that each expert's rows (and their weights) are a slice: no gather or
         # scatter per expert.
         rows, row_weights = x[order // k], weights.flatten()[order, None]
-        outputs = torch.zeros(tokens * k, x.shape[1], dtype=torch.float32, device=x.device)
+        outputs = torch.zeros(len(flat), x.shape[1], dtype=torch.float32, device=x.device)
         start = sum(counts[: self.first_expert])
         for expert in range(self.first_expert, self.end_expert):
             end = start + counts[expert]
@@ -108,10 +138,4 @@ class SparseMoE(nn.Module):
             start = end
         slots = torch.empty_like(outputs)
         slots[order] = outputs  # back to token order (slots of other ranks' experts stay zero)
-        if self.group is not None:
-            slots = self.group.all_reduce(slots)
-        slots = slots.view(tokens, k, -1)
-        total = slots[:, 0]
-        for j in range(1, k):  # in slot order, elementwise: each row's sum alone
-            total = total + slots[:, j]
-        return total.to(x.dtype)
+        return slots

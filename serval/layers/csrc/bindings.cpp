@@ -27,6 +27,9 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x, int64_t lanes);
 at::Tensor argmax_rows(const at::Tensor& x);
 void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul_v16(const at::Tensor& x);
+at::Tensor moe_expert_slots(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                            const at::Tensor& gate_up_t, const at::Tensor& down_t, int64_t first_expert);
+at::Tensor moe_sum_slots(const at::Tensor& slots, const at::Tensor& like);
 
 // Every kernel lets go of the GIL while it runs, as PyTorch's own ops do: the server's event loop thread keeps
 // serving HTTP while the engine thread is inside a kernel.
@@ -51,5 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("lanes"), py::arg("residual") = py::none(),
         py::arg("next_weight") = py::none(), no_gil());
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up for x = [gate | up]", no_gil());
+  m.def("moe_expert_slots", &moe_expert_slots, "a MoE layer's experts over their routed rows, weighted, per slot",
+        no_gil());
+  m.def("moe_sum_slots", &moe_sum_slots, "a MoE layer's k slots a token summed in slot order, in x's dtype", no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (float32)", no_gil());
 }
