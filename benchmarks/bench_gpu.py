@@ -199,6 +199,8 @@ def phase_offline(run: Run, deadline: float, engines: list) -> None:
     run.results["engine"] = {"load_s": time.perf_counter() - start, "dtype": engine.config.dtype,
                              "model_path": str(engine.model_path), "max_num_seqs": scheduler.max_num_seqs,
                              "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+                             "num_scheduler_steps": scheduler.num_scheduler_steps,
+                             "async_output_processing": scheduler.async_output_processing,
                              "kv_blocks": engine.core.info.num_blocks, "block_size": engine.config.cache.block_size}
     run.progress(f"offline: engine loaded in {run.results['engine']['load_s']:.1f} s ({run.results['engine']})")
     serval_generate(run, engine, prompts_for(1), 8, deadline, "warmup")
@@ -230,7 +232,7 @@ def phase_ngram(run: Run, deadline: float, weights: tuple | None) -> None:
 # -- the decode-step profile ----------------------------------------------------------------------------------------
 def decode_ready(run: Run, engine, streams: int, deadline: float) -> list[str]:
     """Adds ``streams`` requests and steps until every one has its first token: from then on a step is decodes only."""
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=PROFILE_MAX_TOKENS, ignore_eos=True)
     ids = [f"profile{streams}-{i}" for i in range(streams)]
     for request_id, prompt in zip(ids, prompts_for(streams)):
         engine.add_request(request_id, prompt, params)
@@ -241,49 +243,62 @@ def decode_ready(run: Run, engine, streams: int, deadline: float) -> list[str]:
     return ids
 
 
+# The profiled requests' length: room for the warm-up step and two windows of steps of up to 8 forwards each.
+PROFILE_MAX_TOKENS = 160
+PROFILE_WINDOW_STEPS = 3
+
+
 def profile_step(run: Run, engine, streams: int, deadline: float) -> dict:
+    """Decode steps in steady state: a window of PROFILE_WINDOW_STEPS engine steps back to back timed alone, then
+    the next such window under the profiler (a step overlaps the host work of the one before, so one step timed
+    between two synchronizations would count that overlap as idle). Figures are per engine step; a step runs
+    ``forwards_per_step`` forwards (multi-step decoding)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = engine.config.device
     on_gpu = device.startswith("cuda")
     ids = decode_ready(run, engine, streams, deadline)
+    stats = engine.stats
     try:
-        walls = []
-        for _ in range(4):  # the first warms the bucket up; the others time an unprofiled step
-            synchronize(device)
-            start = time.perf_counter()
+        engine.step()  # warms the bucket up
+        synchronize(device)
+        start, tokens = time.perf_counter(), stats.num_scheduled_tokens
+        for _ in range(PROFILE_WINDOW_STEPS):
             engine.step()
-            synchronize(device)
-            walls.append(time.perf_counter() - start)
-        step_s = sorted(walls[1:])[1]  # the median of three
+        synchronize(device)
+        step_s = (time.perf_counter() - start) / PROFILE_WINDOW_STEPS
+        forwards = (stats.num_scheduled_tokens - tokens) / PROFILE_WINDOW_STEPS / streams
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         with profile(activities=activities) as prof:
             start = time.perf_counter()
-            engine.step()
+            for _ in range(PROFILE_WINDOW_STEPS):
+                engine.step()
             synchronize(device)
-            profiled_s = time.perf_counter() - start
+            profiled_s = (time.perf_counter() - start) / PROFILE_WINDOW_STEPS
         running = sum(1 for i in ids if engine.outputs.groups.get(i) is not None)
     finally:
         drain(engine, ids)
-    summary = {"streams": streams, "running_in_step": running, "profiled_step_ms": 1000 * profiled_s}
-    return {**summary, **summarize_step(prof.events(), step_s, on_gpu)}
+    summary = {"streams": streams, "running_in_step": running, "profiled_step_ms": 1000 * profiled_s,
+               "forwards_per_step": forwards}
+    return {**summary, **summarize_step(prof.events(), step_s, on_gpu, PROFILE_WINDOW_STEPS)}
 
 
-def summarize_step(events, step_s: float, on_gpu: bool) -> dict:
-    """One profiled step's profiler events as figures: the operators dispatched (aten's and any registered with
-    torch, nested ones included; Serval's pybind11 CPU kernels are not among them) and the top host events by self
-    CPU time; on a GPU also the kernels and copies it ran, the host's launch calls, and the GPU-busy share: the
-    device time summed over kernels and copies, over the wall time ``step_s`` of an unprofiled step."""
+def summarize_step(events, step_s: float, on_gpu: bool, num_steps: int = 1) -> dict:
+    """The profiler events of ``num_steps`` steps as figures per step: the operators dispatched (aten's and any
+    registered with torch, nested ones included; Serval's pybind11 CPU kernels are not among them) and the top host
+    events by self CPU time; on a GPU also the kernels and copies it ran, the host's launch calls, and the GPU-busy
+    share: the device time summed over kernels and copies, over the wall time ``step_s`` of an unprofiled step."""
     host = [e for e in events if e.device_type == DeviceType.CPU]
-    summary = {"step_ms": 1000 * step_s, "ops": sum("::" in e.name for e in host),
+    summary = {"step_ms": 1000 * step_s, "ops": sum("::" in e.name for e in host) / num_steps,
                "top_ops": top_by_time(host, lambda e: e.self_cpu_time_total)}
     if on_gpu:
         device_events = [e for e in events if e.device_type == DeviceType.CUDA]
         kernels = [e for e in device_events if not e.name.startswith(("Memcpy", "Memset"))]
-        busy_us = sum(e.time_range.elapsed_us() for e in device_events)
+        busy_us = sum(e.time_range.elapsed_us() for e in device_events) / num_steps
         launches = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith(LAUNCH_CALLS)]
-        summary.update(kernels=len(kernels), copies=len(device_events) - len(kernels), launch_calls=len(launches),
-                       device_busy_ms=busy_us / 1000, gpu_busy=busy_us / 1e6 / step_s,
+        summary.update(kernels=len(kernels) / num_steps, copies=(len(device_events) - len(kernels)) / num_steps,
+                       launch_calls=len(launches) / num_steps, device_busy_ms=busy_us / 1000,
+                       gpu_busy=busy_us / 1e6 / step_s,
                        top_kernels=top_by_time(device_events, lambda e: e.time_range.elapsed_us()))
     return summary
 
@@ -450,7 +465,8 @@ def format_report(run: Run) -> str:
     engine = r.get("engine")
     if engine:
         lines += [f"Serval engine: max_num_seqs {engine['max_num_seqs']}, token budget "
-                  f"{engine['max_num_batched_tokens']}, {engine['kv_blocks']} KV blocks of {engine['block_size']} "
+                  f"{engine['max_num_batched_tokens']}, up to {engine.get('num_scheduler_steps', 1)} forwards a "
+                  f"decode step, async output processing {engine.get('async_output_processing')}, {engine['kv_blocks']} KV blocks of {engine['block_size']} "
                   f"tokens, loaded in {engine['load_s']:.1f} s; engine args: {' '.join(args.engine_arg) or 'none'}", ""]
     streams = args.streams
     lines += ["## Offline throughput (output tokens/s)", "", "| engine | " + " | ".join(map(str, streams)) + " |",
@@ -467,16 +483,17 @@ def format_report(run: Run) -> str:
         dists = [" / ".join(_num(s[k][f"p{q}"]) for q in (50, 90, 99)) for k in ("ttft_ms", "tpot_ms", "itl_ms")]
         lines.append(f"| {streams_key} | {s['num_requests']} | {_num(s['output_throughput'])} | " + " | ".join(dists)
                      + " |")
-    lines += ["", "## One decode step (torch.profiler)", ""]
+    lines += ["", "## Decode steps (torch.profiler, per engine step in steady state)", ""]
     for streams_key, p in r.get("profile", {}).items():
         if "gpu_busy" in p:
             busy = (f"GPU busy {100 * p['gpu_busy']:.1f}% ({_num(p['device_busy_ms'], 2)} ms of device time), "
-                    f"{p['kernels']} kernels + {p['copies']} copies a step from {p['launch_calls']} launch calls")
+                    f"{p['kernels']:.0f} kernels + {p['copies']:.0f} copies a step from {p['launch_calls']:.0f} "
+                    "launch calls")
         else:
             busy = "GPU busy n/a (CPU run)"
         lines.append(f"- profile, {streams_key} streams: step {_num(p['step_ms'], 2)} ms "
-                     f"({_num(p['profiled_step_ms'], 2)} ms under the profiler), {busy}, "
-                     f"{p['ops']} operators dispatched")
+                     f"({_num(p['profiled_step_ms'], 2)} ms under the profiler) of "
+                     f"{_num(p.get('forwards_per_step', 1.0))} forwards, {busy}, {p['ops']:.0f} operators dispatched")
         for title, key in (("top kernels", "top_kernels"), ("top host events (self CPU)", "top_ops")):
             if key in p:
                 lines.append(f"  - {title}: " + "; ".join(f"`{t['name'][:80]}` {_num(t['total_us'] / 1000, 3)} ms "

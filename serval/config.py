@@ -221,6 +221,8 @@ def default_token_budget() -> int:
 CPU_MAX_NUM_SEQS = 64
 CUDA_MAX_NUM_SEQS = 256
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+# Forwards a greedy decode step runs in a row on CUDA (SchedulerConfig.num_scheduler_steps): TODO measured.
+CUDA_NUM_SCHEDULER_STEPS = 8
 
 
 @dataclass
@@ -245,13 +247,20 @@ class SchedulerConfig(DeviceDefaults):
     async_output_processing: bool | None = field(default=None, metadata=flag(
         "the offline engine detokenizes a step's tokens while the device computes the next step (default: on for "
         "CUDA, off on CPU)"))
+    # Multi-step decoding: a step of greedy decodes only runs up to this many forwards in a row on the device, each
+    # one's tokens the next one's inputs, before the host reads the tokens and schedules again. The host's work
+    # (scheduling, stop checks, outputs) is paid once per run instead of once per token, which is what a GPU waits
+    # on with a small model; tokens then reach a stream in runs of up to this many. None: the device's default.
+    num_scheduler_steps: int | None = field(default=None, metadata=flag(
+        "a step of greedy decodes runs up to this many forwards in a row on the device before the host schedules "
+        f"again (default: {CUDA_NUM_SCHEDULER_STEPS} on CUDA, 1 on CPU)"))
 
     def device_defaults(self, kind: str) -> dict[str, Any]:
         if kind == "cuda":
             return {"max_num_batched_tokens": CUDA_MAX_NUM_BATCHED_TOKENS, "max_num_seqs": CUDA_MAX_NUM_SEQS,
-                    "async_output_processing": True}
+                    "async_output_processing": True, "num_scheduler_steps": CUDA_NUM_SCHEDULER_STEPS}
         return {"max_num_batched_tokens": default_token_budget(), "max_num_seqs": CPU_MAX_NUM_SEQS,
-                "async_output_processing": False}
+                "async_output_processing": False, "num_scheduler_steps": 1}
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -263,6 +272,9 @@ class SchedulerConfig(DeviceDefaults):
                              f"got {self.max_num_batched_tokens!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError("SchedulerConfig.num_scheduler_steps (--num-scheduler-steps) must be a positive integer, "
+                             f"got {self.num_scheduler_steps!r}")
 
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8")

@@ -60,7 +60,8 @@ def make_llm(smollm):
              num_speculative_tokens: int = 4, speculative_max_batch_size: int = 4, session_ttl: float = 600.0,
              session_cache_fraction: float = 0.5, kv_offload_size: float = 0.0, kv_offload_path: str | None = None,
              preemption_mode: str = "auto", kv_cache_dtype: str = "auto",
-             activation_quantization: str = "none", async_output_processing: bool | None = None) -> LLM:
+             activation_quantization: str = "none", async_output_processing: bool | None = None,
+             num_scheduler_steps: int | None = None) -> LLM:
         model, tokenizer = smollm(dtype, quantization)
         config = EngineConfig(
             dtype=dtype, quantization=quantization, max_model_len=max_model_len, context_policy=context_policy,
@@ -71,7 +72,8 @@ def make_llm(smollm):
                               kv_offload_path=kv_offload_path, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
-                                      async_output_processing=async_output_processing),
+                                      async_output_processing=async_output_processing,
+                                      num_scheduler_steps=num_scheduler_steps),
             speculative=SpeculativeConfig(method=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                           max_batch_size=speculative_max_batch_size),
         )

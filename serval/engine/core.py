@@ -181,6 +181,8 @@ class EngineCore:
         self.info = EngineCoreInfo(str(model_path), max_model_len, model_config.vocab_size, num_blocks, 0.0,
                                    self.kv_transfer.address if self.kv_transfer is not None else None)
         self.proposer = self._make_proposer(config)
+        if self.runner.draft is not None or self.group is not None:  # they follow the forwards one at a time
+            self.scheduler.max_decode_steps = 1
         self.stats.spec_accepted_per_position = [0] * config.speculative.num_speculative_tokens
         self.structured = None  # StructuredOutputManager, once a front end sets it up (setup_structured_outputs)
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar compiles: not scheduled yet
@@ -441,7 +443,8 @@ class EngineCore:
         try:
             forward_start = time.perf_counter()
             result = self.runner.execute(scheduled, grammar_bitmasks, while_device_runs)
-            if scheduled.total_num_scheduled_tokens >= PROMPT_CHUNK_TIMING_TOKENS:  # what a recompute would cost
+            if scheduled.total_num_scheduled_tokens >= PROMPT_CHUNK_TIMING_TOKENS \
+                    and scheduled.num_decode_steps == 1:  # what a recompute would cost
                 costs = self.scheduler.costs
                 costs.compute_per_token = costs.average(
                     costs.compute_per_token,

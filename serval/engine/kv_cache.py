@@ -185,10 +185,12 @@ class KVCacheManager:
         if computed.offloaded:
             self.offload.stats.hit_tokens += len(computed.offloaded) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None,
+                       may_end_sessions: bool = True) -> bool:
         """Makes room for ``num_new_tokens`` more tokens of KV after the request's computed tokens and the cached
         prefix ``computed`` it takes (at admission), and queues the loads of what the second tier holds of it (the
-        prefix's offloaded blocks, or a swapped-out request's own). False (nothing changed) when blocks run out."""
+        prefix's offloaded blocks, or a swapped-out request's own). False (nothing changed) when blocks run out
+        (``may_end_sessions`` False: when the free blocks alone are too few, kept conversations stay)."""
         if computed is None and not request.swapped_slots and -(
                 -(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(request.block_ids):
             return True  # a running request's tokens fit its blocks (most decodes): the general path would agree
@@ -200,7 +202,8 @@ class KVCacheManager:
             reclaimed = sum(1 for b in computed.device if self.pool.blocks[b].ref_count == 0)
             if needed <= self.pool.num_free_blocks - reclaimed:
                 break
-            if not self._give_up_session(keep=request.session_id):  # sessions yield before requests do
+            # Kept conversations yield before running requests do.
+            if not may_end_sessions or not self._give_up_session(keep=request.session_id):
                 return False
         first_new = len(request.block_ids) + len(computed.device)
         if computed.device:

@@ -109,6 +109,9 @@ class ModelRunner:
         grammar_bitmasks = grammar_bitmasks or {}
         result = ModelRunnerOutput()
         self._while_device_runs = while_device_runs
+        if out.num_decode_steps > 1:
+            self._decode_in_a_row(out, result)
+            return result
         steps = [inputs for inputs in map(self.prepare_inputs, self._micro_batches(out)) if inputs is not None]
         if not steps:
             return result
@@ -186,6 +189,30 @@ class ModelRunner:
                 result.logprobs[request.request_id] = logprobs[first: first + len(kept)]
             first += len(guesses) + 1
 
+    def _decode_in_a_row(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Multi-step decoding (``out.num_decode_steps`` forwards of greedy decodes only): each forward's argmax tokens
+        are the next one's inputs without leaving the device, and the host reads them all once, at the end. Each
+        forward is the plain decode step of the same rows (its bucket's graph, or eager), so the tokens are the ones
+        as many steps would give."""
+        requests = out.scheduled
+        starts = [r.num_computed_tokens for r in requests]
+        token_ids = self._tensor([_last_token(r) for r in requests])
+        start_positions = self._tensor(starts)
+        sampled = []
+        for step in range(out.num_decode_steps):
+            seqs = [ScheduledSequence(r.block_ids, start + step, 1) for r, start in zip(requests, starts)]
+            positions = start_positions + step
+            if self.decode_graphs is not None and self.decode_graphs.accepts(seqs):
+                hidden = self.decode_graphs.run(seqs, token_ids, positions)
+            else:
+                meta = self.attention_backend.build_metadata(seqs)
+                hidden = self.model(token_ids, positions, self.kv_cache, meta)
+            token_ids = greedy_token_tensor(self.model.compute_logits(hidden))
+            sampled.append(token_ids)
+        self._host_work_while_device_runs()  # the forwards are all queued: a GPU computes them meanwhile
+        for request, tokens in zip(requests, torch.stack(sampled, dim=1).tolist()):
+            result.sampled_token_ids[request.request_id] = tokens
+
     def _host_work_while_device_runs(self) -> None:
         work, self._while_device_runs = self._while_device_runs, None
         if work is not None:
@@ -257,7 +284,7 @@ class ModelRunner:
         if not requests or not all(counts[r.request_id] == 1 and r.num_computed_tokens + 1 == r.num_tokens
                                    and r.max_tokens > 0 for r in requests):
             return None
-        input_ids = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in requests]
+        input_ids = [_last_token(r) for r in requests]
         positions = [r.num_computed_tokens for r in requests]
         inputs = StepInputs(seqs=[ScheduledSequence(r.block_ids, p, 1) for r, p in zip(requests, positions)],
                             rows={r.request_id: i for i, r in enumerate(requests)}, sampling_requests=list(requests),
@@ -325,3 +352,8 @@ class ModelRunner:
 
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+
+def _last_token(request: Request) -> int:
+    """A decoding request's input: its last token, whose KV is not computed yet."""
+    return request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]

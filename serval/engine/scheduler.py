@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from serval.config import SchedulerConfig
 from serval.engine.kv_cache import ComputedBlocks, KVCacheManager
 from serval.engine.request import Request, RequestStatus
+from serval.layers.sampler import takes_argmax_only
 
 
 @dataclass
@@ -30,6 +31,9 @@ class SchedulerOutput:
     # Prompt KV fetched from a prefill worker, to copy into these blocks before the forward: (blocks as rows of a
     # byte tensor, block ids).
     kv_loads: list[tuple[object, list[int]]] = field(default_factory=list)
+    # Multi-step decoding (SchedulerConfig.num_scheduler_steps): a step of greedy decodes only that runs this many
+    # forwards in a row, each one's tokens the next one's inputs; every request's num_scheduled_tokens is this.
+    num_decode_steps: int = 1
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -64,6 +68,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions that swapped the request's KV out instead of dropping it
         self.costs = PreemptionCosts()
+        # Forwards a decode-only step may run in a row: the config's, or 1 where the core's runner cannot (a draft
+        # model mirrors each forward, model-parallel ranks follow each one).
+        self.max_decode_steps = config.num_scheduler_steps
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -158,7 +165,30 @@ class Scheduler:
             out.scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+        if self.max_decode_steps > 1 and not out.preempted:
+            self._decode_in_a_row(out)
         return out
+
+    def _decode_in_a_row(self, out: SchedulerOutput) -> None:
+        """Makes a step of greedy decodes only (every request past its prompt, with no guesses, no grammar and
+        nothing but an argmax to sample) run several forwards in a row, as many as every request still may take
+        tokens and has KV room for without preempting anyone; otherwise leaves the step as it is. A request that
+        stops inside the run has its tokens after the stop dropped (update_from_output), like rejected guesses."""
+        counts = out.num_scheduled_tokens
+        if not out.scheduled or out.spec_token_ids or out.kv_loads:
+            return
+        for request in out.scheduled:
+            if counts[request.request_id] != 1 or request.num_computed_tokens + 1 != request.num_tokens \
+                    or request.max_tokens == 0 or not _samples_by_argmax(request):
+                return
+        steps = min(self.max_decode_steps, self.config.max_num_batched_tokens // len(out.scheduled),
+                    *(r.max_tokens - len(r.output_token_ids) for r in out.scheduled))
+        if steps < 2 or not all(self.kv_cache.allocate_slots(r, steps, may_end_sessions=False)
+                                for r in out.scheduled):
+            return  # room taken for some requests stays with them: their next steps' slots
+        out.num_decode_steps = steps
+        for request in out.scheduled:
+            counts[request.request_id] = steps
 
     def _num_remote_tokens(self, request: Request, hit_blocks: ComputedBlocks, num_hit_tokens: int) -> int:
         """Prompt tokens past the prefix cache's hit whose KV a fetch from a prefill worker brought (0: none, or
@@ -197,7 +227,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             tokens = sampled.get(request.request_id) or [] if request.max_tokens > 0 else []  # 0: scores the prompt
             guesses = out.spec_token_ids.get(request.request_id, ())
-            rejected = len(guesses) - (len(tokens) - 1) if tokens else len(guesses)
+            rejected = len(guesses) - (len(tokens) - 1) if tokens and guesses else len(guesses)
             request.spec_token_ids = []
             status = None
             for token in tokens:  # accepted guesses are computed tokens: appended before the blocks are hashed
@@ -272,3 +302,11 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(request)
+
+
+def _samples_by_argmax(request: Request) -> bool:
+    """Whether the request's next tokens are each its logits' argmax and nothing else: greedy, past min_tokens (no id
+    blocked), under no grammar; such tokens can be fed back on the device without the host looking at them."""
+    params = request.sampling_params
+    return takes_argmax_only(params) and len(request.output_token_ids) >= params.min_tokens \
+        and params.structured_outputs is None

@@ -69,7 +69,7 @@ def test_bench_gpu_runs_every_phase_and_reports_every_figure(tiny_dir, tmp_path)
     assert "[bench_gpu" in proc.stderr and "server: healthy" in proc.stderr  # progress goes to stderr
 
     # The machine: no GPU here, the CPU kind from platform_info, torch and the commit.
-    for section in ("## Machine", "## Offline throughput", "## Server", "## One decode step", "## Errors"):
+    for section in ("## Machine", "## Offline throughput", "## Server", "## Decode steps", "## Errors"):
         assert section in report
     assert "- GPU: cpu" in report
     assert re.search(r"- CPU: .*capability \w+, native bf16: (yes|no)", report)

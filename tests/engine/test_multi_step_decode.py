@@ -1,0 +1,189 @@
+"""Multi-step decoding (SchedulerConfig.num_scheduler_steps, CUDA's default): a step of greedy decodes only runs
+several forwards in a row, each one's argmax tokens the next one's inputs on the device. Every request's tokens and
+finish are the one-step engine's, with the padded decode buckets and without, beside prefills, sampled rows,
+preemption and prefix-cache hits; a stop inside a run drops what follows it and every KV block comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from serval import SamplingParams
+from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.model.loader import load_model
+
+PROMPTS = [list(range(10, 10 + n)) for n in (5, 17, 30, 9, 12)]
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_llama(seed=5).save_pretrained(path, safe_serialization=True)
+    return path, load_model(path, torch.float32)
+
+
+def _core(tiny, steps: int, num_blocks: int = 64, budget: int = 512, **config) -> tuple[EngineCore, list]:
+    """An engine core on the tiny model, and a list that gets each step's (forwards in a row, request ids)."""
+    path, model = tiny
+    core = EngineCore(EngineConfig(dtype="float32", max_model_len=128, speculative=SpeculativeConfig(method=None),
+                                   cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+                                   scheduler=SchedulerConfig(num_scheduler_steps=steps, max_num_batched_tokens=budget),
+                                   **config), path, model)
+    plans, execute = [], core.runner.execute
+
+    def recording(out, *args, **kwargs):
+        plans.append((out.num_decode_steps, sorted(r.request_id for r in out.scheduled)))
+        return execute(out, *args, **kwargs)
+
+    core.runner.execute = recording
+    return core, plans
+
+
+def _run(core: EngineCore, requests: list[tuple[list[int], SamplingParams]], late: int = 0) -> dict[str, tuple]:
+    """Each request's tokens and finish reason; the last ``late`` requests are added after the third step."""
+    def add(i):
+        prompt, params = requests[i]
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, params, [EOS], params.max_tokens))
+
+    for i in range(len(requests) - late):
+        add(i)
+    outputs: dict[str, tuple[list[int], list]] = {}
+    step = 0
+    while core.has_unfinished_requests():
+        step += 1
+        if step == 3:
+            for i in range(len(requests) - late, len(requests)):
+                add(i)
+        for out in core.step().outputs:
+            assert out.error is None, out.error
+            tokens, finish = outputs.setdefault(out.request_id, ([], []))
+            tokens += out.new_token_ids
+            finish.append(out.finish_reason)
+    pool = core.kv_cache.pool
+    assert pool.num_owned_blocks() == 0 and pool.num_free_blocks == core.kv_cache.num_blocks
+    return {rid: (tokens, [f for f in finish if f is not None]) for rid, (tokens, finish) in outputs.items()}
+
+
+def _greedy(max_tokens: int, **params) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **params)
+
+
+# Greedy rows of several lengths (none a multiple of the run), one that stops on its first eos-like stop id, one
+# that ignores eos: runs end early for some and are cut to what the others may still take.
+GREEDY = [(PROMPTS[0], _greedy(13)), (PROMPTS[1], _greedy(7, ignore_eos=True)), (PROMPTS[2], _greedy(21)),
+          (PROMPTS[3], _greedy(10, stop_token_ids=[])), (PROMPTS[4], _greedy(17, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("pad_decode_on_cpu", [False, True])
+def test_greedy_requests_get_the_one_step_engines_tokens_in_runs_of_forwards(tiny, pad_decode_on_cpu):
+    """Requests added at the start and after the third step (their prefills break the runs): the same tokens and
+    finish reasons as one forward a step, in fewer steps, with runs of 4 forwards and shorter ones at the ends."""
+    one, one_plans = _core(tiny, 1, pad_decode_on_cpu=pad_decode_on_cpu)
+    expected = _run(one, GREEDY, late=2)
+    multi, plans = _core(tiny, 4, pad_decode_on_cpu=pad_decode_on_cpu)
+    assert _run(multi, GREEDY, late=2) == expected
+    runs = [steps for steps, _ in plans]
+    assert {steps for steps, _ in one_plans} == {1}
+    assert 4 in runs and any(1 < steps < 4 for steps in runs)  # a run cut to the tokens its requests may take
+    assert len(plans) < len(one_plans)
+    assert all(len(tokens) == params.max_tokens for (tokens, _), (_, params) in zip(expected.values(), GREEDY)
+               if params.ignore_eos)
+
+
+def test_a_stop_inside_a_run_drops_the_tokens_after_it(tiny):
+    """A stop token met in the middle of a run ends the request there: its output is the one-step engine's, which
+    ends with that token, and the run's later tokens are dropped."""
+    one, _ = _core(tiny, 1)
+    free = _run(one, [(PROMPTS[2], _greedy(20, ignore_eos=True))])["r0"][0]
+    stop = free[5]  # the sixth token: inside the second run of 4
+    requests = [(PROMPTS[2], _greedy(20, stop_token_ids=[stop], ignore_eos=True))]
+    expected = _run(_core(tiny, 1)[0], requests)
+    multi, plans = _core(tiny, 4)
+    got = _run(multi, requests)
+    assert got == expected
+    assert got["r0"][0] == free[:free.index(stop) + 1] and got["r0"][1] == ["stop"]
+    assert [steps for steps, _ in plans] == [1, 4, 4][:len(plans)]
+
+
+def test_a_sampled_row_runs_its_batch_one_forward_a_step(tiny):
+    """Beside a seeded sampled row the batch takes one forward a step while that row runs (its draws are the
+    host's); the greedy rows keep their tokens and the sampled row its draws."""
+    sampled = (PROMPTS[1], SamplingParams(temperature=0.8, seed=11, max_tokens=8, ignore_eos=True))
+    requests = GREEDY + [sampled]
+    expected = _run(_core(tiny, 1)[0], requests)
+    multi, plans = _core(tiny, 4)
+    assert _run(multi, requests) == expected
+    sampled_id = f"r{len(GREEDY)}"
+    assert all(steps == 1 for steps, ids in plans if sampled_id in ids)
+    assert any(steps > 1 for steps, ids in plans)  # once it ended
+
+
+def test_the_token_budget_bounds_a_runs_forwards(tiny):
+    """A run's tokens (forwards times rows) stay within max_num_batched_tokens: a budget of 12 gives 5 rows runs of 2,
+    4 rows runs of 3, and so on."""
+    requests = [(prompt, _greedy(9, ignore_eos=True)) for prompt in PROMPTS]
+    expected = _run(_core(tiny, 1, budget=64)[0], requests)
+    multi, plans = _core(tiny, 8, budget=12)
+    assert _run(multi, requests) == expected
+    assert all(steps * len(ids) <= 12 for steps, ids in plans if steps > 1)
+    assert any(steps > 1 for steps, _ in plans)
+
+
+def test_preemption_and_prefix_hits_keep_the_tokens(tiny):
+    """With too few blocks for every request a run cannot always take its slots: it falls back to one forward (no
+    preemption for a run), requests are preempted and recomputed as usual, and a second round of the same prompts
+    hits the prefix cache; every request's tokens are the one-step engine's."""
+    requests = [(prompt, _greedy(24, ignore_eos=True)) for prompt in PROMPTS]
+    one, _ = _core(tiny, 1, num_blocks=12)
+    expected = _run(one, requests)
+    assert one.scheduler.num_preemptions > 0
+    multi, plans = _core(tiny, 4, num_blocks=12)
+    assert _run(multi, requests) == expected
+    assert multi.scheduler.num_preemptions > 0 and any(steps > 1 for steps, _ in plans)
+    hits = multi.snapshot().prefix_cache_hit_tokens
+    assert _run(multi, requests) == expected
+    assert multi.snapshot().prefix_cache_hit_tokens > hits
+
+
+def test_the_device_chooses_the_default():
+    config = SchedulerConfig()
+    assert config.num_scheduler_steps == 1
+    config.use_device_defaults("cuda")
+    assert config.num_scheduler_steps > 1
+    assert SchedulerConfig(num_scheduler_steps=3).num_scheduler_steps == 3
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        SchedulerConfig(num_scheduler_steps=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_output_processing", [False, True])
+def test_the_embedded_model_finishes_every_request_as_one_step_a_token_does(make_llm, async_output_processing):
+    """The embedded model in bf16 with n-gram speculation (the CPU's defaults) and async output processing off and
+    on (CUDA's): greedy requests that end on eos, on a stop string the front end finds inside a run, on max_tokens,
+    beside a seeded sampled one, give the one-step engine's final text, tokens and finish."""
+    prompts = ["The capital city of Korea is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "A list of fruits: apple, banana,", "The three primary colors are"]
+    one = make_llm(dtype="bfloat16", num_scheduler_steps=1)
+    probe = one.generate(prompts[1], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    stop = probe.outputs[0].text[20:23]
+    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=11), SamplingParams(temperature=0, max_tokens=25, min_tokens=9),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=6)]
+
+    def finals(llm):
+        return [(c.text, c.token_ids, c.finish_reason, c.stop_reason)
+                for out in llm.generate(prompts, params, use_tqdm=False) for c in out.outputs]
+
+    one_steps = one.engine.stats.num_steps
+    expected = finals(one)
+    one_steps = one.engine.stats.num_steps - one_steps
+    assert expected[1][2:] == ("stop", stop)
+    multi = make_llm(dtype="bfloat16", num_scheduler_steps=4, async_output_processing=async_output_processing)
+    steps_before = multi.engine.stats.num_steps
+    assert finals(multi) == expected
+    pool = multi.engine.kv_cache.pool
+    assert pool.num_owned_blocks() == 0
+    assert multi.engine.stats.num_steps - steps_before < one_steps  # runs of forwards did happen
