@@ -180,6 +180,21 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(new_text[len(prefix_text) :])
 
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append several output tokens (a step's run of them); return the text ``add`` gives them one by one, from
+        one decode of the window instead of two per token. A run whose text ends in a split character goes one by
+        one, so that what comes out before that character is not held back with it."""
+        if len(token_ids) == 1:
+            return self.add(token_ids[0])
+        prefix_text = self._prefix()
+        window = self._window + list(token_ids)
+        new_text = self._decode(window)
+        if new_text.endswith("\ufffd") or len(new_text) < len(prefix_text):
+            return "".join(self.add(token_id) for token_id in token_ids)
+        self.token_ids.extend(token_ids)
+        self._window = window
+        return self._emit(new_text[len(prefix_text):])
+
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character comes out as U+FFFD); call once at the end."""
         if self._read == len(self._window):

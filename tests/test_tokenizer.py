@@ -194,3 +194,28 @@ def test_a_directory_without_a_chat_template_says_so_in_the_log(tok: Tokenizer, 
     assert hf_dir.render_chat(QUESTION) == ("<|im_start|>user\nWhat is the capital city of Korea?<|im_end|>\n"
                                            "<|im_start|>assistant\n")
     assert hf_dir.encode("Seoul") == tok.encode("Seoul")
+
+
+def test_runs_of_tokens_give_the_text_of_one_by_one_at_every_run_end(tok: Tokenizer) -> None:
+    """add_tokens (a multi-step decode's run of tokens at once) gives, after every run, the text that add gives one
+    token at a time, for runs of random lengths over text with multi-byte characters split across tokens, special
+    tokens and a prompt's context; and the same final text."""
+    import random
+
+    text = f"Seoul ({KOREAN}) is lovely {EMOJI}\n\tnew line  two spaces. The end!"
+    ids = tok.encode(text, add_special_tokens=False)
+    ids = ids[:10] + [2] + ids[10:]  # <|im_end|>, skipped
+    prompt = tok.encode("Tell me about Seoul:")
+    rng = random.Random(0)
+    for _ in range(40):
+        one_by_one = IncrementalDetokenizer(tok, prompt)
+        runs = IncrementalDetokenizer(tok, prompt)
+        at = 0
+        while at < len(ids):
+            run = ids[at: at + rng.randint(1, 9)]
+            at += len(run)
+            for token_id in run:
+                one_by_one.add(token_id)
+            runs.add_tokens(run)
+            assert runs.text == one_by_one.text and runs.token_ids == one_by_one.token_ids
+        assert runs.text + runs.flush() == one_by_one.text + one_by_one.flush() == tok.decode(ids)

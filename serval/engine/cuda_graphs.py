@@ -16,6 +16,11 @@ something on their first call (a linear's row padding) synchronize, which a capt
 memory pool. Anywhere else the same code runs the persistent buffers eagerly (no capture), which is how the CPU suite
 covers the padding. The graph ends at the hidden states; logits and sampling run after it, on the first B rows.
 
+Multi-step decoding (SchedulerConfig.num_scheduler_steps) runs a bucket's greedy forward instead: the forward, the
+logits, their argmax, and the next forward's inputs written in place (each real row's token at its next position; the
+attention backend moves the metadata on, ``advance_decodes``), captured as a second graph per bucket. The host then
+launches one graph a forward and builds nothing in between; the rows compute what ``run`` and the argmax give.
+
 Steps this does not take run eagerly as before: prefill chunks, guesses, batches over the largest bucket, a model
 split over ranks (runner.group) and a draft model's steps.
 """
@@ -30,6 +35,7 @@ import torch
 
 from serval.layers.attention import AttentionBackend, AttentionMetadata, ScheduledSequence
 from serval.layers.linear import largest_row_padding
+from serval.layers.sampler import greedy_token_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,11 @@ class DecodeGraphs:
         self._meta: dict[int, AttentionMetadata] = {}  # each bucket's persistent metadata
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._hidden: dict[int, torch.Tensor] = {}  # each graph's output: [bucket, hidden] states
+        # Multi-step decoding: each bucket's greedy forward (run_greedy), its output tokens [bucket], and which rows
+        # move on after a forward (1: a real row, 0: padding).
+        self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._tokens: dict[int, torch.Tensor] = {}
+        self.step = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         if buckets.capture and device.type == "cuda":
             self.capture()
 
@@ -95,6 +106,59 @@ class DecodeGraphs:
         """The hidden states [len(seqs), hidden] of a decode step (``accepts(seqs)``; its token ids and positions
         [len(seqs)], on any device), computed over its bucket: the real rows first, padding rows after them."""
         size, num_rows = self.bucket(len(seqs)), len(seqs)
+        meta, graph = self._load(seqs, input_ids, positions, self._graphs)
+        if graph is None:
+            hidden = self._forward(size, meta)
+        else:
+            graph.replay()
+            hidden = self._hidden[size]
+        return hidden[:num_rows]
+
+    @property
+    def runs_greedy(self) -> bool:
+        """Whether ``run_greedy`` can move its forwards' inputs on without the host (the backend advances them)."""
+        return self.backend.advances_decodes
+
+    @torch.inference_mode()
+    def run_greedy(self, seqs: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,
+                   num_steps: int) -> torch.Tensor:
+        """Multi-step decoding of greedy rows: ``num_steps`` forwards of ``seqs`` (``accepts(seqs)``), each one's
+        argmax tokens and next positions written into the persistent inputs on the device (on CUDA all of it one
+        graph replay a forward). Returns the tokens [num_steps, len(seqs)]. Each forward computes its real rows as
+        ``run`` does, followed by the logits and argmax the runner takes after ``run``."""
+        size, num_rows = self.bucket(len(seqs)), len(seqs)
+        meta, graph = self._load(seqs, input_ids, positions, self._greedy_graphs)
+        self.step[:num_rows].fill_(1)  # padding rows stay at token 0, position 0
+        self.step[num_rows:size].zero_()
+        tokens = []
+        for _ in range(num_steps):
+            if graph is None:
+                step_tokens = self._greedy_forward(size, meta)
+            else:
+                graph.replay()
+                step_tokens = self._tokens[size]
+            tokens.append(step_tokens[:num_rows].clone())  # a replay overwrites the graph's output
+        return torch.stack(tokens)
+
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
+
+    def _greedy_forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        """One forward of the bucket's rows and its argmax tokens; then each real row's next inputs: that token at
+        the next position (the metadata moved on by the backend)."""
+        hidden = self._forward(size, meta)
+        tokens = greedy_token_tensor(self.model.compute_logits(hidden))
+        step = self.step[:size]
+        self.input_ids[:size].copy_(tokens * step)
+        self.positions[:size].add_(step)
+        self.backend.advance_decodes(meta, step)
+        return tokens
+
+    def _load(self, seqs: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,
+              graphs: dict[int, torch.cuda.CUDAGraph]) -> tuple[AttentionMetadata, torch.cuda.CUDAGraph | None]:
+        """Writes a step's token ids, positions and metadata into its bucket's persistent inputs. Returns the
+        metadata to run with and the bucket's graph among ``graphs`` (None: run eagerly)."""
+        size, num_rows = self.bucket(len(seqs)), len(seqs)
         self.input_ids[:num_rows].copy_(input_ids)
         self.positions[:num_rows].copy_(positions)
         self.input_ids[num_rows:size].zero_()  # padding rows: token 0 at position 0
@@ -105,44 +169,50 @@ class DecodeGraphs:
             meta = persistent = self._meta[size] = self.backend.build_metadata(padded, self.table_width)
         else:  # tables as wide as this step's widest (building max-width ones costs ms a step at 64 rows)
             meta = self.backend.build_metadata(padded)
-        graph = self._graphs.get(size)
+        graph = graphs.get(size)
         if graph is not None and _plain_fields(meta) != _plain_fields(persistent):
             # A value the graph baked in at capture (an int, a list) differs: this step runs eagerly, on its own.
             logger.warning("decode bucket %d: metadata fields other than tensors changed since the capture; "
                            "running the step eagerly", size)
-            return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)[:num_rows]
+            return meta, None
         if persistent is not meta:
             _copy_metadata(meta, persistent, size)
-        if graph is None:
-            hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, persistent)
-        else:
-            graph.replay()
-            hidden = self._hidden[size]
-        return hidden[:num_rows]
+        return persistent, graph
 
     def capture(self) -> None:
-        """Records each bucket's forward, the largest first (the smaller ones reuse its pool's memory), over padding
-        rows only, after one eager run of it."""
+        """Records each bucket's forward, and (where the backend moves the inputs on) its greedy forward, the
+        largest bucket first (the smaller ones reuse its pool's memory), over padding rows only, after one eager run
+        of each."""
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for size in reversed(self.buckets):
                 zeros = torch.zeros(size, dtype=torch.long)
                 self.run([self.padding_row] * size, zeros, zeros)  # the warm-up: probes, lazy state
+                if self.runs_greedy:
+                    self.run_greedy([self.padding_row] * size, zeros, zeros, 1)
+                    self.step.zero_()
                 torch.cuda.synchronize(self.kv_cache.device)
-                graph = torch.cuda.CUDAGraph()
+                meta = self._meta[size]
                 try:
-                    with torch.cuda.graph(graph, pool=pool):
-                        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache,
-                                            self._meta[size])
+                    self._graphs[size], self._hidden[size] = self._record(pool, self._forward, size, meta)
+                    if self.runs_greedy:
+                        self._greedy_graphs[size], self._tokens[size] = self._record(
+                            pool, self._greedy_forward, size, meta)
                 except RuntimeError as exc:  # a layer that synchronizes each call (e.g. a MoE's routing counts)
                     logger.warning("decode steps run eagerly: capturing the model in a CUDA graph failed (%s)", exc)
-                    self._graphs.clear()
-                    self._hidden.clear()
+                    for graphs in (self._graphs, self._hidden, self._greedy_graphs, self._tokens):
+                        graphs.clear()
                     return
-                self._graphs[size] = graph
-                self._hidden[size] = hidden
         torch.cuda.synchronize(self.kv_cache.device)
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        logger.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets,
+                    " (and their greedy forwards)" if self._greedy_graphs else "")
+
+    @staticmethod
+    def _record(pool, forward, size: int, meta: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = forward(size, meta)
+        return graph, output
 
     @property
     def captured(self) -> list[int]:

@@ -245,9 +245,9 @@ class OutputProcessor:
         if out.new_token_ids and group.first_token_time is None:
             group.first_token_time = time.monotonic()
         previous_len = len(sample.text)
-        for token_id in out.new_token_ids:
-            sample.token_ids.append(token_id)
-            sample.text += sample.detokenizer.add(token_id)
+        if out.new_token_ids:
+            sample.token_ids.extend(out.new_token_ids)
+            sample.text += sample.detokenizer.add_tokens(out.new_token_ids)
         if sample.logprobs is not None and out.new_logprobs:
             sample.logprobs.extend(out.new_logprobs)
         stops = sample.params.stop

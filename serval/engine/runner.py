@@ -198,12 +198,20 @@ class ModelRunner:
         starts = [r.num_computed_tokens for r in requests]
         token_ids = self._tensor([_last_token(r) for r in requests])
         start_positions = self._tensor(starts)
+        seqs = [ScheduledSequence(r.block_ids, start, 1) for r, start in zip(requests, starts)]
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.runs_greedy and graphs.accepts(seqs):  # the inputs move on on the device
+            tokens = graphs.run_greedy(seqs, token_ids, start_positions, out.num_decode_steps)
+            self._host_work_while_device_runs()
+            for request, row in zip(requests, tokens.t().tolist()):
+                result.sampled_token_ids[request.request_id] = row
+            return
         sampled = []
         for step in range(out.num_decode_steps):
             seqs = [ScheduledSequence(r.block_ids, start + step, 1) for r, start in zip(requests, starts)]
             positions = start_positions + step
-            if self.decode_graphs is not None and self.decode_graphs.accepts(seqs):
-                hidden = self.decode_graphs.run(seqs, token_ids, positions)
+            if graphs is not None and graphs.accepts(seqs):
+                hidden = graphs.run(seqs, token_ids, positions)
             else:
                 meta = self.attention_backend.build_metadata(seqs)
                 hidden = self.model(token_ids, positions, self.kv_cache, meta)

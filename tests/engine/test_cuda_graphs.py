@@ -306,6 +306,39 @@ def test_graph_replay_equals_eager_for_every_bucket():
     core.shutdown()
 
 
+@pytest.mark.gpu
+@requires_model
+@needs_cuda
+@torch.inference_mode()
+def test_greedy_graph_replays_equal_one_step_at_a_time_for_every_bucket():
+    """Multi-step decoding's greedy graphs: 3 replayed forwards of each bucket (full and half full) give the tokens of
+    the same forwards run eagerly on the persistent inputs, and of 3 plain decode steps, each fed the last one's
+    argmax at the next position."""
+    core = _cuda_core()
+    runner, graphs = core.runner, core.runner.decode_graphs
+    assert graphs.runs_greedy and sorted(graphs._greedy_graphs) == graphs.captured
+    pad_block = runner.kv_cache.shape[2] - 1
+    uncaptured = DecodeGraphs(runner.model, runner.kv_cache, runner.attention_backend,
+                              DecodeBuckets(64, 1024, capture=False), pad_block)
+    gen = torch.Generator().manual_seed(1)
+    for bucket in graphs.buckets:
+        for num_rows in sorted({bucket, max(1, bucket // 2 + 1)}):
+            seqs = [ScheduledSequence(list(range(i * 6, i * 6 + 6)), int(p), 1)
+                    for i, p in enumerate(torch.randint(0, 90, (num_rows,), generator=gen))]
+            ids = torch.randint(0, 49152, (num_rows,), generator=gen)
+            positions = torch.tensor([s.num_computed_tokens for s in seqs])
+            replayed = graphs.run_greedy(seqs, ids, positions, 3).cpu()
+            assert torch.equal(replayed, uncaptured.run_greedy(seqs, ids, positions, 3).cpu()), (bucket, num_rows)
+            tokens, stepped = ids, []
+            for step in range(3):
+                step_seqs = [ScheduledSequence(s.block_ids, s.num_computed_tokens + step, 1) for s in seqs]
+                hidden = graphs.run(step_seqs, tokens, positions + step)
+                tokens = runner.model.compute_logits(hidden).float().argmax(-1)
+                stepped.append(tokens.cpu())
+            assert torch.equal(replayed, torch.stack(stepped)), (bucket, num_rows)
+    core.shutdown()
+
+
 def _eager_step(runner: ModelRunner, seqs: list[ScheduledSequence], ids: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
     return runner.model(ids.cuda(), positions.cuda(), runner.kv_cache, runner.attention_backend.build_metadata(seqs))

@@ -12,6 +12,9 @@ from tiny_models import tiny_llama
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.layers import cpu_kernels
+from serval.layers.attention import ScheduledSequence
+from serval.layers.attention.cpu_kernel import CpuKernelBackend
 from serval.model.loader import load_model
 
 PROMPTS = [list(range(10, 10 + n)) for n in (5, 17, 30, 9, 12)]
@@ -84,7 +87,12 @@ def test_greedy_requests_get_the_one_step_engines_tokens_in_runs_of_forwards(tin
     one, one_plans = _core(tiny, 1, pad_decode_on_cpu=pad_decode_on_cpu)
     expected = _run(one, GREEDY, late=2)
     multi, plans = _core(tiny, 4, pad_decode_on_cpu=pad_decode_on_cpu)
+    graphs, greedy_runs = multi.runner.decode_graphs, []
+    if pad_decode_on_cpu:  # the padded buckets move the inputs on themselves (CUDA's way, uncaptured)
+        run_greedy = graphs.run_greedy
+        graphs.run_greedy = lambda *args: greedy_runs.append(args[-1]) or run_greedy(*args)
     assert _run(multi, GREEDY, late=2) == expected
+    assert (4 in greedy_runs) == pad_decode_on_cpu
     runs = [steps for steps, _ in plans]
     assert {steps for steps, _ in one_plans} == {1}
     assert 4 in runs and any(1 < steps < 4 for steps in runs)  # a run cut to the tokens its requests may take
@@ -187,3 +195,31 @@ def test_the_embedded_model_finishes_every_request_as_one_step_a_token_does(make
     pool = multi.engine.kv_cache.pool
     assert pool.num_owned_blocks() == 0
     assert multi.engine.stats.num_steps - steps_before < one_steps  # runs of forwards did happen
+
+
+def _backends():
+    backends = [CpuKernelBackend("cpu", torch.float32, 4, cpu_kernels.for_device(torch.device("cpu")))]
+    try:
+        from serval.layers.attention.triton_paged import TritonPagedBackend
+    except ImportError:  # no triton: the CUDA path's backend is not here either
+        return backends
+    return backends + [TritonPagedBackend("cpu", torch.float32, 4)]
+
+
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: type(b).__name__)
+def test_a_backend_moves_decode_metadata_on_as_a_new_build_gives_it(backend):
+    """advance_decodes, twice, on a padded decode batch's metadata (tables 6 blocks wide) equals build_metadata at
+    the positions two on, for the rows that move (a row crossing into its next block among them); the padding row
+    stays where it was."""
+    blocks = [[7, 3, 9], [2], [5, 6, 1, 8], [11]]  # the last one: a padding row on block 11 at position 0
+    starts = [6, 1, 11, 0]
+    step = torch.tensor([1, 1, 1, 0])
+    meta = backend.build_metadata([ScheduledSequence(b, p, 1) for b, p in zip(blocks, starts)], 6)
+    for _ in range(2):
+        backend.advance_decodes(meta, step)
+    moved = [p + 2 * int(s) for p, s in zip(starts, step)]
+    expected = backend.build_metadata([ScheduledSequence(b, p, 1) for b, p in zip(blocks, moved)], 6)
+    for name, value in vars(expected).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(getattr(meta, name), value), name
+    assert meta.slot_mapping.tolist() == [9 * 4 + 0, 2 * 4 + 3, 8 * 4 + 1, 11 * 4 + 0]

@@ -78,6 +78,24 @@ class AttentionBackend(ABC):
         (k and v are the same new keys, for a backend that reads them directly); with ``softcap``, each scaled score
         s becomes softcap * tanh(s / softcap) before the softmax."""
 
+    # Whether ``advance_decodes`` moves a decode-only batch's metadata on in place (multi-step decoding without a
+    # host-built metadata per forward); a backend that says False has every forward's metadata built.
+    advances_decodes: bool = False
+
+    def advance_decodes(self, meta: AttentionMetadata, step: torch.Tensor) -> None:
+        """Moves the metadata of a batch of one-token decodes one position on, in place and on the device, for the
+        rows where ``step`` [S] (int64) is 1 (0: the row stays, e.g. a padding row): what build_metadata gives for
+        the next positions, the block tables already holding the blocks of those positions."""
+        raise NotImplementedError(f"{type(self).__name__} builds every forward's metadata")
+
+    @staticmethod
+    def _slots(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int
+               ) -> torch.Tensor:
+        """The flat cache slots of tokens at ``positions`` in the sequences ``rows`` of ``block_tables``, on the
+        device (int64)."""
+        positions = positions.long()
+        return block_tables[rows.long(), positions // block_size].long() * block_size + positions % block_size
+
     def slot_mapping(self, seqs: list[ScheduledSequence]) -> torch.Tensor:
         """[T] the flat cache slot of each new token of ``seqs``."""
         bs = self.block_size

@@ -44,6 +44,13 @@ class CpuKernelBackend(AttentionBackend):
             token_table=self._tensor([row for row, s in enumerate(seqs) for _ in range(s.num_new_tokens)]),
             context_lens=self._tensor(positions) + 1)
 
+    advances_decodes = True
+
+    def advance_decodes(self, meta: CpuKernelMetadata, step: torch.Tensor) -> None:
+        meta.context_lens.add_(step)
+        meta.slot_mapping.copy_(self._slots(meta.block_tables, meta.token_table, meta.context_lens - 1,
+                                            self.block_size))
+
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         head_dim = k.shape[-1]

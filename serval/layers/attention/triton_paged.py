@@ -75,6 +75,12 @@ class TritonPagedBackend(AttentionBackend):
             block_tables=moved[2 * num_tokens:table_end].view(num_seqs, widest),
             query_seq=moved[table_end:table_end + num_tokens], query_pos=moved[table_end + num_tokens:])
 
+    advances_decodes = True
+
+    def advance_decodes(self, meta: TritonPagedMetadata, step: torch.Tensor) -> None:
+        meta.query_pos.add_(step.to(meta.query_pos.dtype))
+        meta.slot_mapping.copy_(self._slots(meta.block_tables, meta.query_seq, meta.query_pos, self.block_size))
+
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Keys and values in one launch (two index_copy_ kernels in PyTorch: each launch counts at batch 1)."""
