@@ -466,7 +466,8 @@ def format_report(run: Run) -> str:
     if engine:
         lines += [f"Serval engine: max_num_seqs {engine['max_num_seqs']}, token budget "
                   f"{engine['max_num_batched_tokens']}, up to {engine.get('num_scheduler_steps', 1)} forwards a "
-                  f"decode step, async output processing {engine.get('async_output_processing')}, {engine['kv_blocks']} KV blocks of {engine['block_size']} "
+                  f"decode step, async output processing {engine.get('async_output_processing')}, "
+                  f"{engine['kv_blocks']} KV blocks of {engine['block_size']} "
                   f"tokens, loaded in {engine['load_s']:.1f} s; engine args: {' '.join(args.engine_arg) or 'none'}", ""]
     streams = args.streams
     lines += ["## Offline throughput (output tokens/s)", "", "| engine | " + " | ".join(map(str, streams)) + " |",
