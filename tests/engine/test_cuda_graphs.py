@@ -281,21 +281,13 @@ def test_graph_replay_equals_eager_for_every_bucket():
     core = _cuda_core()
     runner, graphs = core.runner, core.runner.decode_graphs
     assert graphs.captured == bucket_sizes(64, largest_row_padding(runner.model))
-    pad_block = runner.kv_cache.shape[2] - 1
-    uncaptured = DecodeGraphs(runner.model, runner.kv_cache, runner.attention_backend,
-                              DecodeBuckets(64, 1024, capture=False), pad_block)
-    gen = torch.Generator().manual_seed(0)
-    for bucket in graphs.buckets:
-        for num_rows in sorted({bucket, max(1, bucket // 2 + 1)}):
-            seqs = [ScheduledSequence(list(range(i * 6, i * 6 + 6)), int(p), 1)
-                    for i, p in enumerate(torch.randint(0, 95, (num_rows,), generator=gen))]
-            ids = torch.randint(0, 49152, (num_rows,), generator=gen)
-            positions = torch.tensor([s.num_computed_tokens for s in seqs])
-            replayed = graphs.run(seqs, ids, positions).clone()
-            assert torch.equal(replayed, uncaptured.run(seqs, ids, positions)), (bucket, num_rows)
-            eager = _eager_step(runner, seqs, ids, positions)
-            assert torch.equal(runner.model.compute_logits(replayed).argmax(-1),
-                               runner.model.compute_logits(eager).argmax(-1)), (bucket, num_rows)
+    uncaptured = _uncaptured(runner)
+    for bucket, num_rows, seqs, ids, positions in _random_batches(graphs.buckets, 0, 95):
+        replayed = graphs.run(seqs, ids, positions).clone()
+        assert torch.equal(replayed, uncaptured.run(seqs, ids, positions)), (bucket, num_rows)
+        eager = _eager_step(runner, seqs, ids, positions)
+        assert torch.equal(runner.model.compute_logits(replayed).argmax(-1),
+                           runner.model.compute_logits(eager).argmax(-1)), (bucket, num_rows)
     for num_rows in (1, 64):
         seqs = [ScheduledSequence(list(range(i * 6, i * 6 + 6)), 80, 1) for i in range(num_rows)]
         ids, positions = torch.zeros(num_rows, dtype=torch.long), torch.full((num_rows,), 80)
@@ -317,26 +309,36 @@ def test_greedy_graph_replays_equal_one_step_at_a_time_for_every_bucket():
     core = _cuda_core()
     runner, graphs = core.runner, core.runner.decode_graphs
     assert graphs.runs_greedy and sorted(graphs._greedy_graphs) == graphs.captured
-    pad_block = runner.kv_cache.shape[2] - 1
-    uncaptured = DecodeGraphs(runner.model, runner.kv_cache, runner.attention_backend,
-                              DecodeBuckets(64, 1024, capture=False), pad_block)
-    gen = torch.Generator().manual_seed(1)
-    for bucket in graphs.buckets:
+    uncaptured = _uncaptured(runner)
+    for bucket, num_rows, seqs, ids, positions in _random_batches(graphs.buckets, 1, 90):
+        replayed = graphs.run_greedy(seqs, ids, positions, 3).cpu()
+        assert torch.equal(replayed, uncaptured.run_greedy(seqs, ids, positions, 3).cpu()), (bucket, num_rows)
+        tokens, stepped = ids, []
+        for step in range(3):
+            step_seqs = [ScheduledSequence(s.block_ids, s.num_computed_tokens + step, 1) for s in seqs]
+            hidden = graphs.run(step_seqs, tokens, positions + step)
+            tokens = runner.model.compute_logits(hidden).float().argmax(-1)
+            stepped.append(tokens.cpu())
+        assert torch.equal(replayed, torch.stack(stepped)), (bucket, num_rows)
+    core.shutdown()
+
+
+def _uncaptured(runner: ModelRunner) -> DecodeGraphs:
+    """The runner's padded decode step without graphs (eager on the same persistent-buffer code)."""
+    return DecodeGraphs(runner.model, runner.kv_cache, runner.attention_backend,
+                        DecodeBuckets(64, 1024, capture=False), runner.kv_cache.shape[2] - 1)
+
+
+def _random_batches(buckets: list[int], seed: int, max_position: int):
+    """For each bucket a full and a just-over-half-full batch of decodes: (bucket, rows, sequences of 6 blocks each at
+    random positions below ``max_position``, random token ids, their positions)."""
+    gen = torch.Generator().manual_seed(seed)
+    for bucket in buckets:
         for num_rows in sorted({bucket, max(1, bucket // 2 + 1)}):
             seqs = [ScheduledSequence(list(range(i * 6, i * 6 + 6)), int(p), 1)
-                    for i, p in enumerate(torch.randint(0, 90, (num_rows,), generator=gen))]
+                    for i, p in enumerate(torch.randint(0, max_position, (num_rows,), generator=gen))]
             ids = torch.randint(0, 49152, (num_rows,), generator=gen)
-            positions = torch.tensor([s.num_computed_tokens for s in seqs])
-            replayed = graphs.run_greedy(seqs, ids, positions, 3).cpu()
-            assert torch.equal(replayed, uncaptured.run_greedy(seqs, ids, positions, 3).cpu()), (bucket, num_rows)
-            tokens, stepped = ids, []
-            for step in range(3):
-                step_seqs = [ScheduledSequence(s.block_ids, s.num_computed_tokens + step, 1) for s in seqs]
-                hidden = graphs.run(step_seqs, tokens, positions + step)
-                tokens = runner.model.compute_logits(hidden).float().argmax(-1)
-                stepped.append(tokens.cpu())
-            assert torch.equal(replayed, torch.stack(stepped)), (bucket, num_rows)
-    core.shutdown()
+            yield bucket, num_rows, seqs, ids, torch.tensor([s.num_computed_tokens for s in seqs])
 
 
 def _eager_step(runner: ModelRunner, seqs: list[ScheduledSequence], ids: torch.Tensor,
