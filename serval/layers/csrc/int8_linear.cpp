@@ -31,6 +31,11 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "block_formats.h"
 #include "scratch.h"
@@ -396,15 +401,152 @@ void rows_tail(int64_t rows, const Panels& w, int64_t panel, const int32_t* word
   }
 }
 
+constexpr int64_t kTileRowsAmx = 16;  // rows of a C tile (and of A); a call's rows are padded to a multiple of 16
+
+#if SERVAL_INT8_KERNEL == 512 && defined(__x86_64__) && defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define SERVAL_INT8_AMX
+// AMX tiles (Intel Sapphire Rapids and later), for many rows: the same integer sums, 16 rows by 16 columns a tile
+// dot product. tdpbsud (signed A times unsigned B; tdpbssd for q8's signed codes) adds to C[r][n], over i, the
+// products of A's bytes 4 i .. 4 i + 3 of row r with B's bytes 4 n .. 4 n + 3 of row i. B's row i is the group that
+// panel_rows dots with step word i (16 columns' 4 bytes a lane, load_group); A's row r is row r's step words of the
+// block, as quantize_rows laid them out. So one tile dot product per block into a zeroed C gives each (row, column)
+// exactly the block's integer sum that panel_rows builds with vpdpbusd (integers below 2^31: exact in any order).
+// The float32 steps after it are panel_rows's, the same operations block after block. Hence the bits of the vector
+// kernel for every output, whichever kernel a call's row count picks and whatever rows share the call: batch
+// invariance holds across the switch (tests/layers/test_int8_amx.py). q6k and q6f, two sums per block over steps
+// that are not contiguous words, stay on the vector kernel.
+constexpr bool amx_format(int f) { return !sub_blocks_of_16(f); }
+// The fewest rows for which the tiles are used: below, tile loads and stores per block cost more than they save.
+constexpr int64_t kAmxMinRows = 32;
+
+// ldtilecfg's 64 bytes (palette 1): per tile register its rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether tile instructions may run: the CPU has AMX-INT8 (CPUID 7.0 EDX bit 25) and Linux grants this process the
+// tile data state (XFEATURE 18), asked once; without that grant the first tile instruction faults.
+bool amx_int8_usable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 25) & 1)) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+// Block q of a panel as a B tile: its steps(F) groups, 64 bytes each, in step order (the codes panel_rows dots).
 template <int F>
-void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y) {
+void unpack_block(const uint8_t* q, uint8_t* b) {
+  const auto put = [b](int i, Group v) { _mm512_storeu_si512(b + 64 * i, v); };
+  if constexpr (F == kQ8) {
+    for (int L = 0; L < 8; ++L) put(L, load_group(q + 64 * L));
+  } else {
+    for (int L = 0; L < 4; ++L) {
+      const Group v = load_group(q + 64 * L);
+      put(2 * L, mask(v, 0x0F));
+      put(2 * L + 1, mask(shift_right(v, 4), 0x0F));
+    }
+    if constexpr (extra_bits(F) == 1) {  // bit b of row 16 + s, times 16
+      const Group v = load_group(q + 256);
+      for (int b = 0; b < 8; ++b) put(8 + b, mask(b < 4 ? shift_left(v, 4 - b) : shift_right(v, b - 4), 0x10));
+    }
+  }
+}
+
+// The tile instructions' asm names no memory they read: stores to a tile's source must be done before it.
+inline void memory_barrier() { asm volatile("" ::: "memory"); }
+
+// Rows [0, M) (words and blocks padded to a multiple of 16 rows) times panels [begin, end), on tiles: per panel its
+// blocks unpacked once, then per 16 rows and block one tile dot product and panel_rows's float32 steps.
+template <int F>
+__attribute__((target("amx-tile,amx-int8"))) void amx_panels(const Panels& w, int64_t begin, int64_t end,
+                                                              const int32_t* words, const BlockActivations* blocks,
+                                                              int64_t M, float* y, int64_t N) {
+  constexpr int S = steps(F);
   const int64_t G = w.groups;
-  int32_t* words = reinterpret_cast<int32_t*>(serval::scratch(2, M * G * steps(F)));
+  TileConfig config;  // tmm0: C, the sums; tmm1: A, 16 rows' words of a block; tmm2: B, the block's groups
+  config.rows[0] = kTileRowsAmx, config.bytes_per_row[0] = 64;
+  config.rows[1] = kTileRowsAmx, config.bytes_per_row[1] = 4 * S;
+  config.rows[2] = S, config.bytes_per_row[2] = 64;
+  memory_barrier();
+  _tile_loadconfig(&config);
+  uint8_t* unpacked = reinterpret_cast<uint8_t*>(serval::scratch(4, G * S * 64 / sizeof(float)));
+  alignas(64) int32_t sums[kTileRowsAmx][16];
+  for (int64_t p = begin; p < end; ++p) {
+    for (int64_t g = 0; g < G; ++g) unpack_block<F>(w.packed + (p * G + g) * block_rows(F) * 16, unpacked + g * S * 64);
+    memory_barrier();
+    const int count = static_cast<int>(std::min<int64_t>(16, N - p * 16));
+    for (int64_t r0 = 0; r0 < M; r0 += kTileRowsAmx) {
+      F16 acc[kTileRowsAmx];
+      for (int r = 0; r < kTileRowsAmx; ++r) acc[r] = fzero();
+      for (int64_t g = 0; g < G; ++g) {
+        _tile_zero(0);
+        _tile_loadd(1, words + (r0 * G + g) * S, G * S * sizeof(int32_t));
+        _tile_loadd(2, unpacked + g * S * 64, 64);
+        if constexpr (F == kQ8) {
+          _tile_dpbssd(0, 1, 2);
+        } else {
+          _tile_dpbsud(0, 1, 2);
+        }
+        _tile_stored(0, sums, 64);
+        F16 d0, d1;
+        block_scales<F>(w, p, g, d0, d1);
+#pragma GCC unroll 16
+        for (int r = 0; r < kTileRowsAmx; ++r) {
+          const BlockActivations& b = blocks[(r0 + r) * G + g];
+          const Ints sum = _mm512_load_si512(sums[r]);
+          acc[r] = ffma(fmul(d0, fset1(b.dx)), to_float(sum), acc[r]);
+          if constexpr (F != kQ8) acc[r] = ffma(d1, fset1(b.dx_sum), acc[r]);
+        }
+      }
+      for (int r = 0; r < kTileRowsAmx && r0 + r < M; ++r) store_out(y + (r0 + r) * N + p * 16, acc[r], count);
+    }
+  }
+  _tile_release();  // the thread's tile state back to its initial (empty) state: cheaper context switches
+}
+#endif
+
+// Which kernel a call asks for: the tiles where they pay (kAuto), or one of them (tests, benchmarks).
+enum class Kernel { kAuto, kVector, kAmx };
+
+// Whether the call runs on AMX tiles.
+template <int F>
+bool use_amx(int64_t M, Kernel kernel) {
+#if defined(SERVAL_INT8_AMX)
+  if constexpr (amx_format(F)) {
+    if (kernel == Kernel::kAmx) TORCH_CHECK(amx_int8_usable(), "AMX-INT8 tiles are not usable on this CPU");
+    return kernel == Kernel::kAmx || (kernel == Kernel::kAuto && M >= kAmxMinRows && amx_int8_usable());
+  }
+#endif
+  TORCH_CHECK(kernel != Kernel::kAmx, "no AMX kernel for this format or build");
+  return false;
+}
+
+template <int F>
+void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y, Kernel kernel) {
+  const int64_t G = w.groups;
+  const bool amx = use_amx<F>(M, kernel);
+  const int64_t padded = amx ? (M + kTileRowsAmx - 1) / kTileRowsAmx * kTileRowsAmx : M;
+  int32_t* words = reinterpret_cast<int32_t*>(serval::scratch(2, padded * G * steps(F)));
   BlockActivations* blocks =
-      reinterpret_cast<BlockActivations*>(serval::scratch(3, M * G * sizeof(BlockActivations) / sizeof(float)));
+      reinterpret_cast<BlockActivations*>(serval::scratch(3, padded * G * sizeof(BlockActivations) / sizeof(float)));
   quantize_rows<F>(x, M, K, G, words, blocks);
+  if (amx) {  // the padding rows' sums and steps are computed, never stored: zeros keep them plain numbers
+    std::memset(words + M * G * steps(F), 0, (padded - M) * G * steps(F) * sizeof(int32_t));
+    std::memset(blocks + M * G, 0, (padded - M) * G * sizeof(BlockActivations));
+  }
   const int64_t panels = (N + 15) / 16;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+#if defined(SERVAL_INT8_AMX)
+    if constexpr (amx_format(F)) {
+      if (amx) return amx_panels<F>(w, begin, end, words, blocks, M, y, N);
+    }
+#endif
     for (int64_t p = begin; p < end; ++p) {
       int64_t r0 = 0;
       for (; r0 + kTileRows <= M; r0 += kTileRows)
@@ -414,17 +556,17 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N,
   });
 }
 
-void gemm_format(int f, const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y) {
+void gemm_format(int f, const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y, Kernel k) {
   switch (f) {
-    case kQ8: return gemm_int8<kQ8>(x, M, K, w, N, y);
-    case kQ4: return gemm_int8<kQ4>(x, M, K, w, N, y);
-    case kQ5: return gemm_int8<kQ5>(x, M, K, w, N, y);
-    case kQ4F: return gemm_int8<kQ4F>(x, M, K, w, N, y);
-    case kQ5F: return gemm_int8<kQ5F>(x, M, K, w, N, y);
-    case kQ6F: return gemm_int8<kQ6F>(x, M, K, w, N, y);
-    case kQ4K: return gemm_int8<kQ4K>(x, M, K, w, N, y);
-    case kQ5K: return gemm_int8<kQ5K>(x, M, K, w, N, y);
-    default: return gemm_int8<kQ6K>(x, M, K, w, N, y);
+    case kQ8: return gemm_int8<kQ8>(x, M, K, w, N, y, k);
+    case kQ4: return gemm_int8<kQ4>(x, M, K, w, N, y, k);
+    case kQ5: return gemm_int8<kQ5>(x, M, K, w, N, y, k);
+    case kQ4F: return gemm_int8<kQ4F>(x, M, K, w, N, y, k);
+    case kQ5F: return gemm_int8<kQ5F>(x, M, K, w, N, y, k);
+    case kQ6F: return gemm_int8<kQ6F>(x, M, K, w, N, y, k);
+    case kQ4K: return gemm_int8<kQ4K>(x, M, K, w, N, y, k);
+    case kQ5K: return gemm_int8<kQ5K>(x, M, K, w, N, y, k);
+    default: return gemm_int8<kQ6K>(x, M, K, w, N, y, k);
   }
 }
 #endif
@@ -439,10 +581,21 @@ bool block_int8_kernel_available() {
 #endif
 }
 
-// block_panel_linear's arguments and result (panel_linear.cpp), computed with int8 activations.
+bool block_int8_amx_available() {
+#if defined(SERVAL_INT8_AMX)
+  return amx_int8_usable();
+#else
+  return false;
+#endif
+}
+
+// block_panel_linear's arguments and result (panel_linear.cpp), computed with int8 activations. kernel: "auto" (AMX
+// tiles from kAmxMinRows rows where usable, else the vector kernel), "vector" or "amx": the same bits.
 at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                                   const std::string& format, int64_t out_features, bool float_output) {
+                                   const std::string& format, int64_t out_features, bool float_output,
+                                   const std::string& kernel) {
   const BlockCall call = check_block_call(x, panels, scales, format, out_features);
+  TORCH_CHECK(kernel == "auto" || kernel == "vector" || kernel == "amx", "kernel: auto, vector or amx, not ", kernel);
   const int f = call.format;
   const int64_t M = call.rows, K = call.in_features, N = call.out_features, groups = call.groups;
 #if defined(SERVAL_INT8_KERNEL)
@@ -461,15 +614,16 @@ at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels
     xf = rows;
   }
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), groups};
+  const Kernel k = kernel == "amx" ? Kernel::kAmx : kernel == "vector" ? Kernel::kVector : Kernel::kAuto;
   if (x.scalar_type() == at::kBFloat16 && !float_output) {
     float* yf = serval::scratch(0, M * N);
-    gemm_format(f, xf, M, K, w, N, yf);
+    gemm_format(f, xf, M, K, w, N, yf, k);
     at::Tensor y = at::empty({M, N}, x.options());
     to_bfloat16(yf, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M * N);
     return y;
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  gemm_format(f, xf, M, K, w, N, y.data_ptr<float>());
+  gemm_format(f, xf, M, K, w, N, y.data_ptr<float>(), k);
   return float_output || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "block_panel_linear_int8 needs AVX2 with FMA and F16C (check block_int8_kernel_available())");
