@@ -6,7 +6,8 @@ CPU with AMX-INT8: the two alternated in one process, medians.
 1. The embedded model's distinct Q4_1 linears (layer 0's fused q/k/v, o, gate/up, down) at each row count, bfloat16
    activations: microseconds a call (1 thread: CPU time of this thread; more: wall time).
 2. The prefill of one prompt of about --prompt-tokens tokens through LLMEngine with activation_quantization "int8"
-   (the engine's own chunking, 2 threads, max_tokens 1): seconds, the kernel choice forced per run.
+   (the engine's own chunking, max_tokens 1, 1 and 2 threads): wall and process CPU seconds, the kernel choice forced
+   per run (CPU time moves less when other work shares the machine).
 """
 
 from __future__ import annotations
@@ -70,27 +71,30 @@ def force_kernel(model, kernel: str) -> None:
             module._panel_linear_int8 = linear
 
 
-def bench_prefill(engine: LLMEngine, prompt_tokens: int, rounds: int) -> None:
-    torch.set_num_threads(2)
+def bench_prefill(engine: LLMEngine, prompt_tokens: int, rounds: int, threads: int) -> None:
+    torch.set_num_threads(threads)
     words = "The quick brown fox jumps over the lazy dog while the old fisherman mends his nets by the sea. "
     prompt = words * (prompt_tokens // 20)
     params = SamplingParams(temperature=0, max_tokens=1)
     found = {kernel: [] for kernel in KERNELS}
+    cpu = {kernel: [] for kernel in KERNELS}
     first_tokens = {}
     for i in range(rounds):
         for kernel in KERNELS:  # prefix caching is off: every run computes the whole prompt
             force_kernel(engine.model, kernel)
             engine.add_request(f"{kernel}-{i}", prompt, params)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     first_tokens[kernel] = output.outputs[0].token_ids
             found[kernel].append(time.perf_counter() - start)
+            cpu[kernel].append(time.process_time() - cpu_start)
     prompt_len = len(engine.tokenizer.encode(prompt))
     print(f"\nprompt tokens: {prompt_len}; first token the same: {first_tokens['vector'] == first_tokens['amx']}")
     a, b = (statistics.median(found[kernel]) for kernel in KERNELS)
-    print(f"\nprefill of one ~{prompt_tokens}-token prompt (median of {rounds}, wall s, 2 threads): vector {a:.3f}, "
-          f"amx {b:.3f} ({a / b:.2f}x)")
+    c, d = (statistics.median(cpu[kernel]) for kernel in KERNELS)
+    print(f"prefill of one ~{prompt_tokens}-token prompt (median of {rounds}, {threads} thread(s)): wall s vector "
+          f"{a:.3f}, amx {b:.3f} ({a / b:.2f}x); process CPU s vector {c:.3f}, amx {d:.3f} ({c / d:.2f}x)")
 
 
 def main() -> None:
@@ -99,6 +103,8 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--prefill-threads", default="1,2")
+    parser.add_argument("--no-linears", action="store_true")
     args = parser.parse_args()
     kernels = cpu_kernels.load()
     if kernels is None or not kernels.block_int8_amx_available():
@@ -108,9 +114,10 @@ def main() -> None:
                           speculative=SpeculativeConfig(method=None), cache=CacheConfig(enable_prefix_caching=False))
     engine = LLMEngine(config)
     with torch.inference_mode():
-        for threads in (int(t) for t in args.threads.split(",")):
+        for threads in (int(t) for t in args.threads.split(",") if not args.no_linears):
             bench_linears(engine.model, [int(r) for r in args.rows.split(",")], threads, args.rounds)
-    bench_prefill(engine, args.prompt_tokens, args.rounds)
+    for threads in (int(t) for t in args.prefill_threads.split(",")):
+        bench_prefill(engine, args.prompt_tokens, args.rounds, threads)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def test_amx_gives_the_vector_kernels_bits(case, rows, shape, dtype):
     args = (x, *weight.panels(), weight.format, shape[0], False)
     vector = kernels.block_panel_linear_int8(*args, kernel="vector")
     assert torch.equal(kernels.block_panel_linear_int8(*args, kernel="amx"), vector)
-    assert torch.equal(kernels.block_panel_linear_int8(*args), vector)  # "auto": tiles from 32 rows
+    assert torch.equal(kernels.block_panel_linear_int8(*args), vector)  # "auto": tiles from 64 rows (100)
 
 
 @needs_amx

@@ -447,8 +447,10 @@ constexpr int64_t kTileRowsAmx = 16;  // rows of a C tile (and of A); a call's r
 // invariance holds across the switch (tests/layers/test_int8_amx.py). q6k and q6f, two sums per block over steps
 // that are not contiguous words, stay on the vector kernel.
 constexpr bool amx_format(int f) { return !sub_blocks_of_16(f); }
-// The fewest rows for which the tiles are used: below, tile loads and stores per block cost more than they save.
-constexpr int64_t kAmxMinRows = 32;
+// The fewest rows for which the tiles are used. Measured (benchmarks/bench_int8_amx.py, SmolLM2's Q4_1 linears, Xeon
+// model 167): on 1 thread the tiles were 1.1-1.4x faster from 16 rows, but on 2 threads 0.8-0.9x at 16 and 32 rows
+// for the narrow linears (each thread unpacks its panels' blocks for only 1 or 2 tiles of rows), 1.1-1.6x from 64.
+constexpr int64_t kAmxMinRows = 64;
 
 // ldtilecfg's 64 bytes (palette 1): per tile register its rows and bytes per row.
 struct alignas(64) TileConfig {
