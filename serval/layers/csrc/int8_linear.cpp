@@ -545,8 +545,8 @@ struct TileWalk {
 
 // Step g of a row tile's walk, a pipeline of three stages a block apart: block g + 1's dot product issued, block g's
 // sums stored (tile set Set), block g - 1's float32 steps. The tile unit runs its instructions in order, and a tile
-// store's data reaches vector loads late: so each stage finds its input done (a block's dot product, store and
-// steps back to back ran 2.5x the time).
+// store's data reaches vector loads late: so each stage finds its input done (with a block's dot product, store and
+// steps back to back, perf showed the time spent waiting at the dot product and the store).
 template <int F, int Set>
 [[gnu::always_inline]] __attribute__((target("amx-tile,amx-int8"))) inline void walk_step(const TileWalk& t,
                                                                                           int64_t g,
