@@ -15,8 +15,10 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
 bool block_panel_kernel_available();
 at::Tensor dense_panel_linear(const at::Tensor& x, const at::Tensor& weight_t, bool float_output);
 at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                                   const std::string& format, int64_t out_features, bool float_output);
+                                   const std::string& format, int64_t out_features, bool float_output,
+                                   const std::string& kernel);
 bool block_int8_kernel_available();
+bool block_int8_amx_available();
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
@@ -47,8 +49,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_panel_kernel_available", &block_panel_kernel_available, "whether block_panel_linear was compiled");
   m.def("dense_panel_linear", &dense_panel_linear, "x W^T with W bfloat16 or float32, given as W^T [K, N]", no_gil());
   m.def("block_panel_linear_int8", &block_panel_linear_int8,
-        "block_panel_linear with the activations quantized to int8 per block (integer dot products)", no_gil());
+        "block_panel_linear with the activations quantized to int8 per block (integer dot products)", py::arg("x"),
+        py::arg("panels"), py::arg("scales"), py::arg("format"), py::arg("out_features"), py::arg("float_output"),
+        py::arg("kernel") = "auto", no_gil());
   m.def("block_int8_kernel_available", &block_int8_kernel_available, "whether block_panel_linear_int8 was compiled");
+  m.def("block_int8_amx_available", &block_int8_amx_available,
+        "whether block_panel_linear_int8 can run on AMX tiles here (compiled, and the CPU and OS allow them)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's x / rms(x) * (1 + w), optionally added to a residual and normed again",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("lanes"), py::arg("residual") = py::none(),

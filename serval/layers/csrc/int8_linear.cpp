@@ -25,11 +25,17 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "block_formats.h"
@@ -59,6 +65,31 @@ struct BlockActivations {
   float dx, dx_sum;
   int32_t sum[2];
 };
+
+#if defined(__AVX512VBMI__)
+// Byte 4 i + s of a block's step words is its code at step_position(F, i, s) (4 steps(F) <= 64 bytes; the rest 0).
+template <int F>
+constexpr std::array<uint8_t, 64> step_bytes() {
+  std::array<uint8_t, 64> index{};
+  for (int i = 0; i < steps(F); ++i)
+    for (int s = 0; s < 4; ++s) index[4 * i + s] = static_cast<uint8_t>(step_position(F, i, s));
+  return index;
+}
+
+// A block's 32 codes (int32) as bytes (truncated, as static_cast does): their halves' sums and the step words, in
+// vectors (at 256 rows the scalar loop took about a tenth of a call's time).
+template <int F>
+inline void arrange_codes(const int32_t* codes, int32_t sum[2], int32_t* words) {
+  const __m128i low = _mm512_cvtepi32_epi8(_mm512_loadu_si512(codes));
+  const __m128i high = _mm512_cvtepi32_epi8(_mm512_loadu_si512(codes + 16));
+  sum[0] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(low));
+  sum[1] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(high));
+  static constexpr std::array<uint8_t, 64> index = step_bytes<F>();
+  const __m512i q = _mm512_zextsi256_si512(_mm256_set_m128i(high, low));
+  const __m512i bytes = _mm512_permutexvar_epi8(_mm512_loadu_si512(index.data()), q);
+  _mm512_mask_storeu_epi8(words, steps(F) == 16 ? ~0ull : (1ull << (4 * steps(F))) - 1, bytes);
+}
+#endif
 
 #if defined(__AVX2__)
 // x [M, K] (float32) → per row and block: steps(f) words of 4 activation bytes, and the block's scales and sums.
@@ -93,22 +124,26 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t groups, int32_t
         for (int i = 0; i < 4; ++i)
           _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), _mm256_cvtps_epi32(_mm256_div_ps(v[i], step)));
       }
-      int8_t q[kBlock];
       int32_t sum[2] = {0, 0};
+      int32_t* w = words + (r * groups + g) * steps(F);
+#if defined(__AVX512VBMI__)
+      arrange_codes<F>(codes, sum, w);
+#else
+      int8_t q[kBlock];
       for (int k = 0; k < kBlock; ++k) {
         q[k] = static_cast<int8_t>(codes[k]);
         sum[k / 16] += q[k];
       }
-      BlockActivations& b = blocks[r * groups + g];
-      b.dx = dx;
-      b.dx_sum = dx * static_cast<float>(sum[0] + sum[1]);
-      b.sum[0] = sum[0], b.sum[1] = sum[1];
-      int32_t* w = words + (r * groups + g) * steps(F);
       for (int i = 0; i < steps(F); ++i) {
         uint32_t word = 0;
         for (int s = 0; s < 4; ++s) word |= static_cast<uint32_t>(static_cast<uint8_t>(q[step_position(F, i, s)])) << (8 * s);
         w[i] = static_cast<int32_t>(word);
       }
+#endif
+      BlockActivations& b = blocks[r * groups + g];
+      b.dx = dx;
+      b.dx_sum = dx * static_cast<float>(sum[0] + sum[1]);
+      b.sum[0] = sum[0], b.sum[1] = sum[1];
     }
   }
 }
@@ -396,15 +431,207 @@ void rows_tail(int64_t rows, const Panels& w, int64_t panel, const int32_t* word
   }
 }
 
+constexpr int64_t kTileRowsAmx = 16;  // rows of a C tile (and of A); a call's rows are padded to a multiple of 16
+
+#if SERVAL_INT8_KERNEL == 512 && defined(__x86_64__) && defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define SERVAL_INT8_AMX
+// AMX tiles (Intel Sapphire Rapids and later), for many rows: the same integer sums, 16 rows by 16 columns a tile
+// dot product. tdpbsud (signed A times unsigned B; tdpbssd for q8's signed codes) adds to C[r][n], over i, the
+// products of A's bytes 4 i .. 4 i + 3 of row r with B's bytes 4 n .. 4 n + 3 of row i. B's row i is the group that
+// panel_rows dots with step word i (16 columns' 4 bytes a lane, load_group); A's row r is row r's step words of the
+// block, as quantize_rows laid them out. So one tile dot product per block into a zeroed C gives each (row, column)
+// exactly the block's integer sum that panel_rows builds with vpdpbusd (integers below 2^31: exact in any order).
+// The float32 steps after it are panel_rows's, the same operations block after block. Hence the bits of the vector
+// kernel for every output, whichever kernel a call's row count picks and whatever rows share the call: batch
+// invariance holds across the switch (tests/layers/test_int8_amx.py). q6k and q6f, two sums per block over steps
+// that are not contiguous words, stay on the vector kernel.
+constexpr bool amx_format(int f) { return !sub_blocks_of_16(f); }
+// The fewest rows for which the tiles are used. Measured (benchmarks/bench_int8_amx.py, SmolLM2's Q4_1 linears, Xeon
+// model 167): on 1 thread the tiles were 1.1-1.4x faster from 16 rows, but on 2 threads 0.8-0.9x at 16 and 32 rows
+// for the narrow linears (each thread unpacks its panels' blocks for only 1 or 2 tiles of rows), 1.1-1.6x from 64.
+constexpr int64_t kAmxMinRows = 64;
+
+// ldtilecfg's 64 bytes (palette 1): per tile register its rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether tile instructions may run: the CPU has AMX-INT8 (CPUID 7.0 EDX bit 25) and Linux grants this process the
+// tile data state (XFEATURE 18), asked once; without that grant the first tile instruction faults.
+bool amx_int8_usable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 25) & 1)) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+// Block q of a panel as a B tile: its steps(F) groups, 64 bytes each, in step order (the codes panel_rows dots).
 template <int F>
-void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y) {
+void unpack_block(const uint8_t* q, uint8_t* b) {
+  const auto put = [b](int i, Group v) { _mm512_storeu_si512(b + 64 * i, v); };
+  if constexpr (F == kQ8) {
+    for (int L = 0; L < 8; ++L) put(L, load_group(q + 64 * L));
+  } else {
+    for (int L = 0; L < 4; ++L) {
+      const Group v = load_group(q + 64 * L);
+      put(2 * L, mask(v, 0x0F));
+      put(2 * L + 1, mask(shift_right(v, 4), 0x0F));
+    }
+    if constexpr (extra_bits(F) == 1) {  // bit b of row 16 + s, times 16
+      const Group v = load_group(q + 256);
+      for (int b = 0; b < 8; ++b) put(8 + b, mask(b < 4 ? shift_left(v, 4 - b) : shift_right(v, b - 4), 0x10));
+    }
+  }
+}
+
+// The tile instructions' asm names no memory they read: stores to a tile's source must be done before it.
+inline void memory_barrier() { asm volatile("" ::: "memory"); }
+
+// One block's integer sums for 16 rows into C on the tile set Set (0: C tmm0, A tmm2, B tmm4; 1: tmm1, tmm3, tmm5):
+// A the rows' step words (row stride: a row's words), B the block's unpacked groups.
+template <int F, int Set>
+__attribute__((target("amx-tile,amx-int8"))) inline void tile_block_dot(const int32_t* words, int64_t stride,
+                                                                         const uint8_t* groups) {
+  if constexpr (Set == 0) {
+    _tile_zero(0);
+    _tile_loadd(2, words, stride);
+    _tile_loadd(4, groups, 64);
+    if constexpr (F == kQ8) _tile_dpbssd(0, 2, 4); else _tile_dpbsud(0, 2, 4);
+  } else {
+    _tile_zero(1);
+    _tile_loadd(3, words, stride);
+    _tile_loadd(5, groups, 64);
+    if constexpr (F == kQ8) _tile_dpbssd(1, 3, 5); else _tile_dpbsud(1, 3, 5);
+  }
+}
+
+// Set's C tile: 16 rows of 16 int32 sums.
+template <int Set>
+__attribute__((target("amx-tile"))) inline void tile_store_sums(int32_t* sums) {
+  if constexpr (Set == 0) _tile_stored(0, sums, 64); else _tile_stored(1, sums, 64);
+}
+
+// panel_rows's float32 steps of block g for 16 rows (blocks: the first row's), from the block's integer sums.
+template <int F>
+inline void block_steps(const Panels& w, int64_t panel, int64_t g, const int32_t* sums, const BlockActivations* blocks,
+                        F16 (&acc)[kTileRowsAmx]) {
+  F16 d0, d1;
+  block_scales<F>(w, panel, g, d0, d1);
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRowsAmx; ++r) {
+    const BlockActivations& b = blocks[r * w.groups + g];
+    const Ints sum = _mm512_load_si512(sums + 16 * r);
+    acc[r] = ffma(fmul(d0, fset1(b.dx)), to_float(sum), acc[r]);
+    if constexpr (F != kQ8) acc[r] = ffma(d1, fset1(b.dx_sum), acc[r]);
+  }
+}
+
+// One row tile's (16 rows') walk over one panel's blocks.
+struct TileWalk {
+  const Panels& w;
+  int64_t panel;
+  const int32_t* words;  // the first row's, of block 0; a row's words are stride bytes apart
+  int64_t stride;
+  const uint8_t* groups;  // the panel's unpacked blocks
+  const BlockActivations* blocks;  // the first row's, of block 0
+  int32_t (*sums)[kTileRowsAmx * 16];  // one buffer per tile set
+};
+
+// Step g of a row tile's walk, a pipeline of three stages a block apart: block g + 1's dot product issued, block g's
+// sums stored (tile set Set), block g - 1's float32 steps. The tile unit runs its instructions in order, and a tile
+// store's data reaches vector loads late: so each stage finds its input done (with a block's dot product, store and
+// steps back to back, perf showed the time spent waiting at the dot product and the store).
+template <int F, int Set>
+[[gnu::always_inline]] __attribute__((target("amx-tile,amx-int8"))) inline void walk_step(const TileWalk& t,
+                                                                                          int64_t g,
+                                                                                          F16 (&acc)[kTileRowsAmx]) {
+  constexpr int S = steps(F), Next = 1 - Set;
+  const int64_t G = t.w.groups;
+  if (g + 1 < G) tile_block_dot<F, Next>(t.words + (g + 1) * S, t.stride, t.groups + (g + 1) * S * 64);
+  if (g < G) tile_store_sums<Set>(t.sums[Set]);
+  if (g >= 1) block_steps<F>(t.w, t.panel, g - 1, t.sums[Next], t.blocks, acc);
+}
+
+// Rows [0, M) (words and blocks padded to a multiple of 16 rows) times panels [begin, end), on tiles: per panel its
+// blocks unpacked once, then per 16 rows and block one tile dot product and panel_rows's float32 steps.
+template <int F>
+__attribute__((target("amx-tile,amx-int8"))) void amx_panels(const Panels& w, int64_t begin, int64_t end,
+                                                              const int32_t* words, const BlockActivations* blocks,
+                                                              int64_t M, float* y, int64_t N) {
+  constexpr int S = steps(F);
+  const int64_t G = w.groups, stride = G * S * sizeof(int32_t);
+  TileConfig config;
+  for (int set = 0; set < 2; ++set) {
+    config.rows[set] = kTileRowsAmx, config.bytes_per_row[set] = 64;          // C: 16 rows of 16 int32 sums
+    config.rows[2 + set] = kTileRowsAmx, config.bytes_per_row[2 + set] = 4 * S;  // A: 16 rows' words of a block
+    config.rows[4 + set] = S, config.bytes_per_row[4 + set] = 64;               // B: the block's S groups
+  }
+  memory_barrier();
+  _tile_loadconfig(&config);
+  uint8_t* unpacked = reinterpret_cast<uint8_t*>(serval::scratch(4, G * S * 64 / sizeof(float)));
+  alignas(64) int32_t sums[2][kTileRowsAmx * 16];
+  for (int64_t p = begin; p < end; ++p) {
+    for (int64_t g = 0; g < G; ++g) unpack_block<F>(w.packed + (p * G + g) * block_rows(F) * 16, unpacked + g * S * 64);
+    memory_barrier();
+    const int count = static_cast<int>(std::min<int64_t>(16, N - p * 16));
+    for (int64_t r0 = 0; r0 < M; r0 += kTileRowsAmx) {
+      F16 acc[kTileRowsAmx];
+      for (int r = 0; r < kTileRowsAmx; ++r) acc[r] = fzero();
+      const TileWalk walk{w, p, words + r0 * G * S, stride, unpacked, blocks + r0 * G, sums};
+      tile_block_dot<F, 0>(walk.words, stride, unpacked);
+      for (int64_t g = 0; g <= G; g += 2) {  // block g on tile set 0, g + 1 on set 1
+        walk_step<F, 0>(walk, g, acc);
+        if (g + 1 <= G) walk_step<F, 1>(walk, g + 1, acc);
+      }
+      for (int r = 0; r < kTileRowsAmx && r0 + r < M; ++r) store_out(y + (r0 + r) * N + p * 16, acc[r], count);
+    }
+  }
+  _tile_release();  // the thread's tile state back to its initial (empty) state: cheaper context switches
+}
+#endif
+
+// Which kernel a call asks for: the tiles where they pay (kAuto), or one of them (tests, benchmarks).
+enum class Kernel { kAuto, kVector, kAmx };
+
+// Whether the call runs on AMX tiles.
+template <int F>
+bool use_amx(int64_t M, Kernel kernel) {
+#if defined(SERVAL_INT8_AMX)
+  if constexpr (amx_format(F)) {
+    if (kernel == Kernel::kAmx) TORCH_CHECK(amx_int8_usable(), "AMX-INT8 tiles are not usable on this CPU");
+    return kernel == Kernel::kAmx || (kernel == Kernel::kAuto && M >= kAmxMinRows && amx_int8_usable());
+  }
+#endif
+  TORCH_CHECK(kernel != Kernel::kAmx, "no AMX kernel for this format or build");
+  return false;
+}
+
+template <int F>
+void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y, Kernel kernel) {
   const int64_t G = w.groups;
-  int32_t* words = reinterpret_cast<int32_t*>(serval::scratch(2, M * G * steps(F)));
+  const bool amx = use_amx<F>(M, kernel);
+  const int64_t padded = amx ? (M + kTileRowsAmx - 1) / kTileRowsAmx * kTileRowsAmx : M;
+  int32_t* words = reinterpret_cast<int32_t*>(serval::scratch(2, padded * G * steps(F)));
   BlockActivations* blocks =
-      reinterpret_cast<BlockActivations*>(serval::scratch(3, M * G * sizeof(BlockActivations) / sizeof(float)));
+      reinterpret_cast<BlockActivations*>(serval::scratch(3, padded * G * sizeof(BlockActivations) / sizeof(float)));
   quantize_rows<F>(x, M, K, G, words, blocks);
+  if (amx) {  // the padding rows' sums and steps are computed, never stored: zeros keep them plain numbers
+    std::memset(words + M * G * steps(F), 0, (padded - M) * G * steps(F) * sizeof(int32_t));
+    std::memset(blocks + M * G, 0, (padded - M) * G * sizeof(BlockActivations));
+  }
   const int64_t panels = (N + 15) / 16;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+#if defined(SERVAL_INT8_AMX)
+    if constexpr (amx_format(F)) {
+      if (amx) return amx_panels<F>(w, begin, end, words, blocks, M, y, N);
+    }
+#endif
     for (int64_t p = begin; p < end; ++p) {
       int64_t r0 = 0;
       for (; r0 + kTileRows <= M; r0 += kTileRows)
@@ -414,17 +641,17 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N,
   });
 }
 
-void gemm_format(int f, const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y) {
+void gemm_format(int f, const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, float* y, Kernel k) {
   switch (f) {
-    case kQ8: return gemm_int8<kQ8>(x, M, K, w, N, y);
-    case kQ4: return gemm_int8<kQ4>(x, M, K, w, N, y);
-    case kQ5: return gemm_int8<kQ5>(x, M, K, w, N, y);
-    case kQ4F: return gemm_int8<kQ4F>(x, M, K, w, N, y);
-    case kQ5F: return gemm_int8<kQ5F>(x, M, K, w, N, y);
-    case kQ6F: return gemm_int8<kQ6F>(x, M, K, w, N, y);
-    case kQ4K: return gemm_int8<kQ4K>(x, M, K, w, N, y);
-    case kQ5K: return gemm_int8<kQ5K>(x, M, K, w, N, y);
-    default: return gemm_int8<kQ6K>(x, M, K, w, N, y);
+    case kQ8: return gemm_int8<kQ8>(x, M, K, w, N, y, k);
+    case kQ4: return gemm_int8<kQ4>(x, M, K, w, N, y, k);
+    case kQ5: return gemm_int8<kQ5>(x, M, K, w, N, y, k);
+    case kQ4F: return gemm_int8<kQ4F>(x, M, K, w, N, y, k);
+    case kQ5F: return gemm_int8<kQ5F>(x, M, K, w, N, y, k);
+    case kQ6F: return gemm_int8<kQ6F>(x, M, K, w, N, y, k);
+    case kQ4K: return gemm_int8<kQ4K>(x, M, K, w, N, y, k);
+    case kQ5K: return gemm_int8<kQ5K>(x, M, K, w, N, y, k);
+    default: return gemm_int8<kQ6K>(x, M, K, w, N, y, k);
   }
 }
 #endif
@@ -439,10 +666,21 @@ bool block_int8_kernel_available() {
 #endif
 }
 
-// block_panel_linear's arguments and result (panel_linear.cpp), computed with int8 activations.
+bool block_int8_amx_available() {
+#if defined(SERVAL_INT8_AMX)
+  return amx_int8_usable();
+#else
+  return false;
+#endif
+}
+
+// block_panel_linear's arguments and result (panel_linear.cpp), computed with int8 activations. kernel: "auto" (AMX
+// tiles from kAmxMinRows rows where usable, else the vector kernel), "vector" or "amx": the same bits.
 at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                                   const std::string& format, int64_t out_features, bool float_output) {
+                                   const std::string& format, int64_t out_features, bool float_output,
+                                   const std::string& kernel) {
   const BlockCall call = check_block_call(x, panels, scales, format, out_features);
+  TORCH_CHECK(kernel == "auto" || kernel == "vector" || kernel == "amx", "kernel: auto, vector or amx, not ", kernel);
   const int f = call.format;
   const int64_t M = call.rows, K = call.in_features, N = call.out_features, groups = call.groups;
 #if defined(SERVAL_INT8_KERNEL)
@@ -461,15 +699,16 @@ at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels
     xf = rows;
   }
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), groups};
+  const Kernel k = kernel == "amx" ? Kernel::kAmx : kernel == "vector" ? Kernel::kVector : Kernel::kAuto;
   if (x.scalar_type() == at::kBFloat16 && !float_output) {
     float* yf = serval::scratch(0, M * N);
-    gemm_format(f, xf, M, K, w, N, yf);
+    gemm_format(f, xf, M, K, w, N, yf, k);
     at::Tensor y = at::empty({M, N}, x.options());
     to_bfloat16(yf, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M * N);
     return y;
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  gemm_format(f, xf, M, K, w, N, y.data_ptr<float>());
+  gemm_format(f, xf, M, K, w, N, y.data_ptr<float>(), k);
   return float_output || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "block_panel_linear_int8 needs AVX2 with FMA and F16C (check block_int8_kernel_available())");

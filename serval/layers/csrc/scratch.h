@@ -10,7 +10,7 @@ namespace serval {
 // its contents are whatever the last user left. Kernels run every step: allocating each time cost more than
 // their arithmetic (fresh pages of a large buffer fault in one by one, and std::vector zeroes them).
 inline float* scratch(int slot, size_t n) {
-  thread_local std::vector<float> buffers[4];
+  thread_local std::vector<float> buffers[5];
   std::vector<float>& buffer = buffers[slot];
   if (buffer.size() < n) buffer.resize(n);
   return buffer.data();
