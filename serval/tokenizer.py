@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -194,6 +195,12 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         self._window = window
         return self._emit(new_text[len(prefix_text):])
+
+    def copy(self) -> IncrementalDetokenizer:
+        """A detokenizer in this one's state that goes on apart from it."""
+        other = copy.copy(self)
+        other.token_ids, other._window = list(self.token_ids), list(self._window)
+        return other
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character comes out as U+FFFD); call once at the end."""

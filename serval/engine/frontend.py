@@ -244,18 +244,27 @@ class OutputProcessor:
             return False
         if out.new_token_ids and group.first_token_time is None:
             group.first_token_time = time.monotonic()
-        previous_len = len(sample.text)
+        previous_len, num_tokens = len(sample.text), len(sample.token_ids)
+        num_logprobs = len(sample.logprobs) if sample.logprobs is not None else 0
+        stops = sample.params.stop
+        # A run of tokens (multi-step decoding, accepted guesses) that a stop string may end inside: the state to
+        # find, one token at a time, the token that completed it.
+        before = sample.detokenizer.copy() if stops and len(out.new_token_ids) > 1 else None
         if out.new_token_ids:
             sample.token_ids.extend(out.new_token_ids)
             sample.text += sample.detokenizer.add_tokens(out.new_token_ids)
         if sample.logprobs is not None and out.new_logprobs:
             sample.logprobs.extend(out.new_logprobs)
-        stops = sample.params.stop
         if stops and out.new_token_ids:
             window_start = max(0, previous_len - max(map(len, stops)) + 1)
             for stop in stops:
                 at = sample.text.find(stop, window_start)
                 if at != -1:
+                    if before is not None:  # the output ends with that token, as one token a step would end it
+                        kept = num_tokens + _tokens_to_reach(before, out.new_token_ids, at + len(stop) - previous_len)
+                        del sample.token_ids[kept:]
+                        if sample.logprobs is not None:
+                            del sample.logprobs[num_logprobs + kept - num_tokens:]
                     keep = at + len(stop) if sample.params.include_stop_str_in_output else at
                     sample.text = sample.text[:keep]
                     sample.finish_reason, sample.stop_reason = "stop", stop
@@ -290,3 +299,14 @@ class OutputProcessor:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.samples[0].num_cached_tokens, group.finished, group.error, metrics,
                              prompt_logprobs, group.samples[0].kv_transfer_params)
+
+
+def _tokens_to_reach(detokenizer: IncrementalDetokenizer, token_ids: list[int], length: int) -> int:
+    """How many of ``token_ids``, added one at a time to ``detokenizer``, it takes for their text to be ``length``
+    characters long (all of them if it never is)."""
+    text = ""
+    for count, token_id in enumerate(token_ids, 1):
+        text += detokenizer.add(token_id)
+        if len(text) >= length:
+            return count
+    return len(token_ids)

@@ -223,3 +223,25 @@ def test_a_backend_moves_decode_metadata_on_as_a_new_build_gives_it(backend):
         if isinstance(value, torch.Tensor):
             assert torch.equal(getattr(meta, name), value), name
     assert meta.slot_mapping.tolist() == [9 * 4 + 0, 2 * 4 + 3, 8 * 4 + 1, 11 * 4 + 0]
+
+
+@pytest.mark.slow
+def test_a_stop_string_inside_a_run_ends_the_tokens_where_one_step_a_token_does(make_llm):
+    """A stop string completed by the middle token of a run of 4 (a request alone: runs of tokens 2-5, 6-9, ...):
+    the output's tokens end with the one that completed it, as with one forward a step (usage counts them), and the
+    text is cut before it."""
+    one = make_llm(dtype="bfloat16", num_scheduler_steps=1)
+    prompt = "Once upon a time, in a small village,"
+    free = one.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    tokens = free.outputs[0].token_ids
+    tokenizer = one.engine.tokenizer
+    start = len(tokenizer.decode(tokens[:5]))
+    stop = tokenizer.decode(tokens[:7])[start:]  # the 6th and 7th tokens' text: completed by the 7th, mid-run
+    assert len(stop) >= 2 and free.outputs[0].text.find(stop) == start
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    expected = one.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids == tokens[:7] and expected.finish_reason == "stop"
+    multi = make_llm(dtype="bfloat16", num_scheduler_steps=4, async_output_processing=True)
+    got = multi.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+        (expected.text, expected.token_ids, "stop", stop)
