@@ -198,7 +198,8 @@ class EngineCore:
         on_gpu = config.device.startswith("cuda")
         if config.enforce_eager or self.group is not None or not (on_gpu or config.pad_decode_on_cpu):
             return None
-        return DecodeBuckets(config.scheduler.max_num_seqs, max_model_len, capture=on_gpu)
+        return DecodeBuckets(config.scheduler.max_num_seqs, max_model_len, capture=on_gpu,
+                             greedy=config.scheduler.num_scheduler_steps > 1)
 
     def _make_offload_tier(self, model_path) -> tuple[BlockStore | None, OffloadIndex | None]:
         cache = self.config.cache

@@ -43,11 +43,13 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DecodeBuckets:
     """Which padded decode steps a runner prepares: batches of up to ``max_num_seqs`` rows, each row's block table
-    ``max_model_len`` tokens wide; ``capture``: record a CUDA graph per bucket (only on a CUDA device)."""
+    ``max_model_len`` tokens wide; ``capture``: record a CUDA graph per bucket (only on a CUDA device); ``greedy``:
+    also each bucket's greedy forward (multi-step decoding; without it, start-up captures half the graphs)."""
 
     max_num_seqs: int
     max_model_len: int
     capture: bool = True
+    greedy: bool = True
 
 
 def bucket_sizes(max_num_seqs: int, smallest: int = 1) -> list[int]:
@@ -79,6 +81,7 @@ class DecodeGraphs:
         self.buckets = model_bucket_sizes(model, buckets, kv_cache.device)
         self.table_width = -(-buckets.max_model_len // backend.block_size)  # max blocks a sequence holds
         self.padding_row = ScheduledSequence([pad_block], 0, 1)
+        self.greedy = buckets.greedy
         device = kv_cache.device
         self.input_ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         self.positions = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
@@ -116,8 +119,9 @@ class DecodeGraphs:
 
     @property
     def runs_greedy(self) -> bool:
-        """Whether ``run_greedy`` can move its forwards' inputs on without the host (the backend advances them)."""
-        return self.backend.advances_decodes
+        """Whether ``run_greedy`` runs here, moving its forwards' inputs on without the host (the backend advances
+        them)."""
+        return self.greedy and self.backend.advances_decodes
 
     @torch.inference_mode()
     def run_greedy(self, seqs: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,

@@ -93,6 +93,8 @@ def test_greedy_requests_get_the_one_step_engines_tokens_in_runs_of_forwards(tin
         graphs.run_greedy = lambda *args: greedy_runs.append(args[-1]) or run_greedy(*args)
     assert _run(multi, GREEDY, late=2) == expected
     assert (4 in greedy_runs) == pad_decode_on_cpu
+    if pad_decode_on_cpu:  # one forward a step prepares no greedy forwards (on CUDA: captures none at start-up)
+        assert graphs.runs_greedy and not one.runner.decode_graphs.runs_greedy
     runs = [steps for steps, _ in plans]
     assert {steps for steps, _ in one_plans} == {1}
     assert 4 in runs and any(1 < steps < 4 for steps in runs)  # a run cut to the tokens its requests may take
