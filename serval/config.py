@@ -281,6 +281,7 @@ class SchedulerConfig(DeviceDefaults):
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8")
 ACTIVATION_QUANTIZATION_CHOICES = ("none", "int8")
+BLOCK_DOT_PRODUCT_CHOICES = ("auto", "fma", "bf16")
 CONTEXT_POLICIES = ("error", "sliding_window")  # a chat longer than the context: refused, or its oldest turns dropped
 EARLY_EXIT_PREFIX = "self-layers:"
 CPU_SPECULATIVE_MAX_BATCH_SIZE = 4
@@ -454,6 +455,15 @@ class EngineConfig:
         "with GGUF or GPTQ/AWQ blocks on the CPU: int8 quantizes the activations per block of 32 and multiplies "
         "with integer dot products (VNNI or AVX2), as llama.cpp does; none keeps them float32",
         choices=ACTIVATION_QUANTIZATION_CHOICES))
+    # How the CPU kernel multiplies bfloat16 activations with q4 and q8 blocks (Q4_0, Q4_1, Q8_0): "fma", float32
+    # FMAs on the decoded weights (csrc/panel_linear.cpp); "bf16", bfloat16 dot products on the integer codes
+    # (csrc/bf16_dot_linear.cpp, AVX-512 BF16: about 1.5-1.9x on an AMD Zen 4); "auto" takes bf16 where it measured
+    # faster on this CPU (linear.py: bf16_dot_products_faster). Both round nothing before the float32 sums and keep
+    # batch invariance; they differ in float32 rounding only.
+    block_dot_products: str = field(default="auto", metadata=flag(
+        "with q4/q8 GGUF blocks and bfloat16 activations on the CPU: fma (float32 FMAs on decoded weights) or bf16 "
+        "(bfloat16 dot products on the integer codes, AVX-512 BF16); auto takes bf16 where it measured faster on "
+        "this CPU", choices=BLOCK_DOT_PRODUCT_CHOICES))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -540,6 +550,9 @@ class EngineConfig:
         if self.activation_quantization not in ACTIVATION_QUANTIZATION_CHOICES:
             raise ValueError("EngineConfig.activation_quantization (--activation-quantization) must be one of "
                              f"{list(ACTIVATION_QUANTIZATION_CHOICES)}, got {self.activation_quantization!r}")
+        if self.block_dot_products not in BLOCK_DOT_PRODUCT_CHOICES:
+            raise ValueError("EngineConfig.block_dot_products (--block-dot-products) must be one of "
+                             f"{list(BLOCK_DOT_PRODUCT_CHOICES)}, got {self.block_dot_products!r}")
         if self.scheduler.preemption_mode == "swap" and not self.cache.kv_offload_size:
             raise ValueError("preemption_mode 'swap' needs a second tier for the KV: set kv_offload_size "
                              "(--kv-offload-size GiB)")

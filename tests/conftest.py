@@ -61,11 +61,11 @@ def make_llm(smollm):
              session_cache_fraction: float = 0.5, kv_offload_size: float = 0.0, kv_offload_path: str | None = None,
              preemption_mode: str = "auto", kv_cache_dtype: str = "auto",
              activation_quantization: str = "none", async_output_processing: bool | None = None,
-             num_scheduler_steps: int | None = None) -> LLM:
+             num_scheduler_steps: int | None = None, block_dot_products: str = "auto") -> LLM:
         model, tokenizer = smollm(dtype, quantization)
         config = EngineConfig(
             dtype=dtype, quantization=quantization, max_model_len=max_model_len, context_policy=context_policy,
-            activation_quantization=activation_quantization,
+            activation_quantization=activation_quantization, block_dot_products=block_dot_products,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching, session_ttl=session_ttl,
                               session_cache_fraction=session_cache_fraction, kv_offload_size=kv_offload_size,

@@ -1,6 +1,7 @@
 """`serval bench quality`: what each weight form costs in quality, measured through the engine itself.
 
-For each form (dtype + quantization, and optionally the activation quantization) of one model: the perplexity of a
+For each form (dtype + quantization, and optionally the activation quantization and the block kernel's dot
+products, e.g. bfloat16:gguf:none:fma) of one model: the perplexity of a
 fixed English text that ships with Python itself (the library reference topics in ``pydoc_data.topics``: every
 machine has the same bytes), scored in windows through prompt logprobs, and the greedy agreement of seeded prose
 continuations with the reference form (float32, dequantized: the file's weights at full precision). Lower perplexity
@@ -95,10 +96,12 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     reference_tokens = None
     print(f"{'form':<18}{'weights':>8}{'perplexity':>12}{'vs ref':>9}{'identical':>11}{'prefix':>9}{'s':>7}")
     for form in forms:
-        dtype, quantization, *activations = form.split(":")  # a third field: EngineConfig.activation_quantization
+        # A third field: EngineConfig.activation_quantization; a fourth: EngineConfig.block_dot_products
+        dtype, quantization, *kernel = form.split(":")
         start = time.perf_counter()
         llm = LLM(args.model, dtype=dtype, quantization=quantization, max_model_len=max(args.window, 1024),
-                  activation_quantization=activations[0] if activations else "none")
+                  activation_quantization=kernel[0] if kernel else "none",
+                  block_dot_products=kernel[1] if len(kernel) > 1 else "auto")
         text_ids = llm.tokenizer.encode(reference_text())[: args.num_tokens]
         ppl, scored = perplexity(llm, windows(text_ids, args.window))
         tokens = continuations(llm, prompts, args.output_tokens)
@@ -106,7 +109,8 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         weights = resolve_quantization(engine.model_path, engine.config.device, engine.config.torch_dtype,
                                        quantization)
         entry = {"dtype": dtype, "quantization": weights,
-                 "activation_quantization": engine.config.activation_quantization, "perplexity": ppl,
+                 "activation_quantization": engine.config.activation_quantization,
+                 "block_dot_products": engine.core.dot_products, "perplexity": ppl,
                  "tokens_scored": scored,
                  "seconds": time.perf_counter() - start}
         if reference_tokens is None:

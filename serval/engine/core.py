@@ -26,7 +26,7 @@ from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler
 from serval.engine.spec_decode import NgramProposer
 from serval.engine.workers import start_ranks
-from serval.layers.linear import use_activation_quantization
+from serval.layers.linear import use_activation_quantization, use_dot_products
 from serval.layers.sampler import TokenLogprobs
 from serval.model.loader import has_4bit_blocks, load_model
 from serval.model.registry import resolve_model_path
@@ -158,6 +158,7 @@ class EngineCore:
         self.model = model or load_model(model_path, config.torch_dtype, config.device, config.quantization,
                                          self.group, config.enable_expert_parallel)
         use_activation_quantization(self.model, config.activation_quantization)  # a model given too
+        self.dot_products = use_dot_products(self.model, config.block_dot_products)  # "auto" resolved
         model_config = self.model.config
         cache = config.cache
         num_blocks = num_kv_blocks(config, self.model)  # on a GPU, after a profiling forward of the largest step
@@ -223,7 +224,7 @@ class EngineCore:
         return {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None,
                 "dtype": self.config.dtype, "quantization": self.config.quantization,
                 "kv_cache_dtype": self.config.cache.kv_cache_dtype,
-                "activation_quantization": self.config.activation_quantization}
+                "activation_quantization": self.config.activation_quantization, "dot_products": self.dot_products}
 
     def _transfer(self) -> None:
         """Makes the copies between the KV tiers that the last allocations asked for (before any forward uses or
@@ -525,6 +526,7 @@ class EngineCore:
             draft_model = load_model(resolve_model_path(spec.draft_model), config.torch_dtype, config.device,
                                      config.quantization)
         use_activation_quantization(draft_model, config.activation_quantization)
+        use_dot_products(draft_model, config.block_dot_products)
         self.runner.draft = proposer = DraftProposer(self.runner, draft_model)
         return proposer
 

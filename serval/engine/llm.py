@@ -31,11 +31,13 @@ class LLM:
                  context_policy: str = "error", quantization: str = "auto", speculative_model: str | None = "ngram",
                  num_speculative_tokens: int = 4, speculative_max_batch_size: int | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
-                 activation_quantization: str = EngineConfig.activation_quantization) -> None:
+                 activation_quantization: str = EngineConfig.activation_quantization,
+                 block_dot_products: str = EngineConfig.block_dot_products) -> None:
         """None and "auto" take the device's defaults (config.py: EngineConfig, DeviceDefaults)."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, context_policy=context_policy,
             quantization=quantization, activation_quantization=activation_quantization,
+            block_dot_products=block_dot_products,
             generation_config=generation_config,
             override_generation_config=override_generation_config,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_blocks,

@@ -13,15 +13,19 @@ row alone (min_rows 1), as it does for the GGUF blocks.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serval.config import ACTIVATION_QUANTIZATION_CHOICES
+from serval.config import ACTIVATION_QUANTIZATION_CHOICES, BLOCK_DOT_PRODUCT_CHOICES
 from serval.layers import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -333,6 +337,12 @@ class BlockQuantLinear(nn.Module):
         self._panels: list[tuple[str, int, tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._panel_linear = None  # the kernel's function, kept with the panels
         self._panel_linear_int8 = None  # its int8-activation twin (csrc/int8_linear.cpp), where it was compiled
+        # Per part, the kernel for bfloat16 rows with dot_products "bf16": csrc/bf16_dot_linear.cpp's for q4 and q8
+        # blocks where it was compiled, the float kernel for the other formats.
+        self._bf16_dot_linears: list | None = None
+        # "bf16": bfloat16 activations times q4/q8 blocks by bfloat16 dot products; set by use_dot_products
+        # (EngineConfig.block_dot_products)
+        self.dot_products = "fma"
         # float32 results where the kernel computes them so (the logits: in bfloat16, scores 1/8 apart tie)
         self.float_output = False
         # "int8": the kernel quantizes the activations per row and block of 32 (csrc/int8_linear.cpp), for every
@@ -362,6 +372,9 @@ class BlockQuantLinear(nn.Module):
                 self._panel_linear = kernels.block_panel_linear
                 if kernels.block_int8_kernel_available():
                     self._panel_linear_int8 = kernels.block_panel_linear_int8
+                bf16_dot = kernels.block_panel_linear_bf16_dot if kernels.block_bf16_dot_kernel_available() else None
+                self._bf16_dot_linears = [bf16_dot if bf16_dot and fmt in BF16_DOT_FORMATS else self._panel_linear
+                                          for fmt, _, _ in self._panels]
             return self._panel_matmul(x)
         if self._dense is None or self._dense.dtype != x.dtype:
             dense = torch.cat([part.dequantize() for part in self.block_weights()])
@@ -369,11 +382,14 @@ class BlockQuantLinear(nn.Module):
         return F.linear(x, self._dense)
 
     def _panel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        linear = self._panel_linear
         if self.activation_quantization == "int8" and self._panel_linear_int8 is not None:
-            linear = self._panel_linear_int8
+            linears = itertools.repeat(self._panel_linear_int8)
+        elif self.dot_products == "bf16" and x.dtype == torch.bfloat16:
+            linears = self._bf16_dot_linears
+        else:
+            linears = itertools.repeat(self._panel_linear)
         outputs = [linear(x, *panels, fmt, out_features, self.float_output)
-                   for fmt, out_features, panels in self._panels]
+                   for linear, (fmt, out_features, panels) in zip(linears, self._panels)]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
     def block_weights(self) -> list[BlockWeight]:
@@ -456,6 +472,80 @@ def use_activation_quantization(model: nn.Module, method: str) -> int:
     for linear in linears:
         linear.activation_quantization = method
     return len(linears)
+
+
+BF16_DOT_FORMATS = ("q4", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
+
+
+def use_dot_products(model: nn.Module, choice: str) -> str:
+    """Sets how ``model``'s block linears multiply bfloat16 activations with q4 and q8 blocks
+    (EngineConfig.block_dot_products): "fma", float32 FMAs on the decoded weights; "bf16", bfloat16 dot products
+    on the codes; "auto", "bf16" where it measured faster on this CPU (``bf16_dot_products_faster``). Returns the
+    choice made ("fma" where the model has no such linear on the CPU or the kernel was not compiled)."""
+    if choice not in BLOCK_DOT_PRODUCT_CHOICES:
+        raise ValueError(f"block_dot_products must be one of {BLOCK_DOT_PRODUCT_CHOICES}, got {choice!r}")
+    linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)
+               and set(m.formats) & set(BF16_DOT_FORMATS) and m.packed0.is_cpu]
+    kernels = _panel_kernels(torch.device("cpu")) if linears else None
+    available = kernels is not None and kernels.block_bf16_dot_kernel_available()
+    if choice == "auto":
+        choice = "bf16" if available and bf16_dot_products_faster() else "fma"
+    elif choice == "bf16" and linears and not available:
+        logger.warning("--block-dot-products bf16: this CPU or build has no AVX-512 BF16; using fma")
+        choice = "fma"
+    for linear in linears:
+        linear.dot_products = choice
+    return choice
+
+
+_dot_product_measurement: dict[str, bool] = {}
+
+
+def bf16_dot_products_faster() -> bool:
+    """Whether the bfloat16 dot-product kernel beats the float32 one on this CPU: a q4 linear of 3072 x 576 (a
+    gate/up projection's shape) at 1 and at 16 rows, the two kernels alternated on this thread, medians of its CPU
+    time. bf16 must be at least MARGIN faster at both, so that a near tie does not flip between starts; measured
+    once per build of the kernels and kept beside it (the same CPU kind, the same code)."""
+    if "faster" in _dot_product_measurement:
+        return _dot_product_measurement["faster"]
+    kernels = _panel_kernels(torch.device("cpu"))
+    record = Path(kernels.__file__).with_suffix(".dot_products.json")
+    try:
+        measured = json.loads(record.read_text())
+    except (OSError, ValueError):
+        measured = _measure_dot_products(kernels)
+        try:
+            record.write_text(json.dumps(measured))
+        except OSError:
+            pass
+    faster = all(measured[f"fma_{rows}"] >= DOT_PRODUCT_MARGIN * measured[f"bf16_{rows}"] for rows in (1, 16))
+    logger.info("block linears: %s (q4 3072 x 576, us a call, fma/bf16: 1 row %.0f/%.0f, 16 rows %.0f/%.0f)",
+                "bfloat16 dot products" if faster else "float32 FMAs", measured["fma_1"], measured["bf16_1"],
+                measured["fma_16"], measured["bf16_16"])
+    _dot_product_measurement["faster"] = faster
+    return faster
+
+
+DOT_PRODUCT_MARGIN = 1.1
+
+
+def _measure_dot_products(kernels) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(0)
+    n, k = 3072, 576
+    weight = BlockWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
+                         (torch.rand(n, k // 32, 2, generator=generator) / 64).half().view(torch.int16), k)
+    panels = weight.panels()
+    times: dict[str, list[float]] = {}
+    for _ in range(7):
+        for rows in (1, 16):
+            x = torch.randn(rows, k, generator=generator).bfloat16()
+            for name, linear in (("fma", kernels.block_panel_linear), ("bf16", kernels.block_panel_linear_bf16_dot)):
+                calls = 64 // rows + 2
+                start = time.thread_time()
+                for _ in range(calls):
+                    linear(x, *panels, "q4", n, False)
+                times.setdefault(f"{name}_{rows}", []).append((time.thread_time() - start) / calls * 1e6)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 QUANTIZATIONS = ("int8",)

@@ -90,6 +90,23 @@ def test_int8_activations_keep_greedy_output_independent_of_batch_and_chunks(mak
     _assert_no_owned_blocks(llm)
 
 
+@pytest.mark.parametrize("dot_products", ["fma", "bf16"])
+def test_each_block_kernel_keeps_greedy_output_independent_of_batch_and_chunks(make_llm, dot_products):
+    """Either kernel for bfloat16 rows on the GGUF blocks (EngineConfig.block_dot_products; "auto" is one of them):
+    each prompt's greedy tokens alone equal its tokens in a batch of 16 and in chunked prefills."""
+    alone = make_llm(dtype="bfloat16", max_num_seqs=1, block_dot_products=dot_products)
+    if alone.engine.core.dot_products != dot_products:
+        pytest.skip("the bfloat16 dot-product kernel needs AVX-512 BF16")
+    assert all(m.dot_products == dot_products for m in alone.engine.model.modules()
+               if isinstance(m, BlockQuantLinear) and set(m.formats) & {"q4", "q8"})
+    want = _texts(alone.generate(PROMPTS, GREEDY, use_tqdm=False))
+    for budget in (512, 7):
+        llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=budget,
+                       block_dot_products=dot_products)
+        assert _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+        _assert_no_owned_blocks(llm)
+
+
 def test_prefix_cache_hit_computes_less_and_changes_nothing(make_llm, dtype, reference):
     llm = make_llm(dtype=dtype, enable_prefix_caching=True)
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

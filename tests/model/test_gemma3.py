@@ -69,10 +69,12 @@ def test_float32_logits_match_transformers_past_the_sliding_window(reference, ou
 
 
 @torch.inference_mode()
-def test_bfloat16_logits_match_transformers_bfloat16(reference, ours):
+def test_bfloat16_logits_match_transformers_float32(reference, ours):
+    """Against transformers' float32 logits on the same file, within BF16_REL of the scale. (Not against
+    transformers' own bfloat16 run: its error depends on the CPU's bfloat16 GEMMs. On an AMD EPYC Zen 4 it was 4.05
+    from float32 at logit scale 182, 2.2%, where ours was 1.44, with either dot products of the block kernel.)"""
     with torch.no_grad():
-        want = hf_logits(reference.to(torch.bfloat16), PROMPT[:300])
-    reference.to(torch.float32)
+        want = hf_logits(reference, PROMPT[:300])
     assert_logits_close(full_logits(ours[torch.bfloat16], PROMPT[:300]), want, BF16_REL)
 
 

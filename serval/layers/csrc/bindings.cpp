@@ -18,6 +18,9 @@ at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels
                                    const std::string& format, int64_t out_features, bool float_output,
                                    const std::string& kernel);
 bool block_int8_kernel_available();
+at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                                       const std::string& format, int64_t out_features, bool float_output);
+bool block_bf16_dot_kernel_available();
 bool block_int8_amx_available();
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
@@ -53,6 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("panels"), py::arg("scales"), py::arg("format"), py::arg("out_features"), py::arg("float_output"),
         py::arg("kernel") = "auto", no_gil());
   m.def("block_int8_kernel_available", &block_int8_kernel_available, "whether block_panel_linear_int8 was compiled");
+  m.def("block_panel_linear_bf16_dot", &block_panel_linear_bf16_dot,
+        "block_panel_linear for bfloat16 x on q4 and q8 blocks with bfloat16 dot products on the codes", no_gil());
+  m.def("block_bf16_dot_kernel_available", &block_bf16_dot_kernel_available,
+        "whether block_panel_linear_bf16_dot was compiled (AVX-512 BF16)");
   m.def("block_int8_amx_available", &block_int8_amx_available,
         "whether block_panel_linear_int8 can run on AMX tiles here (compiled, and the CPU and OS allow them)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());

@@ -1,0 +1,273 @@
+// y = x W^T for bfloat16 activations on panel_linear.cpp's q4 and q8 blocks (the same panel bytes and scales), with
+// AVX-512 BF16 dot products: vdpbf16ps does two multiply-adds per 32-bit lane and instruction where a float32 FMA
+// does one, and its codes take 4 vector instructions a pair of input positions to form where panel_linear.cpp's
+// float32 weights take 7 (measured on an AMD EPYC Zen 4: benchmarks/README.md, "bfloat16 dot products").
+//
+// Nothing is rounded before the sums: the file's integer codes are bfloat16 values exactly (q8: |q| <= 128; q4 as
+// 128 + q, whose 7 mantissa bits are q), a bfloat16 activation times such a code is exact in float32, and the scales
+// are applied once per block. Per row, block b of 32 inputs and output n (every step float32, from y = 0):
+//   s = 16 steps s = vdpbf16ps(s, (c_2p, c_2p+1), (x_2p, x_2p+1)) over the pairs p in order, from s = 0
+//   q8 (w = d q, c = q):              y = fma(d, s, y)
+//   q4 (w = d q + m, c = 128 + q):    y = fma(d, s, y); y = fma(m - 128 d, xsum_b, y)
+// over the blocks in order, with xsum_b the row's block sum (one fixed reduction). So a row's bits depend on its own
+// values only, whatever the number of rows, the tile or the thread: the decoded-in-registers path (few rows) and the
+// decoded-once path (many) run the same steps. They differ from panel_linear.cpp's float32 chain by float32
+// rounding alone (tests/layers/test_bf16_dot_linear.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "block_formats.h"
+#include "scratch.h"
+
+namespace {
+
+using namespace serval_blocks;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+#define SERVAL_BF16_DOT_KERNEL
+constexpr int64_t kLanes = 16, kCols = 2 * kLanes;  // a tile: two panels of 16 columns side by side
+constexpr int kTileRows = 6;  // 12 sums + 12 block sums + 2 code vectors + a broadcast of 32 registers
+constexpr int kPairs = kBlock / 2;
+
+inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// Pair p of a block's codes for one panel's 16 columns: lane j holds column j's (c_2p, c_2p+1) as bfloat16.
+template <int F>
+inline __m512i pair_codes(const uint8_t* q, int pair) {
+  if constexpr (F == kQ4) {
+    // Byte j holds q_2p (low nibble) and q_2p+1 (high). (b | b << 12) & 0x000F000F puts them at bits 0-3 and
+    // 16-19; 0x4300 is bfloat16 128, so each half is then 128 + q.
+    const __m512i b = _mm512_cvtepu8_epi32(load_bytes(q + pair * 16));
+    const __m512i nibbles = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F),
+                                                      0xA8);  // (A | B) & C
+    return _mm512_or_si512(nibbles, _mm512_set1_epi32(0x43004300));
+  } else {  // q8: rows 2p and 2p + 1; an integer of at most 8 bits is a float32 whose high half is its bfloat16
+    const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(q + 2 * pair * 16))));
+    const __m512i odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(q + (2 * pair + 1) * 16))));
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)),
+                                     0xF8);  // A | (B & C)
+  }
+}
+
+// A block's scales for one panel: d, and for q4 m - 128 d (one rounding), the coefficient of the row's block sum.
+template <int F>
+inline void panel_scales(const uint16_t* s, __m512& d, __m512& offset) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  if constexpr (F == kQ4)
+    offset = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16))));
+  else
+    offset = _mm512_setzero_ps();
+}
+
+// The panels of a weight: panel P's block g starts at packed + (P G + g) block_bytes, its scales at
+// scales + (P G + g) scale_halves.
+struct Panels {
+  const uint8_t* packed;
+  const uint16_t* scales;
+  int64_t groups, block_bytes, scale_halves;
+  const uint8_t* codes(int64_t tile, int c, int64_t g) const { return packed + ((2 * tile + c) * groups + g) * block_bytes; }
+  const uint16_t* scale(int64_t tile, int c, int64_t g) const { return scales + ((2 * tile + c) * groups + g) * scale_halves; }
+};
+
+// Where a tile's codes and scales come from: decoded from the panels as they are used (few rows), or from a tile
+// decoded once into a buffer (many rows): the same values either way.
+template <int F>
+struct FromPanels {
+  const Panels& w;
+  int64_t tile, ahead;
+  void scales(int64_t g, __m512 d[2], __m512 offset[2]) const {
+    for (int c = 0; c < 2; ++c) panel_scales<F>(w.scale(tile, c, g), d[c], offset[c]);
+  }
+  // Asks for the same block of the tile ``ahead`` while this one computes (panel_linear.cpp's prefetch_block).
+  __attribute__((always_inline)) void prefetch(int64_t g) const {
+    for (int c = 0; c < 2; ++c) {
+      for (int64_t b = 0; b < w.block_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w.codes(ahead, c, g) + b), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w.scale(ahead, c, g)), _MM_HINT_T0);
+    }
+  }
+  __m512i codes(int64_t g, int pair, int c) const { return pair_codes<F>(w.codes(tile, c, g), pair); }
+};
+
+// A tile decoded: per block, its 16 pairs' code vectors [16][2] and its scales [2 (d, offset)][2][16].
+constexpr int64_t kBufferedBlock = kPairs * kCols + 2 * kCols;  // 32-bit words
+struct FromBuffer {
+  const uint32_t* tile;
+  void scales(int64_t g, __m512 d[2], __m512 offset[2]) const {
+    const float* s = reinterpret_cast<const float*>(tile + g * kBufferedBlock + kPairs * kCols);
+    for (int c = 0; c < 2; ++c) {
+      d[c] = _mm512_loadu_ps(s + c * kLanes);
+      offset[c] = _mm512_loadu_ps(s + kCols + c * kLanes);
+    }
+  }
+  void prefetch(int64_t) const {}
+  __m512i codes(int64_t g, int pair, int c) const {
+    return _mm512_loadu_si512(tile + g * kBufferedBlock + (pair * 2 + c) * kLanes);
+  }
+};
+
+template <int F>
+void decode_tile(const Panels& w, int64_t tile, uint32_t* out) {
+  for (int64_t g = 0; g < w.groups; ++g) {
+    uint32_t* block = out + g * kBufferedBlock;
+    for (int pair = 0; pair < kPairs; ++pair)
+      for (int c = 0; c < 2; ++c)
+        _mm512_storeu_si512(block + (pair * 2 + c) * kLanes, pair_codes<F>(w.codes(tile, c, g), pair));
+    float* s = reinterpret_cast<float*>(block + kPairs * kCols);
+    for (int c = 0; c < 2; ++c) {
+      __m512 d, offset;
+      panel_scales<F>(w.scale(tile, c, g), d, offset);
+      _mm512_storeu_ps(s + c * kLanes, d);
+      _mm512_storeu_ps(s + kCols + c * kLanes, offset);
+    }
+  }
+}
+
+inline __mmask16 first(int64_t count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1); }
+inline void store_out(float* y, __m512 v, int64_t count) { _mm512_mask_storeu_ps(y, first(count), v); }
+// float32 to bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN to its quiet NaN).
+inline void store_out(uint16_t* y, __m512 v, int64_t count) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_mask_storeu_epi16(y, first(count), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// R rows (x bfloat16 with ldx per row, xsum [R][G] their block sums) times one tile's columns n0 ...
+template <int F, int R, typename Source, typename Out>
+void tile_rows(const Source& source, int64_t groups, const uint16_t* x, int64_t ldx, const float* xsum, Out* y,
+               int64_t N, int64_t n0) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    source.prefetch(g);
+    __m512 sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+    const uint16_t* xg = x + g * kBlock;
+    for (int pair = 0; pair < kPairs; ++pair) {
+      const __m512bh codes[2] = {(__m512bh)source.codes(g, pair, 0), (__m512bh)source.codes(g, pair, 1)};
+      for (int r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, xg + r * ldx + 2 * pair, sizeof(word));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(word);
+        for (int c = 0; c < 2; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], codes[c], xb);
+      }
+    }
+    // The scales only now: held through the pairs' loop, they left too few registers for the sums (spills).
+    __m512 d[2], offset[2];
+    source.scales(g, d, offset);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(d[c], sums[r][c], acc[r][c]);
+        if constexpr (F == kQ4) acc[r][c] = _mm512_fmadd_ps(offset[c], _mm512_set1_ps(xsum[r * groups + g]), acc[r][c]);
+      }
+  }
+  const int64_t cols = std::min<int64_t>(kCols, N - n0);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c)
+      if (cols > c * kLanes) store_out(y + r * N + n0 + c * kLanes, acc[r][c], cols - c * kLanes);
+}
+
+template <int F, int R, typename Source, typename Out>
+void some_rows(int64_t rows, const Source& source, int64_t groups, const uint16_t* x, int64_t ldx, const float* xsum,
+               Out* y, int64_t N, int64_t n0) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_rows<F, R>(source, groups, x, ldx, xsum, y, N, n0);
+    some_rows<F, R - 1>(rows, source, groups, x, ldx, xsum, y, N, n0);
+  }
+}
+
+template <int F, typename Out>
+void gemm(const uint16_t* x, int64_t M, int64_t ldx, const float* xsum, const Panels& w, int64_t N, Out* y) {
+  const int64_t tiles = (N + kCols - 1) / kCols, G = w.groups;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    if (M <= kTileRows) {
+      for (int64_t t = begin; t < end; ++t)
+        some_rows<F, kTileRows>(M, FromPanels<F>{w, t, std::min(t + 1, end - 1)}, G, x, ldx, xsum, y, N, t * kCols);
+      return;
+    }
+    // Many rows: each tile's codes decoded once for all of them.
+    uint32_t* buffer = reinterpret_cast<uint32_t*>(serval::scratch(0, G * kBufferedBlock));
+    for (int64_t t = begin; t < end; ++t) {
+      decode_tile<F>(w, t, buffer);
+      const FromBuffer source{buffer};
+      int64_t r0 = 0;
+      for (; r0 + kTileRows <= M; r0 += kTileRows)
+        tile_rows<F, kTileRows>(source, G, x + r0 * ldx, ldx, xsum + r0 * G, y + r0 * N, N, t * kCols);
+      some_rows<F, kTileRows - 1>(M - r0, source, G, x + r0 * ldx, ldx, xsum + r0 * G, y + r0 * N, N, t * kCols);
+    }
+  });
+}
+
+// Each row's block sums, [M][G]: the 32 values widened to float32, the two halves added lane by lane, then
+// _mm512_reduce_add_ps (one fixed tree).
+void block_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, float* out) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* p = x + r * ldx + g * kBlock;
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+      out[r * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+}
+#endif
+
+}  // namespace
+
+bool block_bf16_dot_kernel_available() {
+#if defined(SERVAL_BF16_DOT_KERNEL)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bfloat16; panels and scales of format q4 or q8 as block_panel_linear takes them. Returns y [M, N]
+// bfloat16, or float32 with float_output.
+at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                                       const std::string& format, int64_t out_features, bool float_output) {
+  const BlockCall call = check_block_call(x, panels, scales, format, out_features);
+  TORCH_CHECK(call.format == kQ4 || call.format == kQ8, "block_panel_linear_bf16_dot: q4 or q8 blocks, not ", format);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "block_panel_linear_bf16_dot: x must be bfloat16");
+#if defined(SERVAL_BF16_DOT_KERNEL)
+  const int64_t M = call.rows, K = call.in_features, N = call.out_features, G = call.groups, padded = G * kBlock;
+  const at::Tensor xc = x.contiguous();
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  int64_t ldx = K;
+  if (K != padded) {  // rows padded with zeros to the blocks' width
+    uint16_t* rows = reinterpret_cast<uint16_t*>(serval::scratch(1, (M * padded + 1) / 2));
+    for (int64_t r = 0; r < M; ++r) {
+      std::memcpy(rows + r * padded, xs + r * K, K * sizeof(uint16_t));
+      std::memset(rows + r * padded + K, 0, (padded - K) * sizeof(uint16_t));
+    }
+    xs = rows;
+    ldx = padded;
+  }
+  float* xsum = serval::scratch(2, M * G);
+  if (call.format == kQ4) block_sums(xs, M, ldx, G, xsum);
+  const Panels w{panels.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), G,
+                 block_rows(call.format) * 16, scale_rows(call.format) * 16};
+  auto run = [&](auto* y) {
+    if (call.format == kQ4) gemm<kQ4>(xs, M, ldx, xsum, w, N, y);
+    else gemm<kQ8>(xs, M, ldx, xsum, w, N, y);
+  };
+  if (float_output) {
+    at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+    run(y.data_ptr<float>());
+    return y;
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  return y;
+#else
+  TORCH_CHECK(false, "block_panel_linear_bf16_dot needs AVX-512 BF16 (check block_bf16_dot_kernel_available())");
+#endif
+}

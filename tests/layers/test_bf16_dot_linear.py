@@ -1,0 +1,127 @@
+"""The block kernel's bfloat16 dot products (csrc/bf16_dot_linear.cpp, EngineConfig.block_dot_products "bf16"):
+bfloat16 activations times the q4 and q8 codes, exact products summed in float32, the scales once per block. Against
+float64 on the same weights it errs by float32 rounding only, as the float32 FMA kernel does; a row alone equals the
+row in any batch (the in-register path up to 6 rows and the decoded-once path above it run the same steps); and
+BlockQuantLinear takes it only where it was chosen (use_dot_products)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_block_quant_linear import activations, random_blocks
+
+from serval.config import EngineConfig
+from serval.layers import cpu_kernels
+from serval.layers import linear as linear_module
+from serval.layers.linear import BlockQuantLinear, use_dot_products
+
+kernels = cpu_kernels.load()
+needs_bf16_dot = pytest.mark.skipif(kernels is None or not kernels.block_bf16_dot_kernel_available(),
+                                    reason="the bfloat16 dot-product kernel needs the C++ kernels and AVX-512 BF16")
+
+
+def reference(weight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x W^T in float64 (the file's weights, exact) and the sum of its terms' magnitudes (float32 rounding's scale)."""
+    w = weight.dequantize().double()
+    return x.double() @ w.T, x.double().abs() @ w.abs().T
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 37])
+@pytest.mark.parametrize("shape", [(200, 576), (37, 80)])  # a short last panel; a K the blocks pad
+def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, rows, shape):
+    """Nothing is rounded before the float32 sums: against float64 the error is under 2^-17 of the sum of |terms|
+    (q4's biased codes, 128 + q, make a block's partial sums up to 143/15 times the terms', then 32 roundings of
+    2^-24 each), the same bound the float32 FMA kernel meets."""
+    out_features, in_features = shape
+    weight = random_blocks(fmt, out_features, in_features)
+    panels = weight.panels()
+    x = activations(rows, in_features, torch.bfloat16)
+    want, scale = reference(weight, x)
+    y = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, True)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    assert ((y.double() - want).abs() <= scale * 2.0**-17).all()
+    fma = kernels.block_panel_linear(x, *panels, fmt, out_features, True)
+    assert ((fma.double() - want).abs() <= scale * 2.0**-17).all()
+    # bfloat16 results are the float32 ones rounded to nearest even.
+    rounded = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, False)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, y.bfloat16())
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_row_is_the_same_whatever_the_batch(fmt, threads):
+    """Rows 0-39 in batches of every size from 1 to 40 (the 6-row tile, its remainders and the decoded-once path),
+    on one thread and on two: every row's bits equal its bits alone."""
+    weight = random_blocks(fmt, 300, 576, seed=3)
+    panels = weight.panels()
+    x = activations(40, 576, torch.bfloat16, seed=4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([kernels.block_panel_linear_bf16_dot(x[i: i + 1], *panels, fmt, 300, True)
+                           for i in range(40)])
+        for rows in range(1, 41):
+            together = kernels.block_panel_linear_bf16_dot(x[:rows], *panels, fmt, 300, True)
+            assert torch.equal(together, alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16_dot
+def test_bad_calls_are_refused():
+    weight = random_blocks("q4", 64, 64)
+    panels = weight.panels()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.block_panel_linear_bf16_dot(torch.ones(2, 64), *panels, "q4", 64, False)
+    q5 = random_blocks("Q5_1", 64, 64)
+    with pytest.raises(RuntimeError, match="q4 or q8"):
+        kernels.block_panel_linear_bf16_dot(torch.ones(2, 64, dtype=torch.bfloat16), *q5.panels(), q5.format, 64,
+                                            False)
+
+
+@needs_bf16_dot
+def test_the_linear_takes_the_kernel_it_is_set_to():
+    """use_dot_products sets every q4/q8 block linear; "bf16" gives the dot-product kernel's bits for bfloat16 rows
+    (float32 rows stay on the FMA kernel: their rounding to bfloat16 would change the numerics), "fma" the FMA
+    kernel's; "auto" resolves to one of them; other names are refused."""
+    weight = random_blocks("q4", 96, 576, seed=5)
+    model = torch.nn.Sequential(BlockQuantLinear(weight))
+    layer = model[0]
+    x = activations(3, 576, torch.bfloat16, seed=6)
+    panels = weight.panels()
+    layer(x)  # builds the panels
+    assert use_dot_products(model, "bf16") == "bf16" and layer.dot_products == "bf16"
+    assert torch.equal(layer(x), kernels.block_panel_linear_bf16_dot(x, *panels, "q4", 96, False))
+    assert torch.equal(layer(x.float()), kernels.block_panel_linear(x.float(), *panels, "q4", 96, False))
+    assert use_dot_products(model, "fma") == "fma" and layer.dot_products == "fma"
+    assert torch.equal(layer(x), kernels.block_panel_linear(x, *panels, "q4", 96, False))
+    assert not torch.equal(kernels.block_panel_linear_bf16_dot(x, *panels, "q4", 96, True),
+                           kernels.block_panel_linear(x, *panels, "q4", 96, True))  # two kernels, told apart
+    assert use_dot_products(model, "auto") in ("fma", "bf16")
+    # A fused linear of a q4 and a Q5_1 part: the q4 part on the dot products, the other on the FMA kernel.
+    q5 = random_blocks("Q5_1", 40, 576, seed=7)
+    fused = torch.nn.Sequential(BlockQuantLinear([weight, q5]))
+    fused(x)
+    use_dot_products(fused, "bf16")
+    want = torch.cat([kernels.block_panel_linear_bf16_dot(x, *panels, "q4", 96, False),
+                      kernels.block_panel_linear(x, *q5.panels(), q5.format, 40, False)], dim=-1)
+    assert torch.equal(fused(x), want)
+    with pytest.raises(ValueError, match="block_dot_products"):
+        use_dot_products(model, "int4")
+    with pytest.raises(ValueError, match="--block-dot-products"):
+        EngineConfig(block_dot_products="int4")
+
+
+@needs_bf16_dot
+def test_auto_follows_the_measurement(monkeypatch):
+    """"auto" is "bf16" exactly where the measurement found it faster (by DOT_PRODUCT_MARGIN at 1 and 16 rows)."""
+    model = torch.nn.Sequential(BlockQuantLinear(random_blocks("q8", 32, 64)))
+    for faster, choice in ((True, "bf16"), (False, "fma")):
+        monkeypatch.setattr(linear_module, "bf16_dot_products_faster", lambda faster=faster: faster)
+        assert use_dot_products(model, "auto") == choice and model[0].dot_products == choice
+    monkeypatch.undo()
+    measured = linear_module._measure_dot_products(kernels)
+    assert set(measured) == {"fma_1", "bf16_1", "fma_16", "bf16_16"} and all(v > 0 for v in measured.values())
