@@ -65,7 +65,7 @@ def instrument(engine: LLMEngine, timer: PartTimer) -> None:
     llama.paged_attention = timer.wrap("attention", llama.paged_attention)
     llama.silu_and_mul = timer.wrap("silu_and_mul", llama.silu_and_mul)
     RotaryStep.rotate_ = timer.wrap("rope", RotaryStep.rotate_)
-    runner_module.greedy_tokens = timer.wrap("argmax", runner_module.greedy_tokens)
+    runner_module.greedy_token_tensor = timer.wrap("argmax", runner_module.greedy_token_tensor)
 
 
 def start_decodes(engine: LLMEngine, batch: int, max_tokens: int) -> None:

@@ -337,10 +337,10 @@ class BlockQuantLinear(nn.Module):
         self._panels: list[tuple[str, int, tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._panel_linear = None  # the kernel's function, kept with the panels
         self._panel_linear_int8 = None  # its int8-activation twin (csrc/int8_linear.cpp), where it was compiled
-        # Per part, the kernel for bfloat16 rows with dot_products "bf16": csrc/bf16_dot_linear.cpp's for q4 and q8
+        # Per part, the kernel for bfloat16 rows with dot_products "bf16": csrc/bf16_dot_linear.cpp's for q4, q4k and q8
         # blocks where it was compiled, the float kernel for the other formats.
         self._bf16_dot_linears: list | None = None
-        # "bf16": bfloat16 activations times q4/q8 blocks by bfloat16 dot products; set by use_dot_products
+        # "bf16": bfloat16 activations times q4, q4k and q8 blocks by bfloat16 dot products; set by use_dot_products
         # (EngineConfig.block_dot_products)
         self.dot_products = "fma"
         # float32 results where the kernel computes them so (the logits: in bfloat16, scores 1/8 apart tie)
@@ -474,11 +474,11 @@ def use_activation_quantization(model: nn.Module, method: str) -> int:
     return len(linears)
 
 
-BF16_DOT_FORMATS = ("q4", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
+BF16_DOT_FORMATS = ("q4", "q4k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
 
 
 def use_dot_products(model: nn.Module, choice: str) -> str:
-    """Sets how ``model``'s block linears multiply bfloat16 activations with q4 and q8 blocks
+    """Sets how ``model``'s block linears multiply bfloat16 activations with q4, q4k and q8 blocks
     (EngineConfig.block_dot_products): "fma", float32 FMAs on the decoded weights; "bf16", bfloat16 dot products
     on the codes; "auto", "bf16" where it measured faster on this CPU (``bf16_dot_products_faster``). Returns the
     choice made ("fma" where the model has no such linear on the CPU or the kernel was not compiled)."""

@@ -1,8 +1,8 @@
 """The block kernel's bfloat16 dot products (csrc/bf16_dot_linear.cpp, EngineConfig.block_dot_products "bf16"):
-bfloat16 activations times the q4 and q8 codes, exact products summed in float32, the scales once per block. Against
-float64 on the same weights it errs by float32 rounding only, as the float32 FMA kernel does; a row alone equals the
-row in any batch (the in-register path up to 6 rows and the decoded-once path above it run the same steps); and
-BlockQuantLinear takes it only where it was chosen (use_dot_products)."""
+bfloat16 activations times the q4, q4k and q8 codes, exact products summed in float32, the scales once per block.
+Against float64 on the same weights it errs by float32 rounding only, as the float32 FMA kernel does; a row alone
+equals the row in any batch (the in-register path up to 6 rows and the decoded-once path above it run the same
+steps); and BlockQuantLinear takes it only where it was chosen (use_dot_products)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def reference(weight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "q8"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 37])
 @pytest.mark.parametrize("shape", [(200, 576), (37, 80)])  # a short last panel; a K the blocks pad
 def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, rows, shape):
@@ -35,9 +35,9 @@ def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, ro
     (q4's biased codes, 128 + q, make a block's partial sums up to 143/15 times the terms', then 32 roundings of
     2^-24 each), the same bound the float32 FMA kernel meets."""
     out_features, in_features = shape
-    weight = random_blocks(fmt, out_features, in_features)
-    panels = weight.panels()
-    x = activations(rows, in_features, torch.bfloat16)
+    weight = random_blocks(fmt, out_features, in_features)  # Q4_K: in_features rounded up to its 256
+    panels, fmt = weight.panels(), weight.format
+    x = activations(rows, weight.in_features, torch.bfloat16)
     want, scale = reference(weight, x)
     y = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, True)
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
@@ -50,14 +50,14 @@ def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, ro
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "q8"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_row_is_the_same_whatever_the_batch(fmt, threads):
     """Rows 0-39 in batches of every size from 1 to 40 (the 6-row tile, its remainders and the decoded-once path),
     on one thread and on two: every row's bits equal its bits alone."""
     weight = random_blocks(fmt, 300, 576, seed=3)
-    panels = weight.panels()
-    x = activations(40, 576, torch.bfloat16, seed=4)
+    panels, fmt = weight.panels(), weight.format
+    x = activations(40, weight.in_features, torch.bfloat16, seed=4)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -77,14 +77,14 @@ def test_bad_calls_are_refused():
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernels.block_panel_linear_bf16_dot(torch.ones(2, 64), *panels, "q4", 64, False)
     q5 = random_blocks("Q5_1", 64, 64)
-    with pytest.raises(RuntimeError, match="q4 or q8"):
+    with pytest.raises(RuntimeError, match="q4, q4k or q8"):
         kernels.block_panel_linear_bf16_dot(torch.ones(2, 64, dtype=torch.bfloat16), *q5.panels(), q5.format, 64,
                                             False)
 
 
 @needs_bf16_dot
 def test_the_linear_takes_the_kernel_it_is_set_to():
-    """use_dot_products sets every q4/q8 block linear; "bf16" gives the dot-product kernel's bits for bfloat16 rows
+    """use_dot_products sets every q4/q4k/q8 block linear; "bf16" gives the dot-product kernel's bits for bfloat16 rows
     (float32 rows stay on the FMA kernel: their rounding to bfloat16 would change the numerics), "fma" the FMA
     kernel's; "auto" resolves to one of them; other names are refused."""
     weight = random_blocks("q4", 96, 576, seed=5)

@@ -1,4 +1,4 @@
-// y = x W^T for bfloat16 activations on panel_linear.cpp's q4 and q8 blocks (the same panel bytes and scales), with
+// y = x W^T for bfloat16 activations on panel_linear.cpp's q4, q4k and q8 blocks (the same panel bytes and scales), with
 // AVX-512 BF16 dot products: vdpbf16ps does two multiply-adds per 32-bit lane and instruction where a float32 FMA
 // does one, and its codes take 4 vector instructions a pair of input positions to form where panel_linear.cpp's
 // float32 weights take 7 (measured on an AMD EPYC Zen 4: benchmarks/README.md, "bfloat16 dot products").
@@ -7,8 +7,9 @@
 // 128 + q, whose 7 mantissa bits are q), a bfloat16 activation times such a code is exact in float32, and the scales
 // are applied once per block. Per row, block b of 32 inputs and output n (every step float32, from y = 0):
 //   s = 16 steps s = vdpbf16ps(s, (c_2p, c_2p+1), (x_2p, x_2p+1)) over the pairs p in order, from s = 0
-//   q8 (w = d q, c = q):              y = fma(d, s, y)
-//   q4 (w = d q + m, c = 128 + q):    y = fma(d, s, y); y = fma(m - 128 d, xsum_b, y)
+//   q8 (w = d q, c = q):                    y = fma(d, s, y)
+//   q4, q4k (w = d q + m, c = 128 + q):     y = fma(d, s, y); y = fma(m - 128 d, xsum_b, y)
+// (q4k: d and m are the super-block's float16 d and -dmin times the block's 6-bit sc and mn, exact in float32.)
 // over the blocks in order, with xsum_b the row's block sum (one fixed reduction). So a row's bits depend on its own
 // values only, whatever the number of rows, the tile or the thread: the decoded-in-registers path (few rows) and the
 // decoded-once path (many) run the same steps. They differ from panel_linear.cpp's float32 chain by float32
@@ -41,7 +42,7 @@ inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret
 // Pair p of a block's codes for one panel's 16 columns: lane j holds column j's (c_2p, c_2p+1) as bfloat16.
 template <int F>
 inline __m512i pair_codes(const uint8_t* q, int pair) {
-  if constexpr (F == kQ4) {
+  if constexpr (F != kQ8) {
     // Byte j holds q_2p (low nibble) and q_2p+1 (high). (b | b << 12) & 0x000F000F puts them at bits 0-3 and
     // 16-19; 0x4300 is bfloat16 128, so each half is then 128 + q.
     const __m512i b = _mm512_cvtepu8_epi32(load_bytes(q + pair * 16));
@@ -56,25 +57,38 @@ inline __m512i pair_codes(const uint8_t* q, int pair) {
   }
 }
 
-// A block's scales for one panel: d, and for q4 m - 128 d (one rounding), the coefficient of the row's block sum.
-template <int F>
-inline void panel_scales(const uint16_t* s, __m512& d, __m512& offset) {
-  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-  if constexpr (F == kQ4)
-    offset = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16))));
-  else
-    offset = _mm512_setzero_ps();
-}
+inline __m512 halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 unsigned_bytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load_bytes(p))); }
 
-// The panels of a weight: panel P's block g starts at packed + (P G + g) block_bytes, its scales at
-// scales + (P G + g) scale_halves.
+// The panels of a weight: panel P's block g starts at packed + (P G + g) block_bytes; its scales at
+// scales + (P G + g) scale_bytes (q4: float16 d and m, q8: d), or for q4k in its super-block's scales (see
+// panel_linear.cpp: per super-block float16 d and -dmin rows, then per block the sc and mn byte rows).
 struct Panels {
   const uint8_t* packed;
-  const uint16_t* scales;
-  int64_t groups, block_bytes, scale_halves;
+  const uint8_t* scales;
+  int64_t groups, block_bytes, scale_bytes;
   const uint8_t* codes(int64_t tile, int c, int64_t g) const { return packed + ((2 * tile + c) * groups + g) * block_bytes; }
-  const uint16_t* scale(int64_t tile, int c, int64_t g) const { return scales + ((2 * tile + c) * groups + g) * scale_halves; }
+  const uint8_t* scale(int64_t tile, int c, int64_t g) const { return scales + ((2 * tile + c) * groups + g) * scale_bytes; }
+  const uint8_t* super_block(int64_t tile, int c, int64_t g) const {
+    return scales + (((2 * tile + c) * groups + g) / kSuperBlocks) * super_bytes(kQ4K);
+  }
 };
+
+// A block's scales for one panel: d, and for q4 and q4k m - 128 d (one rounding), the coefficient of the row's block
+// sum.
+template <int F>
+inline void panel_scales(const Panels& w, int64_t tile, int c, int64_t g, __m512& d, __m512& offset) {
+  if constexpr (F == kQ4K) {
+    const uint8_t* super = w.super_block(tile, c, g);
+    const uint8_t* block = super + super_rows(kQ4K) * 32 + (g % kSuperBlocks) * scale_rows(kQ4K) * 16;
+    d = _mm512_mul_ps(halves(super), unsigned_bytes(block));
+    offset = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), _mm512_mul_ps(halves(super + 32), unsigned_bytes(block + 16)));
+  } else {
+    const uint8_t* s = w.scale(tile, c, g);
+    d = halves(s);
+    offset = F == kQ4 ? _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), halves(s + 32)) : _mm512_setzero_ps();
+  }
+}
 
 // Where a tile's codes and scales come from: decoded from the panels as they are used (few rows), or from a tile
 // decoded once into a buffer (many rows): the same values either way.
@@ -83,14 +97,16 @@ struct FromPanels {
   const Panels& w;
   int64_t tile, ahead;
   void scales(int64_t g, __m512 d[2], __m512 offset[2]) const {
-    for (int c = 0; c < 2; ++c) panel_scales<F>(w.scale(tile, c, g), d[c], offset[c]);
+    for (int c = 0; c < 2; ++c) panel_scales<F>(w, tile, c, g, d[c], offset[c]);
   }
   // Asks for the same block of the tile ``ahead`` while this one computes (panel_linear.cpp's prefetch_block).
   __attribute__((always_inline)) void prefetch(int64_t g) const {
     for (int c = 0; c < 2; ++c) {
       for (int64_t b = 0; b < w.block_bytes; b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w.codes(ahead, c, g) + b), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w.scale(ahead, c, g)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(F == kQ4K ? w.super_block(ahead, c, g) + super_rows(F) * 32 +
+                                                 (g % kSuperBlocks) * scale_rows(F) * 16 : w.scale(ahead, c, g)),
+                   _MM_HINT_T0);
     }
   }
   __m512i codes(int64_t g, int pair, int c) const { return pair_codes<F>(w.codes(tile, c, g), pair); }
@@ -123,7 +139,7 @@ void decode_tile(const Panels& w, int64_t tile, uint32_t* out) {
     float* s = reinterpret_cast<float*>(block + kPairs * kCols);
     for (int c = 0; c < 2; ++c) {
       __m512 d, offset;
-      panel_scales<F>(w.scale(tile, c, g), d, offset);
+      panel_scales<F>(w, tile, c, g, d, offset);
       _mm512_storeu_ps(s + c * kLanes, d);
       _mm512_storeu_ps(s + kCols + c * kLanes, offset);
     }
@@ -167,7 +183,7 @@ void tile_rows(const Source& source, int64_t groups, const uint16_t* x, int64_t 
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2; ++c) {
         acc[r][c] = _mm512_fmadd_ps(d[c], sums[r][c], acc[r][c]);
-        if constexpr (F == kQ4) acc[r][c] = _mm512_fmadd_ps(offset[c], _mm512_set1_ps(xsum[r * groups + g]), acc[r][c]);
+        if constexpr (F != kQ8) acc[r][c] = _mm512_fmadd_ps(offset[c], _mm512_set1_ps(xsum[r * groups + g]), acc[r][c]);
       }
   }
   const int64_t cols = std::min<int64_t>(kCols, N - n0);
@@ -235,7 +251,8 @@ bool block_bf16_dot_kernel_available() {
 at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                                        const std::string& format, int64_t out_features, bool float_output) {
   const BlockCall call = check_block_call(x, panels, scales, format, out_features);
-  TORCH_CHECK(call.format == kQ4 || call.format == kQ8, "block_panel_linear_bf16_dot: q4 or q8 blocks, not ", format);
+  TORCH_CHECK(call.format == kQ4 || call.format == kQ4K || call.format == kQ8,
+              "block_panel_linear_bf16_dot: q4, q4k or q8 blocks, not ", format);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "block_panel_linear_bf16_dot: x must be bfloat16");
 #if defined(SERVAL_BF16_DOT_KERNEL)
   const int64_t M = call.rows, K = call.in_features, N = call.out_features, G = call.groups, padded = G * kBlock;
@@ -252,11 +269,12 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
     ldx = padded;
   }
   float* xsum = serval::scratch(2, M * G);
-  if (call.format == kQ4) block_sums(xs, M, ldx, G, xsum);
-  const Panels w{panels.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), G,
-                 block_rows(call.format) * 16, scale_rows(call.format) * 16};
+  if (call.format != kQ8) block_sums(xs, M, ldx, G, xsum);
+  const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), G,
+                 block_rows(call.format) * 16, scale_rows(call.format) * 16 * 2};
   auto run = [&](auto* y) {
     if (call.format == kQ4) gemm<kQ4>(xs, M, ldx, xsum, w, N, y);
+    else if (call.format == kQ4K) gemm<kQ4K>(xs, M, ldx, xsum, w, N, y);
     else gemm<kQ8>(xs, M, ldx, xsum, w, N, y);
   };
   if (float_output) {
