@@ -33,9 +33,12 @@ def bench_linears(model, rows_list: list[int], rounds: int) -> None:
     print(f"{'linear':<32}{'N x K':>12}" + "".join(f"{r:>16}" for r in rows_list) + "   (us a call, fma -> bf16)")
     seen = set()
     for name, module in model.named_modules():
-        if not isinstance(module, BlockQuantLinear) or (module.formats, module.out_features) in seen:
+        if not isinstance(module, BlockQuantLinear):
             continue
-        seen.add((module.formats, module.out_features))
+        shape = (module.formats, module.out_features, module.in_features)
+        if shape in seen:
+            continue
+        seen.add(shape)
         cells = []
         for rows in rows_list:
             x = torch.randn(rows, module.in_features).bfloat16()
