@@ -26,6 +26,7 @@
 
 #include "block_formats.h"
 #include "scratch.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -146,16 +147,8 @@ void decode_tile(const Panels& w, int64_t tile, uint32_t* out) {
   }
 }
 
-inline __mmask16 first(int64_t count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1); }
-inline void store_out(float* y, __m512 v, int64_t count) { _mm512_mask_storeu_ps(y, first(count), v); }
-// float32 to bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN to its quiet NaN).
-inline void store_out(uint16_t* y, __m512 v, int64_t count) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  _mm256_mask_storeu_epi16(y, first(count), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
+inline void store_out(float* y, __m512 v, int64_t count) { _mm512_mask_storeu_ps(y, serval::first_mask16(count), v); }
+inline void store_out(uint16_t* y, __m512 v, int64_t count) { serval::store_bfloat16(y, v, count); }
 
 // R rows (x bfloat16 with ldx per row, xsum [R][G] their block sums) times one tile's columns n0 ...
 template <int F, int R, typename Source, typename Out>

@@ -49,6 +49,7 @@
 
 #include "block_formats.h"
 #include "scratch.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -84,16 +85,8 @@ inline Vec ifloat(Ints a) { return _mm512_cvtepi32_ps(a); }
 inline Vec load_bf16(const uint16_t* p) {  // bfloat16 bits are a float32's high half: exact
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-inline __mmask16 first(int count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1); }
-inline void store_out(float* y, Vec v, int count) { _mm512_mask_storeu_ps(y, first(count), v); }
-// float32 to bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN to its quiet NaN).
-inline void store_out(uint16_t* y, Vec v, int count) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  _mm256_mask_storeu_epi16(y, first(count), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
+inline void store_out(float* y, Vec v, int count) { _mm512_mask_storeu_ps(y, serval::first_mask16(count), v); }
+inline void store_out(uint16_t* y, Vec v, int count) { serval::store_bfloat16(y, v, count); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SERVAL_PANEL_KERNEL 256
 using Vec = __m256;

@@ -182,5 +182,21 @@ inline float reduce_max16(V16 a) {
   return reduce8(_mm256_max_ps(half16(a, 0), half16(a, 1)), [](__m128 x, __m128 y) { return _mm_max_ps(x, y); });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The first count lanes of 16 (all from 16 up).
+inline __mmask16 first_mask16(int64_t count) {
+  return count >= 16 ? 0xFFFF : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
+// float32 to bfloat16 bits, rounding to nearest even as c10::BFloat16 does (NaN to its quiet NaN); the first count
+// lanes stored (the block kernels' outputs).
+inline void store_bfloat16(uint16_t* y, __m512 v, int64_t count) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_mask_storeu_epi16(y, first_mask16(count), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#endif
+
 }  // namespace serval
 #endif
