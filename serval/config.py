@@ -500,9 +500,11 @@ class EngineConfig:
         'sampling defaults on top of --generation-config, e.g. \'{"temperature": 0.5}\'', metavar="JSON",
         type=json_object))
     structured_outputs: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
-    # Decode-only steps on a GPU replay a CUDA graph per padded batch-size bucket (engine/cuda_graphs.py).
+    # Decode-only steps on a GPU replay a CUDA graph per padded batch-size bucket (engine/cuda_graphs.py); on the CPU
+    # a Llama layer's kernels are one C++ call (model/llama.py, use_cpu_layers).
     enforce_eager: bool = field(default=False, metadata=flag(
-        "run every step eagerly: no CUDA graphs of decode steps"))
+        "run every step eagerly: no CUDA graphs of decode steps on a GPU, and on the CPU each layer's kernels called "
+        "one by one from Python"))
     # The CUDA-graph decode path's padding and persistent buffers on a CPU too, without capture: how the CPU suite
     # covers that path (no flag: a CPU step gains nothing from it).
     pad_decode_on_cpu: bool = False

@@ -28,6 +28,7 @@ from serval.engine.spec_decode import NgramProposer
 from serval.engine.workers import start_ranks
 from serval.layers.linear import use_activation_quantization, use_dot_products
 from serval.layers.sampler import TokenLogprobs
+from serval.model.llama import use_cpu_layers
 from serval.model.loader import has_4bit_blocks, load_model
 from serval.model.registry import resolve_model_path
 from serval.sampling_params import SamplingParams
@@ -159,6 +160,7 @@ class EngineCore:
                                          self.group, config.enable_expert_parallel)
         use_activation_quantization(self.model, config.activation_quantization)  # a model given too
         self.dot_products = use_dot_products(self.model, config.block_dot_products)  # "auto" resolved
+        use_cpu_layers(self.model, not config.enforce_eager)
         model_config = self.model.config
         cache = config.cache
         num_blocks = num_kv_blocks(config, self.model)  # on a GPU, after a profiling forward of the largest step
@@ -527,6 +529,7 @@ class EngineCore:
                                      config.quantization)
         use_activation_quantization(draft_model, config.activation_quantization)
         use_dot_products(draft_model, config.block_dot_products)
+        use_cpu_layers(draft_model, not config.enforce_eager)
         self.runner.draft = proposer = DraftProposer(self.runner, draft_model)
         return proposer
 

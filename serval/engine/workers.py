@@ -24,6 +24,7 @@ from serval.distributed import ParallelGroup, free_init_method, init_group
 from serval.engine.runner import ModelRunner
 from serval.layers.linear import use_activation_quantization, use_dot_products
 from serval.lifetime import ending_with_parent
+from serval.model.llama import use_cpu_layers
 from serval.model.loader import load_model
 from serval.model.registry import resolve_model_path
 
@@ -102,6 +103,7 @@ def run_worker(rank: int, world_size: int, init_method: str, device: str, model_
                        config.enable_expert_parallel)
     use_activation_quantization(model, config.activation_quantization)
     use_dot_products(model, config.block_dot_products)
+    use_cpu_layers(model, not config.enforce_eager)
     num_blocks = group.broadcast()  # rank 0 sizes the cache (the scheduler's blocks are every rank's)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, config.kv_cache_torch_dtype, group.device,
                          group)

@@ -307,6 +307,11 @@ class BlockWeight:
         return [BlockWeight.concat(run) for run in runs]
 
 
+BF16_DOT_FORMATS = ("q4", "q4k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
+# How csrc/llama_layer.cpp's PanelLinear multiplies a part.
+MULTIPLY_FMA, MULTIPLY_BF16_DOT, MULTIPLY_INT8 = 0, 1, 2
+
+
 class BlockQuantLinear(nn.Module):
     """A linear whose weights stay in the file's 4- to 8-bit blocks (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and the
     K-quants Q4_K / Q5_K / Q6_K).
@@ -332,28 +337,67 @@ class BlockQuantLinear(nn.Module):
                 self.register_buffer(f"super_scales{i}", part.super_scales.contiguous())
         self.min_rows: int | None = None
         self._dense: torch.Tensor | None = None
-        # Each part's (format, out_features, panels), built on the first CPU call: later calls read them from here
-        # and build no BlockWeight objects (which cost a one-row decode step 0.8 ms of Python, 121 linears).
-        self._panels: list[tuple[str, int, tuple[torch.Tensor, torch.Tensor]]] | None = None
-        self._panel_linear = None  # the kernel's function, kept with the panels
-        self._panel_linear_int8 = None  # its int8-activation twin (csrc/int8_linear.cpp), where it was compiled
-        # Per part, the kernel for bfloat16 rows with dot_products "bf16": csrc/bf16_dot_linear.cpp's for q4, q4k and q8
-        # blocks where it was compiled, the float kernel for the other formats.
-        self._bf16_dot_linears: list | None = None
+        # The CPU kernel's PanelLinear (csrc/llama_layer.cpp) over the parts' panels, built on the first CPU call:
+        # later calls go straight to it and build no BlockWeight objects (which cost a one-row decode step 0.8 ms
+        # of Python, 121 linears). It multiplies each part as ``_sync_kernel`` tells it from the three settings below.
+        self.kernel = None
+        self._kernels_module = None
         # "bf16": bfloat16 activations times q4, q4k and q8 blocks by bfloat16 dot products; set by use_dot_products
         # (EngineConfig.block_dot_products)
-        self.dot_products = "fma"
+        self._dot_products = "fma"
         # float32 results where the kernel computes them so (the logits: in bfloat16, scores 1/8 apart tie)
-        self.float_output = False
+        self._float_output = False
         # "int8": the kernel quantizes the activations per row and block of 32 (csrc/int8_linear.cpp), for every
         # row count alike; set by use_activation_quantization (EngineConfig.activation_quantization)
-        self.activation_quantization = "none"
+        self._activation_quantization = "none"
+
+    @property
+    def dot_products(self) -> str:
+        return self._dot_products
+
+    @dot_products.setter
+    def dot_products(self, value: str) -> None:
+        self._dot_products = value
+        self._sync_kernel()
+
+    @property
+    def float_output(self) -> bool:
+        return self._float_output
+
+    @float_output.setter
+    def float_output(self, value: bool) -> None:
+        self._float_output = value
+        self._sync_kernel()
+
+    @property
+    def activation_quantization(self) -> str:
+        return self._activation_quantization
+
+    @activation_quantization.setter
+    def activation_quantization(self, value: str) -> None:
+        self._activation_quantization = value
+        self._sync_kernel()
+
+    def _sync_kernel(self) -> None:
+        """Tells the kernel how to multiply each part: int8 activations for all where asked and compiled, else
+        bfloat16 dot products for the formats csrc/bf16_dot_linear.cpp takes (for bfloat16 rows) where asked and
+        compiled, else float32 FMAs."""
+        if self.kernel is None:
+            return
+        kernels = self._kernels_module
+        if self._activation_quantization == "int8" and kernels.block_int8_kernel_available():
+            multiply = [MULTIPLY_INT8] * len(self.formats)
+        else:
+            bf16_dot = self._dot_products == "bf16" and kernels.block_bf16_dot_kernel_available()
+            multiply = [MULTIPLY_BF16_DOT if bf16_dot and fmt in BF16_DOT_FORMATS else MULTIPLY_FMA
+                        for fmt in self.formats]
+        self.kernel.set_multiply(multiply, self._float_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._panels is not None and x.dim() == 2 and x.shape[0] and x.is_cpu:
-            # The kernel's panels are built: rows [M, in] go straight to it, with no reshape, padding or kernel
-            # lookup to pass (121 calls a decode step).
-            return self._panel_matmul(x)
+        if self.kernel is not None and x.dim() == 2 and x.shape[0] and x.is_cpu:
+            # The kernel is built: rows [M, in] go straight to it, with no reshape, padding or kernel lookup to
+            # pass (121 calls a decode step).
+            return self.kernel(x)
         if self.min_rows is None and self._kernels(x.device) is not None:
             # The kernel computes each row alone (csrc/panel_linear.cpp): no padding to probe for
             # (tests/layers/test_block_quant_linear.py::test_each_row_is_the_same_whatever_the_batch).
@@ -367,30 +411,19 @@ class BlockQuantLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self._kernels(x.device)
         if kernels is not None:
-            if self._panels is None:
-                self._panels = [(part.format, part.out_features, part.panels()) for part in self.block_weights()]
-                self._panel_linear = kernels.block_panel_linear
-                if kernels.block_int8_kernel_available():
-                    self._panel_linear_int8 = kernels.block_panel_linear_int8
-                bf16_dot = kernels.block_panel_linear_bf16_dot if kernels.block_bf16_dot_kernel_available() else None
-                self._bf16_dot_linears = [bf16_dot if bf16_dot and fmt in BF16_DOT_FORMATS else self._panel_linear
-                                          for fmt, _, _ in self._panels]
-            return self._panel_matmul(x)
+            if self.kernel is None:
+                parts = self.block_weights()
+                panels = [part.panels() for part in parts]
+                self.kernel = kernels.PanelLinear([p for p, _ in panels], [s for _, s in panels],
+                                                  [part.format for part in parts],
+                                                  [part.out_features for part in parts])
+                self._kernels_module = kernels
+                self._sync_kernel()
+            return self.kernel(x)
         if self._dense is None or self._dense.dtype != x.dtype:
             dense = torch.cat([part.dequantize() for part in self.block_weights()])
             self._dense = dense.to(device=x.device, dtype=x.dtype)
         return F.linear(x, self._dense)
-
-    def _panel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation_quantization == "int8" and self._panel_linear_int8 is not None:
-            linears = itertools.repeat(self._panel_linear_int8)
-        elif self.dot_products == "bf16" and x.dtype == torch.bfloat16:
-            linears = self._bf16_dot_linears
-        else:
-            linears = itertools.repeat(self._panel_linear)
-        outputs = [linear(x, *panels, fmt, out_features, self.float_output)
-                   for linear, (fmt, out_features, panels) in zip(linears, self._panels)]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
     def block_weights(self) -> list[BlockWeight]:
         """The weight's parts, each in one format, in row order."""
@@ -474,7 +507,6 @@ def use_activation_quantization(model: nn.Module, method: str) -> int:
     return len(linears)
 
 
-BF16_DOT_FORMATS = ("q4", "q4k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
 
 
 def use_dot_products(model: nn.Module, choice: str) -> str:

@@ -18,6 +18,7 @@ from torch import nn
 from serval.config import ModelConfig
 from serval.layers.activation import silu_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
+from serval.layers.attention.cpu_kernel import CpuKernelMetadata
 from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
 from serval.layers.moe import SparseMoE
 from serval.layers.norm import RMSNorm
@@ -142,12 +143,51 @@ class LlamaDecoderLayer(nn.Module):
                               config.num_experts_per_tok, config.norm_topk_prob, config.local_experts)
                     if sparse else LlamaMLP(config))
 
+        # csrc/llama_layer.cpp's LlamaLayer over this layer's weights: its kernel calls in one call from Python, with
+        # the Python path's bits. Built on the first CPU-kernel step after the block linears built their kernels;
+        # False where this layer has parts it does not run (biases, q/k norms, experts, other linears), and for a
+        # layer that a caller sets to False (tests compare the two paths).
+        self.cpu_layer = None
+
     def forward(self, rope: RotaryStep, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it is added); the next norm adds the two."""
+        if rope.kernels is not None and type(meta) is CpuKernelMetadata and x.is_contiguous():
+            cpu_layer = self.cpu_layer if self.cpu_layer is not None else self._build_cpu_layer(rope.kernels)
+            if cpu_layer:
+                return cpu_layer(x, residual, rope.positions, rope.table.cos, rope.table.sin, kv_cache[0], kv_cache[1],
+                                 meta.slot_mapping, meta.block_tables, meta.token_table, meta.context_lens)
         h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(rope, h, kv_cache, meta), residual)
         return self.mlp(h), residual
+
+    def _build_cpu_layer(self, kernels):
+        """The LlamaLayer for this layer (kept in ``cpu_layer``), None until its linears have built their kernels,
+        False (for good) where it cannot run this layer."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+        if (attn.qkv_proj_bias is not None or attn.q_norm is not None
+                or not isinstance(mlp, LlamaMLP) or not all(type(linear) is BlockQuantLinear for linear in linears)
+                or not all(type(norm) is RMSNorm for norm in (self.input_layernorm, self.post_attention_layernorm))):
+            self.cpu_layer = False
+            return False
+        if any(linear.kernel is None for linear in linears):
+            return None
+        self.cpu_layer = kernels.LlamaLayer(
+            self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+            *(linear.kernel for linear in linears), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            attn.window or 0)
+        return self.cpu_layer
+
+
+def use_cpu_layers(model: nn.Module, enabled: bool) -> int:
+    """Whether ``model``'s Llama layers run as one C++ call each where the CPU kernels run (``LlamaDecoderLayer.
+    cpu_layer``; EngineConfig.enforce_eager turns it off): each builds its LlamaLayer anew on its next step, or keeps
+    to the Python path. Returns how many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    for layer in layers:
+        layer.cpu_layer = None if enabled else False
+    return len(layers)
 
 
 class LlamaForCausalLM(nn.Module):

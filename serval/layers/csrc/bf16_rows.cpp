@@ -14,8 +14,7 @@
 
 #include "vec_math.h"
 
-// fused_ops.cpp's: every case silu_and_mul_v16 does not take.
-at::Tensor silu_and_mul(const at::Tensor& x);
+#include "kernels.h"  // fused_ops.cpp's silu_and_mul: every case silu_and_mul_v16 does not take
 
 #if defined(SERVAL_V16)
 namespace {

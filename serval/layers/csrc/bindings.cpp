@@ -1,40 +1,5 @@
 // The Python module of the CPU kernels: one binding per kernel file in this folder.
-#include <torch/extension.h>
-
-#include <string>
-#include <tuple>
-
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& token_table,
-                           const at::Tensor& context_lens, double scale, int64_t window, double softcap);
-void quantize_kv_(const at::Tensor& x, at::Tensor cache, const at::Tensor& slot_mapping);
-void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
-               const at::Tensor& slot_mapping);
-at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                              const std::string& format, int64_t out_features, bool float_output);
-bool block_panel_kernel_available();
-at::Tensor dense_panel_linear(const at::Tensor& x, const at::Tensor& weight_t, bool float_output);
-at::Tensor block_panel_linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                                   const std::string& format, int64_t out_features, bool float_output,
-                                   const std::string& kernel);
-bool block_int8_kernel_available();
-at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                                       const std::string& format, int64_t out_features, bool float_output);
-bool block_bf16_dot_kernel_available();
-bool block_int8_amx_available();
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                                const at::Tensor& weight, double eps);
-at::Tensor silu_and_mul(const at::Tensor& x);
-std::tuple<at::Tensor, at::Tensor> gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                                  int64_t lanes, const c10::optional<at::Tensor>& residual,
-                                                  const c10::optional<at::Tensor>& next_weight);
-at::Tensor gelu_tanh_and_mul(const at::Tensor& x, int64_t lanes);
-at::Tensor argmax_rows(const at::Tensor& x);
-void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor silu_and_mul_v16(const at::Tensor& x);
-at::Tensor moe_expert_slots(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                            const at::Tensor& gate_up_t, const at::Tensor& down_t, int64_t first_expert);
-at::Tensor moe_sum_slots(const at::Tensor& slots, const at::Tensor& like);
+#include "kernels.h"
 
 // Every kernel lets go of the GIL while it runs, as PyTorch's own ops do: the server's event loop thread keeps
 // serving HTTP while the engine thread is inside a kernel.
@@ -71,4 +36,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil());
   m.def("moe_sum_slots", &moe_sum_slots, "a MoE layer's k slots a token summed in slot order, in x's dtype", no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (float32)", no_gil());
+  bind_llama_layer(m);
 }

@@ -17,8 +17,7 @@
 #define SERVAL_MOE_FEW_ROWS 1
 #endif
 
-at::Tensor dense_panel_linear(const at::Tensor& x, const at::Tensor& weight_t, bool float_output);
-at::Tensor silu_and_mul_v16(const at::Tensor& x);
+#include "kernels.h"
 
 namespace {
 

@@ -1,0 +1,151 @@
+// A Llama decoder layer on the CPU in one call from Python, and the block linear it is made of.
+//
+// A one-row decode step of a 30-layer model made about 300 calls from Python into these kernels, each behind an
+// nn.Module call, attribute lookups and an argument check: 2.3 ms of an 8.6 ms step on an AMD EPYC Zen 4, more than
+// the step's attention, norms and head together. Here a layer's ten kernel calls are made from C++, the same
+// functions with the same arguments in the same order as model/llama.py's Python path, so every result has that
+// path's bits (tests/model/test_llama_cpu_layer.py).
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+// How a part of a block linear multiplies (linear.py's BlockQuantLinear chooses, per part).
+enum Multiply : int64_t {
+  kFloat32Fma = 0,  // block_panel_linear: the decoded weights by float32 FMAs
+  kBf16Dot = 1,     // block_panel_linear_bf16_dot for bfloat16 rows (block_panel_linear for others)
+  kInt8 = 2,        // block_panel_linear_int8: the rows quantized to int8 per block of 32
+};
+
+// A linear whose weights are blocks laid out in panels (linear.py's BlockWeight.panels), as parts of one format
+// each, their outputs side by side.
+class PanelLinear {
+ public:
+  PanelLinear(std::vector<at::Tensor> panels, std::vector<at::Tensor> scales, std::vector<std::string> formats,
+              std::vector<int64_t> out_features) {
+    TORCH_CHECK(!panels.empty() && panels.size() == scales.size() && panels.size() == formats.size() &&
+                    panels.size() == out_features.size(), "one panels, scales, format and width per part");
+    for (size_t i = 0; i < panels.size(); ++i)
+      parts_.push_back({panels[i], scales[i], formats[i], out_features[i], kFloat32Fma});
+  }
+
+  void set_multiply(const std::vector<int64_t>& multiply, bool float_output) {
+    TORCH_CHECK(multiply.size() == parts_.size(), "one way to multiply per part");
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      TORCH_CHECK(multiply[i] >= kFloat32Fma && multiply[i] <= kInt8, "multiply: 0 (fma), 1 (bf16 dot) or 2 (int8)");
+      parts_[i].multiply = multiply[i];
+    }
+    float_output_ = float_output;
+  }
+
+  at::Tensor forward(const at::Tensor& x) const {
+    if (parts_.size() == 1) return multiply(parts_[0], x);
+    std::vector<at::Tensor> outputs;
+    for (const Part& part : parts_) outputs.push_back(multiply(part, x));
+    return at::cat(outputs, -1);
+  }
+
+ private:
+  struct Part {
+    at::Tensor panels, scales;
+    std::string format;
+    int64_t out_features;
+    int64_t multiply;
+  };
+
+  at::Tensor multiply(const Part& p, const at::Tensor& x) const {
+    if (p.multiply == kInt8)
+      return block_panel_linear_int8(x, p.panels, p.scales, p.format, p.out_features, float_output_, "auto");
+    if (p.multiply == kBf16Dot && x.scalar_type() == at::kBFloat16)
+      return block_panel_linear_bf16_dot(x, p.panels, p.scales, p.format, p.out_features, float_output_);
+    return block_panel_linear(x, p.panels, p.scales, p.format, p.out_features, float_output_);
+  }
+
+  std::vector<Part> parts_;
+  bool float_output_ = false;
+};
+
+// 8-bit cache rows (--kv-cache-dtype int8 / fp8_*): layers/attention/kv_rows.py's is_quantized.
+bool quantized_rows(const at::Tensor& cache) {
+  const auto dtype = cache.scalar_type();
+  return dtype == at::kChar || dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
+}
+
+// model/llama.py's LlamaDecoderLayer without q/k/v biases, q/k norms or experts, its linears PanelLinears, its
+// attention layers/attention/cpu_kernel.py's.
+class LlamaLayer {
+ public:
+  LlamaLayer(at::Tensor input_norm, at::Tensor post_attention_norm, double eps, std::shared_ptr<PanelLinear> qkv,
+             std::shared_ptr<PanelLinear> o, std::shared_ptr<PanelLinear> gate_up, std::shared_ptr<PanelLinear> down,
+             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, int64_t window)
+      : input_norm_(std::move(input_norm)), post_attention_norm_(std::move(post_attention_norm)), eps_(eps),
+        qkv_(std::move(qkv)), o_(std::move(o)), gate_up_(std::move(gate_up)), down_(std::move(down)),
+        num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), window_(window) {}
+
+  // (this layer's MLP output, the residual stream before it is added), as LlamaDecoderLayer.forward returns them.
+  // x [T, hidden] contiguous; the rest is the step's: RoPE's positions and float32 tables, this layer's caches, and
+  // the attention metadata (CpuKernelMetadata).
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                             const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                                             const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                             const at::Tensor& token_table, const at::Tensor& context_lens) const {
+    const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    auto [h, stream] = add_rms_norm(x, residual, input_norm_, eps_);
+    const at::Tensor qkv = qkv_->forward(h);
+    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads_ + num_kv_heads_, head_dim_});
+    rotary_embedding_(qk, positions, cos, sin);
+    const at::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+    if (quantized_rows(k_cache)) {
+      quantize_kv_(k.contiguous(), k_cache, slot_mapping);
+      quantize_kv_(v.contiguous(), v_cache, slot_mapping);
+    } else {
+      write_kv_(k_cache, v_cache, k, v, slot_mapping);
+    }
+    const at::Tensor heads = paged_attention(q.contiguous(), k_cache, v_cache, block_tables, token_table, context_lens,
+                                             scale_, window_, 0.0);
+    auto [normed, stream_out] = add_rms_norm(o_->forward(heads.view({tokens, q_size})), stream, post_attention_norm_,
+                                             eps_);
+    return {down_->forward(silu_and_mul_v16(gate_up_->forward(normed))), stream_out};
+  }
+
+ private:
+  at::Tensor input_norm_, post_attention_norm_;
+  double eps_;
+  std::shared_ptr<PanelLinear> qkv_, o_, gate_up_, down_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+  int64_t window_;
+};
+
+}  // namespace
+
+void bind_llama_layer(pybind11::module_& m) {
+  namespace py = pybind11;
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+  py::class_<PanelLinear, std::shared_ptr<PanelLinear>>(m, "PanelLinear",
+                                                        "a block linear's parts (panels, scales, format, width)")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<std::string>,
+                    std::vector<int64_t>>(),
+           py::arg("panels"), py::arg("scales"), py::arg("formats"), py::arg("out_features"))
+      .def("set_multiply", &PanelLinear::set_multiply,
+           "per part 0 (float32 FMAs), 1 (bfloat16 dot products for bfloat16 rows) or 2 (int8 activations); and "
+           "whether the result is float32",
+           py::arg("multiply"), py::arg("float_output"))
+      .def("__call__", &PanelLinear::forward, "x W^T", no_gil());
+  py::class_<LlamaLayer>(m, "LlamaLayer", "a Llama decoder layer's kernel calls in one")
+      .def(py::init<at::Tensor, at::Tensor, double, std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>,
+                    std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>, int64_t, int64_t, int64_t, double,
+                    int64_t>(),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("scale"), py::arg("window"))
+      .def("__call__", &LlamaLayer::forward, "(the MLP output, the residual stream before it)", no_gil());
+}

@@ -1,0 +1,62 @@
+"""csrc/llama_layer.cpp's LlamaLayer: a Llama decoder layer's kernel calls made in one call from Python
+(model/llama.py, ``LlamaDecoderLayer.cpu_layer``) give the Python path's bits: the same logprobs for every prompt
+token and every generated token, in the configuration users get and in each kernel setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from serval.config import EngineConfig
+from serval.engine.engine import LLMEngine
+from serval.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea, the wind and the old lighthouse keeper who watched them both for years:",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25,",
+]
+# Every prompt token and every generated token scored, top 5 of each.
+SCORED = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+
+SETTINGS = {
+    "defaults": {"dtype": "bfloat16"},  # what users get: bfloat16, ngram speculation, chunked prefill
+    "chunks of 7": {"dtype": "bfloat16", "max_num_batched_tokens": 7, "speculative_model": None},
+    "fma": {"dtype": "bfloat16", "block_dot_products": "fma"},
+    "int8 cache": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
+    "int8 activations": {"dtype": "bfloat16", "activation_quantization": "int8"},
+    "float32": {"dtype": "float32"},
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_the_one_call_layer_gives_the_python_layers_bits(make_llm, setting):
+    runs = {}
+    llm = make_llm(enable_prefix_caching=False, **SETTINGS[setting])
+    layers = llm.engine.model.layers
+    try:
+        for path, cpu_layer in (("one call", None), ("python", False)):  # None: built again on the first step
+            for layer in layers:
+                layer.cpu_layer = cpu_layer
+            outputs = llm.generate(PROMPTS, SCORED, use_tqdm=False)
+            assert {type(layer.cpu_layer).__name__ for layer in layers} == (
+                {"LlamaLayer"} if path == "one call" else {"bool"})
+            runs[path] = [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    finally:
+        for layer in layers:
+            layer.cpu_layer = None
+    assert all(len(logprobs) == 12 for _, _, logprobs in runs["python"])
+    assert runs["one call"] == runs["python"]
+
+
+def test_enforce_eager_keeps_every_layer_on_the_python_path(smollm):
+    """--enforce-eager runs each kernel from Python (EngineConfig.enforce_eager); an engine without it on the same
+    model builds the one-call layers again."""
+    model, tokenizer = smollm("bfloat16")
+    kinds = {}
+    for eager in (True, False):
+        engine = LLMEngine(EngineConfig(dtype="bfloat16", enforce_eager=eager), model=model, tokenizer=tokenizer)
+        engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+        kinds[eager] = {type(layer.cpu_layer).__name__ for layer in model.layers}
+    assert kinds == {True: {"bool"}, False: {"LlamaLayer"}}
