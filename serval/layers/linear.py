@@ -308,7 +308,7 @@ class BlockWeight:
 
 
 BF16_DOT_FORMATS = ("q4", "q4k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
-# How csrc/llama_layer.cpp's PanelLinear multiplies a part.
+# How csrc/decoder_layers.cpp's PanelLinear multiplies a part.
 MULTIPLY_FMA, MULTIPLY_BF16_DOT, MULTIPLY_INT8 = 0, 1, 2
 
 
@@ -337,7 +337,7 @@ class BlockQuantLinear(nn.Module):
                 self.register_buffer(f"super_scales{i}", part.super_scales.contiguous())
         self.min_rows: int | None = None
         self._dense: torch.Tensor | None = None
-        # The CPU kernel's PanelLinear (csrc/llama_layer.cpp) over the parts' panels, built on the first CPU call:
+        # The CPU kernel's PanelLinear (csrc/decoder_layers.cpp) over the parts' panels, built on the first CPU call:
         # later calls go straight to it and build no BlockWeight objects (which cost a one-row decode step 0.8 ms
         # of Python, 121 linears). It multiplies each part as ``_sync_kernel`` tells it from the three settings below.
         self.kernel = None

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from serval.config import ModelConfig
-from serval.layers.activation import gelu_tanh_and_mul
+from serval.layers.activation import exact_gelu_lanes, gelu_tanh_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
-from serval.layers.linear import Linear
-from serval.layers.norm import GemmaRMSNorm
+from serval.layers.attention.cpu_kernel import CpuKernelMetadata
+from serval.layers.linear import BlockQuantLinear, Linear
+from serval.layers.norm import GemmaRMSNorm, exact_sum_lanes
 from serval.layers.rotary import RotaryEmbedding, RotaryStep
 from serval.model.llama import LlamaForCausalLM, LlamaMLP
 
@@ -76,15 +77,52 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.mlp = Gemma3MLP(config)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        # csrc/decoder_layers.cpp's GemmaLayer over this layer's weights, as LlamaDecoderLayer.cpu_layer: the Python
+        # path's kernel calls in one, built on the first CPU-kernel step; False where some part would take PyTorch's
+        # lines here (a width or dtype without an exact C++ pass) or is not a block linear. It takes the layer's
+        # settings (window, scale, heads) when built: who changes one sets this to None.
+        self.cpu_layer = None
 
     def forward(self, rope: RotaryStep, x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """x: input_layernorm(residual), normed by the layer before; returns (next_norm(r), r) for the new residual
         stream r. Each sublayer's output is normed, added and the next input normed in one call (one pass on the
         CPU): the reference's x + post_norm(sublayer(pre_norm(x))) twice."""
+        if (rope.kernels is not None and type(meta) is CpuKernelMetadata and x.is_contiguous()
+                and residual.is_contiguous()):
+            cpu_layer = self.cpu_layer if self.cpu_layer is not None else self._build_cpu_layer(rope.kernels, x.dtype)
+            if cpu_layer:
+                return cpu_layer(x, residual, next_norm.weight, rope.positions, rope.table.cos, rope.table.sin,
+                                 kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.token_table,
+                                 meta.context_lens)
         attended = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm.add_to(attended, residual, self.pre_feedforward_layernorm)
         return self.post_feedforward_layernorm.add_to(self.mlp(x), residual, next_norm)
+
+
+    def _build_cpu_layer(self, kernels, dtype: torch.dtype):
+        """The GemmaLayer for this layer and the model's ``dtype`` (kept in ``cpu_layer``), None until its linears
+        have built their kernels, False (for good) where it cannot run this layer as the Python path does."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = [self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm]
+        head_lanes = exact_sum_lanes(kernels, attn.head_dim, dtype) if attn.q_norm is not None else 0
+        hidden_lanes = exact_sum_lanes(kernels, norms[0].weight.shape[0], dtype)
+        gelu_lanes = exact_gelu_lanes(kernels, mlp.intermediate_size, dtype)
+        weights = [norm.weight for norm in norms + [attn.q_norm, attn.k_norm] if norm is not None]
+        if (not all(type(linear) is BlockQuantLinear for linear in linears) or None in (head_lanes, hidden_lanes,
+                                                                                         gelu_lanes)
+                or any(weight.dtype != dtype for weight in weights)):
+            self.cpu_layer = False
+            return False
+        if any(linear.kernel is None for linear in linears):
+            return None
+        self.cpu_layer = kernels.GemmaLayer(
+            *(linear.kernel for linear in linears), None if attn.q_norm is None else attn.q_norm.weight,
+            None if attn.k_norm is None else attn.k_norm.weight, *(norm.weight for norm in norms), norms[0].eps,
+            head_lanes, hidden_lanes, gelu_lanes, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            attn.window or 0, attn.softcap or 0.0)
+        return self.cpu_layer
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -143,10 +143,11 @@ class LlamaDecoderLayer(nn.Module):
                               config.num_experts_per_tok, config.norm_topk_prob, config.local_experts)
                     if sparse else LlamaMLP(config))
 
-        # csrc/llama_layer.cpp's LlamaLayer over this layer's weights: its kernel calls in one call from Python, with
+        # csrc/decoder_layers.cpp's LlamaLayer over this layer's weights: its kernel calls in one call from Python, with
         # the Python path's bits. Built on the first CPU-kernel step after the block linears built their kernels;
         # False where this layer has parts it does not run (biases, q/k norms, experts, other linears), and for a
-        # layer that a caller sets to False (tests compare the two paths).
+        # layer that a caller sets to False (tests compare the two paths). It takes the layer's settings (window,
+        # scale, heads) when built: who changes one sets this to None.
         self.cpu_layer = None
 
     def forward(self, rope: RotaryStep, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -181,10 +182,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def use_cpu_layers(model: nn.Module, enabled: bool) -> int:
-    """Whether ``model``'s Llama layers run as one C++ call each where the CPU kernels run (``LlamaDecoderLayer.
-    cpu_layer``; EngineConfig.enforce_eager turns it off): each builds its LlamaLayer anew on its next step, or keeps
-    to the Python path. Returns how many layers it set."""
-    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    """Whether ``model``'s layers run as one C++ call each where the CPU kernels run (``cpu_layer`` of
+    LlamaDecoderLayer and gemma3.py's Gemma3DecoderLayer; EngineConfig.enforce_eager turns it off): each builds its
+    C++ layer anew on its next step, or keeps to the Python path. Returns how many layers it set."""
+    layers = [m for m in model.modules() if hasattr(m, "cpu_layer")]
     for layer in layers:
         layer.cpu_layer = None if enabled else False
     return len(layers)

@@ -59,12 +59,12 @@ def test_float32_logits_match_transformers_past_the_sliding_window(reference, ou
     # Without the window (every layer global) the late positions differ: the window is what matches.
     windows = [layer.self_attn.window for layer in ours.layers]
     try:
-        for layer in ours.layers:
-            layer.self_attn.window = None
+        for layer in ours.layers:  # the one-call layer takes its window when built: built anew
+            layer.self_attn.window, layer.cpu_layer = None, None
         unwindowed = full_logits(ours, PROMPT)
     finally:
         for layer, window in zip(ours.layers, windows):
-            layer.self_attn.window = window
+            layer.self_attn.window, layer.cpu_layer = window, None
     assert (unwindowed[600:] - want[600:]).abs().max() > 100 * FP32_REL * want.abs().max()
 
 
@@ -148,3 +148,32 @@ def test_chats_render_as_llama_cpps_gemma_format_after_one_bos(tokenizer):
     for want, messages in chats.items():
         assert tuple(tokenizer.apply_chat_template(messages)) == want
     assert tokenizer.bos_token_id == 2 and {1, 106} <= tokenizer.eos_token_ids  # <eos> and <end_of_turn> stop
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_one_call_layer_gives_the_python_layers_bits(ours, tokenizer, dtype):
+    """csrc/decoder_layers.cpp's GemmaLayer (``Gemma3DecoderLayer.cpu_layer``) gives the Python path's logprobs for
+    every prompt token and every generated token: a prompt past the 512-key window, chunked beside a short one, with
+    speculation on; and in the default dtype with int8 cache rows."""
+    model = ours[getattr(torch, dtype)]
+    scored = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    prompts = [PROMPT[:600], "The capital of France is"]
+    settings = [{}] + ([{"kv_cache_dtype": "int8"}] if dtype == "bfloat16" else [])
+    try:
+        for cache in settings:
+            runs = {}
+            for path, cpu_layer in (("one call", None), ("python", False)):
+                config = EngineConfig(model="gemma3-270m", dtype=dtype, cache=CacheConfig(num_blocks=128, **cache),
+                                      scheduler=SchedulerConfig(max_num_batched_tokens=96))
+                llm = LLM.from_engine(LLMEngine(config, model=model, tokenizer=tokenizer))
+                for layer in model.layers:  # None: built anew on the first step
+                    layer.cpu_layer = cpu_layer
+                outputs = llm.generate(prompts, scored, use_tqdm=False)
+                assert {type(layer.cpu_layer).__name__ for layer in model.layers} == (
+                    {"GemmaLayer"} if path == "one call" else {"bool"})
+                runs[path] = [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+            assert all(len(logprobs) == 8 for _, _, logprobs in runs["python"])
+            assert runs["one call"] == runs["python"], cache
+    finally:
+        for layer in model.layers:
+            layer.cpu_layer = None

@@ -1,4 +1,4 @@
-"""csrc/llama_layer.cpp's LlamaLayer: a Llama decoder layer's kernel calls made in one call from Python
+"""csrc/decoder_layers.cpp's LlamaLayer: a Llama decoder layer's kernel calls made in one call from Python
 (model/llama.py, ``LlamaDecoderLayer.cpu_layer``) give the Python path's bits: the same logprobs for every prompt
 token and every generated token, in the configuration users get and in each kernel setting."""
 

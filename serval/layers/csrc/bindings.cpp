@@ -36,5 +36,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil());
   m.def("moe_sum_slots", &moe_sum_slots, "a MoE layer's k slots a token summed in slot order, in x's dtype", no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (float32)", no_gil());
-  bind_llama_layer(m);
+  bind_decoder_layers(m);
 }

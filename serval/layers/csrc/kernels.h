@@ -1,5 +1,5 @@
 // The kernels every file of this folder exports, declared once: bindings.cpp binds them to Python, and the files
-// that call each other's (llama_layer.cpp, moe_experts.cpp, bf16_rows.cpp) include this.
+// that call each other's (decoder_layers.cpp, moe_experts.cpp, bf16_rows.cpp) include this.
 #pragma once
 
 #include <torch/extension.h>
@@ -45,5 +45,5 @@ at::Tensor silu_and_mul_v16(const at::Tensor& x);
 at::Tensor moe_expert_slots(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                             const at::Tensor& gate_up_t, const at::Tensor& down_t, int64_t first_expert);
 at::Tensor moe_sum_slots(const at::Tensor& slots, const at::Tensor& like);
-// llama_layer.cpp: its classes' bindings
-void bind_llama_layer(pybind11::module_& m);
+// decoder_layers.cpp: its classes' bindings
+void bind_decoder_layers(pybind11::module_& m);

@@ -1,4 +1,4 @@
-// A Llama decoder layer on the CPU in one call from Python, and the block linear it is made of.
+// A Llama or Gemma decoder layer on the CPU in one call from Python, and the block linear it is made of.
 //
 // A one-row decode step of a 30-layer model made about 300 calls from Python into these kernels, each behind an
 // nn.Module call, attribute lookups and an argument check: 2.3 ms of an 8.6 ms step on an AMD EPYC Zen 4, more than
@@ -125,9 +125,70 @@ class LlamaLayer {
   int64_t window_;
 };
 
+// model/gemma3.py's Gemma3DecoderLayer, its linears PanelLinears, its norms and GeGLU the C++ passes of
+// fused_ops.cpp with the vector widths (lanes) that give the PyTorch lines' bits (layers/norm.py exact_sum_lanes,
+// layers/activation.py exact_gelu_lanes), its attention layers/attention/cpu_kernel.py's.
+class GemmaLayer {
+ public:
+  GemmaLayer(std::shared_ptr<PanelLinear> qkv, std::shared_ptr<PanelLinear> o, std::shared_ptr<PanelLinear> gate_up,
+             std::shared_ptr<PanelLinear> down, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+             at::Tensor post_attention_norm, at::Tensor pre_feedforward_norm, at::Tensor post_feedforward_norm,
+             double eps, int64_t head_lanes, int64_t hidden_lanes, int64_t gelu_lanes, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, double scale, int64_t window, double softcap)
+      : qkv_(std::move(qkv)), o_(std::move(o)), gate_up_(std::move(gate_up)), down_(std::move(down)),
+        q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), post_attention_norm_(std::move(post_attention_norm)),
+        pre_feedforward_norm_(std::move(pre_feedforward_norm)),
+        post_feedforward_norm_(std::move(post_feedforward_norm)), eps_(eps), head_lanes_(head_lanes),
+        hidden_lanes_(hidden_lanes), gelu_lanes_(gelu_lanes), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim), scale_(scale), window_(window), softcap_(softcap) {}
+
+  // (next_norm(r), r) for the new residual stream r, as Gemma3DecoderLayer.forward returns them; x is this layer's
+  // input, normed by the layer before.
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& residual,
+                                             const at::Tensor& next_norm, const at::Tensor& positions,
+                                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                                             const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                             const at::Tensor& block_tables, const at::Tensor& token_table,
+                                             const at::Tensor& context_lens) const {
+    const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const at::Tensor qkv = qkv_->forward(x);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+    if (q_norm_.has_value()) {
+      q = std::get<0>(gemma_rms_norm(q, *q_norm_, eps_, head_lanes_, c10::nullopt, c10::nullopt));
+      k = std::get<0>(gemma_rms_norm(k, *k_norm_, eps_, head_lanes_, c10::nullopt, c10::nullopt));
+    }
+    rotary_embedding_(q, positions, cos, sin);
+    rotary_embedding_(k, positions, cos, sin);
+    if (quantized_rows(k_cache)) {
+      quantize_kv_(k.contiguous(), k_cache, slot_mapping);
+      quantize_kv_(v.contiguous(), v_cache, slot_mapping);
+    } else {
+      write_kv_(k_cache, v_cache, k, v, slot_mapping);
+    }
+    const at::Tensor heads = paged_attention(q.contiguous(), k_cache, v_cache, block_tables, token_table, context_lens,
+                                             scale_, window_, softcap_);
+    auto [h, stream] = gemma_rms_norm(o_->forward(heads.view({tokens, q_size})), post_attention_norm_, eps_,
+                                      hidden_lanes_, residual, pre_feedforward_norm_);
+    const at::Tensor mlp = down_->forward(gelu_tanh_and_mul(gate_up_->forward(h), gelu_lanes_));
+    return gemma_rms_norm(mlp, post_feedforward_norm_, eps_, hidden_lanes_, stream, next_norm);
+  }
+
+ private:
+  std::shared_ptr<PanelLinear> qkv_, o_, gate_up_, down_;
+  c10::optional<at::Tensor> q_norm_, k_norm_;
+  at::Tensor post_attention_norm_, pre_feedforward_norm_, post_feedforward_norm_;
+  double eps_;
+  int64_t head_lanes_, hidden_lanes_, gelu_lanes_, num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+  int64_t window_;
+  double softcap_;
+};
+
 }  // namespace
 
-void bind_llama_layer(pybind11::module_& m) {
+void bind_decoder_layers(pybind11::module_& m) {
   namespace py = pybind11;
   using no_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<PanelLinear, std::shared_ptr<PanelLinear>>(m, "PanelLinear",
@@ -148,4 +209,14 @@ void bind_llama_layer(pybind11::module_& m) {
            py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("scale"), py::arg("window"))
       .def("__call__", &LlamaLayer::forward, "(the MLP output, the residual stream before it)", no_gil());
+  py::class_<GemmaLayer>(m, "GemmaLayer", "a Gemma 2 / 3 decoder layer's kernel calls in one")
+      .def(py::init<std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>,
+                    std::shared_ptr<PanelLinear>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor,
+                    at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                    int64_t, double>(),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("post_attention_norm"), py::arg("pre_feedforward_norm"), py::arg("post_feedforward_norm"),
+           py::arg("eps"), py::arg("head_lanes"), py::arg("hidden_lanes"), py::arg("gelu_lanes"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("window"), py::arg("softcap"))
+      .def("__call__", &GemmaLayer::forward, "(next_norm(r), r) for the new residual stream r", no_gil());
 }
