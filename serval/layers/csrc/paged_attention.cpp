@@ -260,18 +260,48 @@ inline float softmax_numerators(float* scores, int64_t j0, int64_t ctx) {
   return 1.f / serval::reduce_add16(sums);
 }
 
-// acc[0 .. C * 16) += sum over keys l0 <= l < l1, in order, of p[l] * v[l] (value_row(l): where key l's C * 16
-// float32 values start). The sums are float32 in memory between calls: cutting the keys into ranges changes no bit.
-template <int C, typename ValueRow>
-inline void weighted_values(const float* p, ValueRow value_row, int64_t l0, int64_t l1, float* acc) {
-  V16 sum[C];
-  for (int i = 0; i < C; ++i) sum[i] = serval::load16(acc + i * 16);
+// Value vectors of 16 (C) and query heads (H) that weighted_values takes side by side: H * C sums, C values and a
+// weight in registers (AVX-512: 32 of them; AVX2: 16, a V16 two).
+#if defined(__AVX512F__)
+constexpr int kValueChunks = 4, kValueHeads = 4;
+#else
+constexpr int kValueChunks = 2, kValueHeads = 2;
+#endif
+
+// For each of H query heads h (weights p + h * p_stride, sums acc + h * acc_stride): acc[0 .. C * 16) += the sum
+// over keys l0 <= l < l1, in order, of p[l] * v[l] (value_row(l): where key l's C * 16 float32 values start). Each
+// lane of each head is one float32 FMA chain in key order; the heads only share the loads of the values and run
+// side by side, so that no chain waits on its own last FMA (one head's C chains did, at 3 of a decode's 4 cycles).
+// The sums are float32 in memory between calls: cutting the keys into ranges changes no bit.
+template <int C, int H, typename ValueRow>
+inline void weighted_values(const float* p, int64_t p_stride, ValueRow value_row, int64_t l0, int64_t l1, float* acc,
+                            int64_t acc_stride) {
+  V16 sum[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < C; ++i) sum[h][i] = serval::load16(acc + h * acc_stride + i * 16);
   for (int64_t l = l0; l < l1; ++l) {
-    const V16 pl = serval::set16(p[l]);
     const float* v = value_row(l);
-    for (int i = 0; i < C; ++i) sum[i] = serval::fma16(pl, serval::load16(v + i * 16), sum[i]);
+    V16 values[C];
+    for (int i = 0; i < C; ++i) values[i] = serval::load16(v + i * 16);
+    for (int h = 0; h < H; ++h) {
+      const V16 ph = serval::set16(p[h * p_stride + l]);
+      for (int i = 0; i < C; ++i) sum[h][i] = serval::fma16(ph, values[i], sum[h][i]);
+    }
   }
-  for (int i = 0; i < C; ++i) serval::store16(acc + i * 16, sum[i]);
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < C; ++i) serval::store16(acc + h * acc_stride + i * 16, sum[h][i]);
+}
+
+// weighted_values for ``heads`` (1 .. kValueHeads) heads.
+template <int C, typename ValueRow>
+inline void weighted_values_of(int64_t heads, const float* p, int64_t p_stride, ValueRow value_row, int64_t l0,
+                               int64_t l1, float* acc, int64_t acc_stride) {
+  if constexpr (kValueHeads >= 4)
+    if (heads == 4) return weighted_values<C, 4>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+  if constexpr (kValueHeads >= 3)
+    if (heads == 3) return weighted_values<C, 3>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+  if (heads == 2) return weighted_values<C, 2>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+  weighted_values<C, 1>(p, p_stride, value_row, l0, l1, acc, acc_stride);
 }
 
 #if defined(__AVX512F__)
@@ -487,17 +517,23 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
       inv_sums[i] = softmax_numerators(s, first_of(i) / kKeys, ctx_of(i));
       std::fill(acc + i * head_dim, acc + (i + 1) * head_dim, 0.f);
     }
-    constexpr int C = DV < kRegisterTiles ? DV : kRegisterTiles;  // value vectors per chain over the keys
+    // A token's query heads (the group's) share its keys: up to kValueHeads of them at a time.
     for (int64_t l0 = tile_min * kKeys; l0 < ctx_max; l0 += kBlockKeys)
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t from = std::max(l0, first_of(i)), l1 = std::min(l0 + kBlockKeys, ctx_of(i));
-        for (int c = 0; from < l1 && c < DV; c += C) {
-          float* out = acc + i * head_dim + c * 16;
-          if constexpr (kFloatRows)
-            weighted_values<C>(scores + i * stride, [&](int64_t l) { return vc + offsets[l] + c * 16; }, from, l1, out);
-          else
-            weighted_values<C>(scores + i * stride, [&](int64_t l) { return v + l * head_dim + c * 16; }, from, l1, out);
-        }
+      for (int64_t i0 = 0; i0 < nq; i0 += group) {
+        const int64_t from = std::max(l0, first_of(i0)), l1 = std::min(l0 + kBlockKeys, ctx_of(i0));
+        for (int64_t h = 0; from < l1 && h < group; h += kValueHeads)
+          for (int c = 0; c < DV; c += kValueChunks) {
+            const int64_t heads = std::min<int64_t>(kValueHeads, group - h), i = i0 + h;
+            float* out = acc + i * head_dim + c * 16;
+            if constexpr (kFloatRows)
+              weighted_values_of<kValueChunks>(heads, scores + i * stride, stride,
+                                               [&](int64_t l) { return vc + offsets[l] + c * 16; }, from, l1, out,
+                                               head_dim);
+            else
+              weighted_values_of<kValueChunks>(heads, scores + i * stride, stride,
+                                               [&](int64_t l) { return v + l * head_dim + c * 16; }, from, l1, out,
+                                               head_dim);
+          }
       }
     for (int64_t i = 0; i < nq; ++i) {
       scalar_t* dst = o + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim;
