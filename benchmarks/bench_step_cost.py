@@ -1,12 +1,14 @@
 """Where an offline decode step's time goes outside the linear kernels: the engine's step at B concurrent greedy
 decodes (speculation off), each part timed by the thread's CPU clock around it, medians of many steps.
 
-    .venv/bin/python benchmarks/bench_step_cost.py [--batch 1 16] [--steps 200] [--threads 1]
+    .venv/bin/python benchmarks/bench_step_cost.py [--batch 1 16] [--steps 200] [--threads 1] [--enforce-eager]
 
 One thread by default: on a shared machine, CPU time of one thread is what other processes disturb least.
 Parts: the block linears of the layers, the head (logits of the sampled rows), attention (KV write and attend),
 RMSNorm with the residual add, RoPE, SiLU-and-mul, the embedding lookup, the argmax, and the rest of the step
-(scheduler, runner, output processing in Python, and small aten ops), each in ms a step.
+(scheduler, runner, output processing in Python, and small aten ops), each in ms a step. By default the layers run
+as the engine runs them, one C++ call each (model/llama.py ``cpu_layer``), timed as one part, "layers"; with
+--enforce-eager each kernel is called from Python and timed as its part.
 """
 
 from __future__ import annotations
@@ -103,14 +105,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-parts", action="store_true", help="time whole steps only (no wrappers)")
+    parser.add_argument("--enforce-eager", action="store_true", help="each kernel called from Python, timed apart")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {describe_hardware()}", flush=True)
-    engine = LLMEngine(EngineConfig(speculative=SpeculativeConfig(method=None)))
+    engine = LLMEngine(EngineConfig(speculative=SpeculativeConfig(method=None), enforce_eager=args.enforce_eager))
     timer = None if args.no_parts else PartTimer()
     if timer is not None:
         instrument(engine, timer)
-    measure(engine, 1, 8, timer)  # warm-up
+    measure(engine, 1, 8, timer)  # warm-up: the layers' one-call forms are built in its first step
+    if timer is not None and not args.enforce_eager:
+        for layer in engine.core.runner.model.layers:
+            layer.cpu_layer = timer.wrap("layers", layer.cpu_layer)
     for batch in args.batch:
         print(json.dumps({"batch": batch, "ms_per_step": measure(engine, batch, args.steps, timer)}), flush=True)
 
