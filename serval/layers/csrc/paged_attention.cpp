@@ -260,6 +260,29 @@ inline float softmax_numerators(float* scores, int64_t j0, int64_t ctx) {
   return 1.f / serval::reduce_add16(sums);
 }
 
+#if defined(__AVX512F__)
+// 16 values of a cache row as float32 (exact for every cache dtype).
+template <typename scalar_t>
+inline __m512 load_float16(const scalar_t* src) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  }
+}
+
+#endif
+
+// 16 values (float32, or a cache row's 16- or 32-bit floats, widened exactly) for weighted_values.
+inline V16 load_values16(const float* p) { return serval::load16(p); }
+#if defined(__AVX512F__)
+template <typename scalar_t>
+inline V16 load_values16(const scalar_t* p) { return {load_float16(p)}; }
+#endif
+
 // Value vectors of 16 (C) and query heads (H) that weighted_values takes side by side: H * C sums, C values and a
 // weight in registers (AVX-512: 32 of them; AVX2: 16, a V16 two).
 #if defined(__AVX512F__)
@@ -269,7 +292,7 @@ constexpr int kValueChunks = 2, kValueHeads = 2;
 #endif
 
 // For each of H query heads h (weights p + h * p_stride, sums acc + h * acc_stride): acc[0 .. C * 16) += the sum
-// over keys l0 <= l < l1, in order, of p[l] * v[l] (value_row(l): where key l's C * 16 float32 values start). Each
+// over keys l0 <= l < l1, in order, of p[l] * v[l] (value_row(l): where key l's C * 16 values start). Each
 // lane of each head is one float32 FMA chain in key order; the heads only share the loads of the values and run
 // side by side, so that no chain waits on its own last FMA (one head's C chains did, at 3 of a decode's 4 cycles).
 // The sums are float32 in memory between calls: cutting the keys into ranges changes no bit.
@@ -280,9 +303,9 @@ inline void weighted_values(const float* p, int64_t p_stride, ValueRow value_row
   for (int h = 0; h < H; ++h)
     for (int i = 0; i < C; ++i) sum[h][i] = serval::load16(acc + h * acc_stride + i * 16);
   for (int64_t l = l0; l < l1; ++l) {
-    const float* v = value_row(l);
+    const auto* v = value_row(l);
     V16 values[C];
-    for (int i = 0; i < C; ++i) values[i] = serval::load16(v + i * 16);
+    for (int i = 0; i < C; ++i) values[i] = load_values16(v + i * 16);
     for (int h = 0; h < H; ++h) {
       const V16 ph = serval::set16(p[h * p_stride + l]);
       for (int i = 0; i < C; ++i) sum[h][i] = serval::fma16(ph, values[i], sum[h][i]);
@@ -305,19 +328,6 @@ inline void weighted_values_of(int64_t heads, const float* p, int64_t p_stride, 
 }
 
 #if defined(__AVX512F__)
-// 16 values of a cache row as float32 (exact for every cache dtype).
-template <typename scalar_t>
-inline __m512 load_float16(const scalar_t* src) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return _mm512_loadu_ps(src);
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  }
-}
-
 template <typename scalar_t>
 inline void to_float(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_float16(src + i));
@@ -444,6 +454,71 @@ inline void transpose_keys(KeyRow key, int64_t count, int64_t head_dim, float* t
 }
 #endif
 
+#if defined(__AVX512F__)
+#define SERVAL_ONE_TOKEN_ATTENTION 1
+// attend_tiled's arithmetic for a tile of one query token (a decode), to the bit, without its float32 copies of the
+// keys and values: each 16-key tile is transposed into registers and scored there by up to kValueHeads of the
+// token's query heads (each lane the same FMA chain over the head dimension in order, from the same floats), and
+// the values are widened as they are summed (exactly). For 16- and 32-bit float cache rows.
+template <typename scalar_t, typename Rows, int DV>
+void attend_one_token(const Inputs<scalar_t, Rows>& in, int64_t t, int64_t kvh) {
+  constexpr int64_t head_dim = DV * 16;
+  const int64_t group = in.group, ctx = in.lens[t], first = in.first_key(ctx);
+  const int64_t* table = in.tables + in.rows[t] * in.max_blocks;
+  const int64_t key_tiles = (ctx + kKeys - 1) / kKeys, tile_min = first / kKeys, stride = key_tiles * kKeys;
+  float* qs = serval::scratch(2, group * (2 * head_dim + 1));
+  float* acc = qs + group * head_dim;
+  float* inv_sums = acc + group * head_dim;
+  float* scores = serval::scratch(3, group * stride);
+  int64_t* offsets = serval::scratch_index(ctx);
+  for (int64_t l = tile_min * kKeys, block = l / in.block_size, within = l % in.block_size; l < ctx; ++l) {
+    offsets[l] = ((table[block] * in.block_size + within) * in.num_kv_heads + kvh) * head_dim;
+    if (++within == in.block_size) within = 0, ++block;
+  }
+  for (int64_t g = 0; g < group; ++g)
+    to_float(in.q + (t * in.num_heads + kvh * group + g) * head_dim, qs + g * head_dim, head_dim);
+  for (int64_t h0 = 0; h0 < group; h0 += kValueHeads) {
+    const int64_t heads = std::min<int64_t>(kValueHeads, group - h0);
+    for (int64_t j = tile_min; j < key_tiles; ++j) {
+      const int64_t count = std::min<int64_t>(kKeys, ctx - j * kKeys);
+      __m512 sums[kValueHeads];
+      for (int h = 0; h < kValueHeads; ++h) sums[h] = _mm512_setzero_ps();
+      for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+        __m512 r[16];
+        for (int64_t i = 0; i < 16; ++i)
+          r[i] = i < count ? load_row16<Rows>(in.kc + offsets[j * kKeys + i], d0, head_dim) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int i = 0; i < 16; ++i)
+          for (int h = 0; h < kValueHeads; ++h)
+            if (h < heads) sums[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(h0 + h) * head_dim + d0 + i]), r[i], sums[h]);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        V16 score = serval::mul16({sums[h]}, serval::set16(in.scale));
+        if (in.softcap > 0.f)
+          score = serval::mul16(serval::tanh16(serval::div16(score, serval::set16(in.softcap))),
+                                serval::set16(in.softcap));
+        serval::store16(scores + (h0 + h) * stride + j * kKeys, serval::first_lanes(score, count, -INFINITY));
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * stride;
+    std::fill(sg + tile_min * kKeys, sg + first, -INFINITY);  // outside the window: exp gives 0
+    inv_sums[g] = softmax_numerators(sg, tile_min, ctx);
+  }
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t h = 0; h < group; h += kValueHeads)
+    for (int c = 0; c < DV; c += kValueChunks)
+      weighted_values_of<kValueChunks>(std::min<int64_t>(kValueHeads, group - h), scores + h * stride, stride,
+                                       [&](int64_t l) { return in.vc + offsets[l] + c * 16; }, first, ctx,
+                                       acc + h * head_dim + c * 16, head_dim);
+  for (int64_t g = 0; g < group; ++g) {
+    scalar_t* dst = in.o + (t * in.num_heads + kvh * group + g) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sums[g]);
+  }
+}
+#endif
+
 template <typename scalar_t, typename Rows, int DV>
 void attend_tiled(const Inputs<scalar_t, Rows>& in) {
   constexpr int64_t head_dim = DV * 16;
@@ -465,6 +540,14 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
   for (int64_t task = 0; task < num_tiles * num_kv_heads; ++task) {
     const int64_t t0 = tile_starts[task / num_kv_heads], t1 = tile_starts[task / num_kv_heads + 1];
     const int64_t kvh = task % num_kv_heads;
+#if defined(SERVAL_ONE_TOKEN_ATTENTION)
+    if constexpr (Rows::extra == 0) {
+      if (t1 - t0 == 1) {
+        attend_one_token<scalar_t, Rows, DV>(in, t0, kvh);
+        continue;
+      }
+    }
+#endif
     const int64_t* table = tables + rows[t0] * max_blocks;
     int64_t ctx_max = 0, first_min = INT64_MAX;
     for (int64_t t = t0; t < t1; ++t) {
