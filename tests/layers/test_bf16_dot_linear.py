@@ -6,6 +6,9 @@ steps); and BlockQuantLinear takes it only where it was chosen (use_dot_products
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_block_quant_linear import activations, random_blocks
@@ -123,5 +126,22 @@ def test_auto_follows_the_measurement(monkeypatch):
         monkeypatch.setattr(linear_module, "bf16_dot_products_faster", lambda faster=faster: faster)
         assert use_dot_products(model, "auto") == choice and model[0].dot_products == choice
     monkeypatch.undo()
+    threads = torch.get_num_threads()
     measured = linear_module._measure_dot_products(kernels)
+    assert measured.pop("method") == linear_module.DOT_PRODUCT_METHOD and torch.get_num_threads() == threads
     assert set(measured) == {"fma_1", "bf16_1", "fma_16", "bf16_16"} and all(v > 0 for v in measured.values())
+
+
+@needs_bf16_dot
+def test_a_record_of_another_method_is_measured_again(monkeypatch, tmp_path):
+    """The choice is kept beside the build; a record written by an earlier way of measuring (two threads, which a
+    loaded machine made 75x slow) is measured again, and the new record kept."""
+    record = tmp_path / "kernels.dot_products.json"
+    record.write_text(json.dumps({"fma_1": 3970.0, "bf16_1": 3110.0, "fma_16": 3416.0, "bf16_16": 3978.0}))
+    monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
+    monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
+        __file__=str(tmp_path / "kernels.so")))
+    fresh = {"fma_1": 60.0, "bf16_1": 30.0, "fma_16": 300.0, "bf16_16": 150.0, "method": "one thread"}
+    monkeypatch.setattr(linear_module, "_measure_dot_products", lambda kernels: dict(fresh))
+    assert linear_module.bf16_dot_products_faster() is True
+    assert json.loads(record.read_text()) == fresh
