@@ -77,6 +77,17 @@ bool quantized_rows(const at::Tensor& cache) {
   return dtype == at::kChar || dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
 }
 
+// layers/attention/cpu_kernel.py's write_kv: the step's keys and values [T, KVH, D] into this layer's cache rows.
+void write_kv_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& slot_mapping) {
+  if (quantized_rows(k_cache)) {
+    quantize_kv_(k.contiguous(), k_cache, slot_mapping);
+    quantize_kv_(v.contiguous(), v_cache, slot_mapping);
+  } else {
+    write_kv_(k_cache, v_cache, k, v, slot_mapping);
+  }
+}
+
 // model/llama.py's LlamaDecoderLayer without q/k/v biases, q/k norms or experts, its linears PanelLinears, its
 // attention layers/attention/cpu_kernel.py's.
 class LlamaLayer {
@@ -103,12 +114,7 @@ class LlamaLayer {
     rotary_embedding_(qk, positions, cos, sin);
     const at::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
-    if (quantized_rows(k_cache)) {
-      quantize_kv_(k.contiguous(), k_cache, slot_mapping);
-      quantize_kv_(v.contiguous(), v_cache, slot_mapping);
-    } else {
-      write_kv_(k_cache, v_cache, k, v, slot_mapping);
-    }
+    write_kv_rows(k_cache, v_cache, k, v, slot_mapping);
     const at::Tensor heads = paged_attention(q.contiguous(), k_cache, v_cache, block_tables, token_table, context_lens,
                                              scale_, window_, 0.0);
     auto [normed, stream_out] = add_rms_norm(o_->forward(heads.view({tokens, q_size})), stream, post_attention_norm_,
@@ -161,12 +167,7 @@ class GemmaLayer {
     }
     rotary_embedding_(q, positions, cos, sin);
     rotary_embedding_(k, positions, cos, sin);
-    if (quantized_rows(k_cache)) {
-      quantize_kv_(k.contiguous(), k_cache, slot_mapping);
-      quantize_kv_(v.contiguous(), v_cache, slot_mapping);
-    } else {
-      write_kv_(k_cache, v_cache, k, v, slot_mapping);
-    }
+    write_kv_rows(k_cache, v_cache, k, v, slot_mapping);
     const at::Tensor heads = paged_attention(q.contiguous(), k_cache, v_cache, block_tables, token_table, context_lens,
                                              scale_, window_, softcap_);
     auto [h, stream] = gemma_rms_norm(o_->forward(heads.view({tokens, q_size})), post_attention_norm_, eps_,
