@@ -99,7 +99,6 @@ class Gemma3DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_to(attended, residual, self.pre_feedforward_layernorm)
         return self.post_feedforward_layernorm.add_to(self.mlp(x), residual, next_norm)
 
-
     def _build_cpu_layer(self, kernels, dtype: torch.dtype):
         """The GemmaLayer for this layer and the model's ``dtype`` (kept in ``cpu_layer``), None until its linears
         have built their kernels, False (for good) where it cannot run this layer as the Python path does."""

@@ -153,7 +153,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope: RotaryStep, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it is added); the next norm adds the two."""
-        if rope.kernels is not None and type(meta) is CpuKernelMetadata and x.is_contiguous():
+        if (rope.kernels is not None and type(meta) is CpuKernelMetadata and x.is_contiguous()
+                and (residual is None or residual.is_contiguous())):  # the C++ norm reads both in place
             cpu_layer = self.cpu_layer if self.cpu_layer is not None else self._build_cpu_layer(rope.kernels)
             if cpu_layer:
                 return cpu_layer(x, residual, rope.positions, rope.table.cos, rope.table.sin, kv_cache[0], kv_cache[1],
