@@ -197,19 +197,26 @@ def test_without_the_kernel_the_runner_selects_the_float64_path(monkeypatch):
     assert (fallback.float() - with_kernel.float()).abs().max() < 0.02  # two float32-accurate results in bf16
 
 
+# (query heads, key/value heads): the kernel scores up to 4 of a token's heads side by side and sums the values of
+# up to 6 heads of whole tokens at once: 3 a token (2 tokens together), 1 (6 tokens), 8 (split) and 5 (one token).
+HEAD_GROUPS = [(HEADS, KV_HEADS), (6, 6), (8, 1), (10, 2)]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_GROUPS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 80])  # 80: no tiled kernel for it, the per-query loop
 @torch.inference_mode()
-def test_every_row_of_a_long_chunk_equals_its_decode_and_a_float64_softmax(head_dim):
+def test_every_row_of_a_long_chunk_equals_its_decode_and_a_float64_softmax(head_dim, num_heads, num_kv_heads):
     """The C++ kernel takes a sequence's queries in tiles of 64 that share keys and values, and goes over the keys
-    256 at a time for all of a tile's heads: each of 70 rows of a chunk (tiles cut at 64; contexts 531-600, not
-    multiples of 16, cut into key blocks at 256 and 512) is bitwise its own decode, and all are within float32
-    error of a float64 softmax, for every head size a tiled kernel is built for."""
+    64 at a time for all of a tile's heads, scoring several heads of a token at once and summing the values of
+    several tokens at once: each of 70 rows of a chunk (tiles cut at 64; contexts 531-600, not multiples of 16, so
+    that tokens taken together part within a key block) is bitwise its own decode, and all are within float32 error
+    of a float64 softmax, for every head size a tiled kernel is built for and every grouping of query heads."""
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("the C++ kernels could not be built here")
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(48, BLOCK, KV_HEADS, head_dim, generator=gen) for _ in range(2))
-    queries = torch.randn(70, HEADS, head_dim, generator=gen)
+    k_cache, v_cache = (torch.randn(48, BLOCK, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    queries = torch.randn(70, num_heads, head_dim, generator=gen)
     table = torch.randperm(48, generator=gen)[:38][None]  # 38 blocks: 608 slots, the last ones past every context
     k_cache[table[0, -1], 8:] = v_cache[table[0, -1], 8:] = float("nan")  # what a slot past the context may hold
     lens = torch.arange(531, 601)
@@ -219,27 +226,30 @@ def test_every_row_of_a_long_chunk_equals_its_decode_and_a_float64_softmax(head_
         alone = kernels.paged_attention(queries[i: i + 1].contiguous(), k_cache, v_cache, table,
                                         torch.zeros(1, dtype=torch.long), lens[i: i + 1], scale)
         assert torch.equal(chunk[i], alone[0]), i
-    keys = k_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
-    values = v_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    keys = k_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    values = v_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", queries.double(), keys) * scale
     scores.masked_fill_(torch.arange(keys.shape[0])[None, None] >= lens[None, :, None], float("-inf"))
     want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
     assert (chunk.double() - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(HEADS, KV_HEADS), (6, 6)])
 @pytest.mark.parametrize("window", [100, 512, 37])
 @pytest.mark.parametrize("head_dim", [64, 256, 80])
 @torch.inference_mode()
-def test_a_sliding_window_row_equals_its_decode_and_a_float64_softmax_over_its_window(head_dim, window):
+def test_a_sliding_window_row_equals_its_decode_and_a_float64_softmax_over_its_window(head_dim, window, num_heads,
+                                                                                      num_kv_heads):
     """Gemma's local layers: each query sees its last ``window`` keys. Every row of a 70-query chunk (contexts
-    531-600, so the rows' first keys differ and fall mid-tile) is bitwise its own decode, and within float32 error
-    of a float64 softmax over exactly its window; the float64 path (no kernel) agrees."""
+    531-600, so the rows' first keys differ and fall mid-tile, and tokens whose values are summed together start at
+    different keys) is bitwise its own decode, and within float32 error of a float64 softmax over exactly its window;
+    the float64 path (no kernel) agrees."""
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("the C++ kernels could not be built here")
     gen = torch.Generator().manual_seed(window)
-    k_cache, v_cache = (torch.randn(48, BLOCK, KV_HEADS, head_dim, generator=gen) for _ in range(2))
-    queries = torch.randn(70, HEADS, head_dim, generator=gen)
+    k_cache, v_cache = (torch.randn(48, BLOCK, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    queries = torch.randn(70, num_heads, head_dim, generator=gen)
     table = torch.randperm(48, generator=gen)[:38][None]
     lens = torch.arange(531, 601)
     scale = head_dim**-0.5
@@ -249,15 +259,15 @@ def test_a_sliding_window_row_equals_its_decode_and_a_float64_softmax_over_its_w
         alone = kernels.paged_attention(queries[i: i + 1].contiguous(), k_cache, v_cache, table, rows[:1],
                                         lens[i: i + 1], scale, window)
         assert torch.equal(chunk[i], alone[0]), i
-    keys = k_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
-    values = v_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    keys = k_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    values = v_cache[table[0]].flatten(0, 1)[:600].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", queries.double(), keys) * scale
     key_pos, ctx = torch.arange(600)[None, None], lens[None, :, None]
     scores.masked_fill_((key_pos >= ctx) | (key_pos < ctx - window), float("-inf"))
     want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
     assert (chunk.double() - want).abs().max() < 1e-5
     # The PyTorch path: the same rows as a prefill chunk of positions 530..599 over the cached context.
-    flat_k, flat_v = k_cache.view(-1, KV_HEADS, head_dim), v_cache.view(-1, KV_HEADS, head_dim)
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     blocks = table[0].tolist()
     slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(530, 600)])
     meta = TorchReferenceBackend("cpu", torch.float32, BLOCK).build_metadata([ScheduledSequence(blocks, 530, 70)])

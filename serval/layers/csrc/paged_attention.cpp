@@ -203,44 +203,69 @@ void attend(const Inputs<scalar_t, Rows>& in) {
 using serval::V16;
 constexpr int64_t kKeys = 16;       // keys per score vector
 constexpr int64_t kQueryTile = 64;  // query tokens of one sequence that share one float32 copy of its keys and values
-constexpr int64_t kBlockKeys = 256;  // keys that every query head of a tile takes in turn while they stay in cache
-// Vectors of 16 kept in registers by one chain of FMAs: AVX-512 has 32 registers, AVX2 16 (a V16 is two there).
+// Keys that every query head of a tile takes in turn: 64 keys' float32 copies (16 KB at head_dim 64) stay in L1
+// while a tile's query heads score them and sum their values (from L2, 256 keys ran at half the FMA rate).
+constexpr int64_t kBlockKeys = 64;
+constexpr int kBlockTiles = kBlockKeys / kKeys;
+// Query heads scored side by side on one load of the keys: AVX-512 holds 4 heads x 4 tiles of sums and the 4 tiles
+// in its 32 registers; AVX2's 16 (a V16 is two) hold one head's.
 #if defined(__AVX512F__)
-constexpr int kRegisterTiles = 8;
+constexpr int kScoreHeads = 4;
 #else
-constexpr int kRegisterTiles = 4;
+constexpr int kScoreHeads = 1;
 #endif
 
-// Scores of J consecutive 16-key tiles for one query head: each lane an FMA chain over the head dimension in
-// order (J chains run side by side; every score's arithmetic is the same whatever J), scaled, and with Capped
-// soft-capped to softcap * tanh(s / softcap).
-template <int J, bool Capped>
+// Scores of J consecutive 16-key tiles for Q query heads (q + h * head_dim, scores + h * score_stride): each lane
+// an FMA chain over the head dimension in order (the heads and tiles only share the loads of the keys and of the
+// query; every score's arithmetic is the same whatever J and Q), scaled, and with Capped soft-capped to
+// softcap * tanh(s / softcap).
+template <int J, int Q, bool Capped>
 inline void score_tiles(const float* q, const float* kt, int64_t head_dim, int64_t j0, int64_t ctx, float scale,
-                        float softcap, float* scores) {
-  V16 acc[J];
-  for (int j = 0; j < J; ++j) acc[j] = serval::zero16();
+                        float softcap, float* scores, int64_t score_stride) {
+  V16 acc[Q][J];
+  for (int h = 0; h < Q; ++h)
+    for (int j = 0; j < J; ++j) acc[h][j] = serval::zero16();
   for (int64_t d = 0; d < head_dim; ++d) {
-    const V16 qd = serval::set16(q[d]);
-    for (int j = 0; j < J; ++j) acc[j] = serval::fma16(qd, serval::load16(kt + ((j0 + j) * head_dim + d) * kKeys), acc[j]);
+    V16 k[J];
+    for (int j = 0; j < J; ++j) k[j] = serval::load16(kt + ((j0 + j) * head_dim + d) * kKeys);
+    for (int h = 0; h < Q; ++h) {
+      const V16 qd = serval::set16(q[h * head_dim + d]);
+      for (int j = 0; j < J; ++j) acc[h][j] = serval::fma16(qd, k[j], acc[h][j]);
+    }
   }
-  for (int j = 0; j < J; ++j) {
-    const int64_t first = (j0 + j) * kKeys;
-    V16 s = serval::mul16(acc[j], serval::set16(scale));
-    if constexpr (Capped)
-      s = serval::mul16(serval::tanh16(serval::div16(s, serval::set16(softcap))), serval::set16(softcap));
-    serval::store16(scores + first, serval::first_lanes(s, ctx - first, -INFINITY));
-  }
+  for (int h = 0; h < Q; ++h)
+    for (int j = 0; j < J; ++j) {
+      const int64_t first = (j0 + j) * kKeys;
+      V16 s = serval::mul16(acc[h][j], serval::set16(scale));
+      if constexpr (Capped)
+        s = serval::mul16(serval::tanh16(serval::div16(s, serval::set16(softcap))), serval::set16(softcap));
+      serval::store16(scores + h * score_stride + first, serval::first_lanes(s, ctx - first, -INFINITY));
+    }
 }
 
-// Scores of 16-key tiles j0 .. j1 for one query head, J tiles at a time.
-template <bool Capped>
+// Scores of 16-key tiles j0 .. j1 (at most a block's) for Q query heads.
+template <int Q, bool Capped>
 inline void score_range(const float* q, const float* kt, int64_t head_dim, int64_t j0, int64_t j1, int64_t ctx,
-                        float scale, float softcap, float* scores) {
-  int64_t j = j0;
-  if constexpr (kRegisterTiles >= 8)
-    for (; j + 8 <= j1; j += 8) score_tiles<8, Capped>(q, kt, head_dim, j, ctx, scale, softcap, scores);
-  for (; j + 4 <= j1; j += 4) score_tiles<4, Capped>(q, kt, head_dim, j, ctx, scale, softcap, scores);
-  for (; j < j1; ++j) score_tiles<1, Capped>(q, kt, head_dim, j, ctx, scale, softcap, scores);
+                        float scale, float softcap, float* scores, int64_t score_stride) {
+  if (j1 - j0 == kBlockTiles)
+    return score_tiles<kBlockTiles, Q, Capped>(q, kt, head_dim, j0, ctx, scale, softcap, scores, score_stride);
+  for (int64_t j = j0; j < j1; ++j)
+    score_tiles<1, Q, Capped>(q, kt, head_dim, j, ctx, scale, softcap, scores, score_stride);
+}
+
+// score_range for ``heads`` consecutive query heads (one token's), kScoreHeads at a time.
+template <bool Capped>
+inline void score_heads(int64_t heads, const float* q, const float* kt, int64_t head_dim, int64_t j0, int64_t j1,
+                        int64_t ctx, float scale, float softcap, float* scores, int64_t score_stride) {
+  for (int64_t h = 0; h < heads; h += kScoreHeads) {
+    const float* qh = q + h * head_dim;
+    float* sh = scores + h * score_stride;
+    const int64_t n = std::min<int64_t>(kScoreHeads, heads - h);
+    if (n == 4) score_range<4, Capped>(qh, kt, head_dim, j0, j1, ctx, scale, softcap, sh, score_stride);
+    else if (n == 3) score_range<3, Capped>(qh, kt, head_dim, j0, j1, ctx, scale, softcap, sh, score_stride);
+    else if (n == 2) score_range<2, Capped>(qh, kt, head_dim, j0, j1, ctx, scale, softcap, sh, score_stride);
+    else score_range<1, Capped>(qh, kt, head_dim, j0, j1, ctx, scale, softcap, sh, score_stride);
+  }
 }
 
 // One query head's scores over its keys (tiles j0 .. of its ctx keys) become softmax numerators, in place; returns
@@ -284,11 +309,12 @@ inline V16 load_values16(const scalar_t* p) { return {load_float16(p)}; }
 #endif
 
 // Value vectors of 16 (C) and query heads (H) that weighted_values takes side by side: H * C sums, C values and a
-// weight in registers (AVX-512: 32 of them; AVX2: 16, a V16 two).
+// weight in registers (AVX-512: 32 of them; AVX2: 16, a V16 two). A prefill tile takes up to kWideValueHeads heads
+// of whole tokens at once (24 sums, 4 values and a weight: 29 of AVX-512's registers).
 #if defined(__AVX512F__)
-constexpr int kValueChunks = 4, kValueHeads = 4;
+constexpr int kValueChunks = 4, kValueHeads = 4, kWideValueHeads = 6;
 #else
-constexpr int kValueChunks = 2, kValueHeads = 2;
+constexpr int kValueChunks = 2, kValueHeads = 2, kWideValueHeads = 2;
 #endif
 
 // For each of H query heads h (weights p + h * p_stride, sums acc + h * acc_stride): acc[0 .. C * 16) += the sum
@@ -296,9 +322,11 @@ constexpr int kValueChunks = 2, kValueHeads = 2;
 // lane of each head is one float32 FMA chain in key order; the heads only share the loads of the values and run
 // side by side, so that no chain waits on its own last FMA (one head's C chains did, at 3 of a decode's 4 cycles).
 // The sums are float32 in memory between calls: cutting the keys into ranges changes no bit.
+// Always inlined: left to itself, the compiler stopped inlining it into the decode path once the prefill tile
+// took more instances, and a decode's attention ran 20% slower.
 template <int C, int H, typename ValueRow>
-inline void weighted_values(const float* p, int64_t p_stride, ValueRow value_row, int64_t l0, int64_t l1, float* acc,
-                            int64_t acc_stride) {
+__attribute__((always_inline)) inline void weighted_values(const float* p, int64_t p_stride, ValueRow value_row,
+                                                           int64_t l0, int64_t l1, float* acc, int64_t acc_stride) {
   V16 sum[H][C];
   for (int h = 0; h < H; ++h)
     for (int i = 0; i < C; ++i) sum[h][i] = serval::load16(acc + h * acc_stride + i * 16);
@@ -325,6 +353,17 @@ inline void weighted_values_of(int64_t heads, const float* p, int64_t p_stride, 
     if (heads == 3) return weighted_values<C, 3>(p, p_stride, value_row, l0, l1, acc, acc_stride);
   if (heads == 2) return weighted_values<C, 2>(p, p_stride, value_row, l0, l1, acc, acc_stride);
   weighted_values<C, 1>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+}
+
+// weighted_values for ``heads`` (1 .. kWideValueHeads) heads: a prefill tile's heads of whole tokens.
+template <int C, typename ValueRow>
+inline void weighted_values_wide_of(int64_t heads, const float* p, int64_t p_stride, ValueRow value_row, int64_t l0,
+                                    int64_t l1, float* acc, int64_t acc_stride) {
+  if constexpr (kWideValueHeads >= 6) {
+    if (heads == 6) return weighted_values<C, 6>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+    if (heads == 5) return weighted_values<C, 5>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+  }
+  weighted_values_of<C>(heads, p, p_stride, value_row, l0, l1, acc, acc_stride);
 }
 
 #if defined(__AVX512F__)
@@ -584,15 +623,17 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
       to_float(q + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim, qs + i * head_dim, head_dim);
     const auto ctx_of = [&](int64_t i) { return lens[t0 + i / group]; };
     const auto first_of = [&](int64_t i) { return in.first_key(ctx_of(i)); };
-    for (int64_t b0 = tile_min; b0 < key_tiles; b0 += kBlockKeys / kKeys)
-      for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t b0 = tile_min; b0 < key_tiles; b0 += kBlockTiles)
+      for (int64_t i = 0; i < nq; i += group) {  // a token's query heads share its keys, context and window
         const int64_t j0 = std::max(b0, first_of(i) / kKeys);
-        const int64_t j1 = std::min(b0 + kBlockKeys / kKeys, (ctx_of(i) + kKeys - 1) / kKeys);
+        const int64_t j1 = std::min(b0 + kBlockTiles, (ctx_of(i) + kKeys - 1) / kKeys);
         if (j0 >= j1) continue;
         if (softcap > 0.f)
-          score_range<true>(qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, softcap, scores + i * stride);
+          score_heads<true>(group, qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, softcap,
+                            scores + i * stride, stride);
         else
-          score_range<false>(qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, 0.f, scores + i * stride);
+          score_heads<false>(group, qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, 0.f,
+                             scores + i * stride, stride);
       }
     for (int64_t i = 0; i < nq; ++i) {
       float* s = scores + i * stride;
@@ -600,23 +641,41 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
       inv_sums[i] = softmax_numerators(s, first_of(i) / kKeys, ctx_of(i));
       std::fill(acc + i * head_dim, acc + (i + 1) * head_dim, 0.f);
     }
-    // A token's query heads (the group's) share its keys: up to kValueHeads of them at a time.
+    // Query heads i .. i + heads (consecutive: one token's, or whole tokens') over keys from .. l1, sharing the
+    // loads of the values, up to ``most`` at a time.
+    const auto sum_values = [&](int64_t i, int64_t heads, int64_t from, int64_t l1, int64_t most) {
+      for (int64_t h = 0; from < l1 && h < heads; h += most)
+        for (int c = 0; c < DV; c += kValueChunks) {
+          const int64_t n = std::min<int64_t>(most, heads - h);
+          float* out = acc + (i + h) * head_dim + c * 16;
+          if constexpr (kFloatRows)
+            weighted_values_wide_of<kValueChunks>(n, scores + (i + h) * stride, stride,
+                                                  [&](int64_t l) { return vc + offsets[l] + c * 16; }, from, l1,
+                                                  out, head_dim);
+          else
+            weighted_values_wide_of<kValueChunks>(n, scores + (i + h) * stride, stride,
+                                                  [&](int64_t l) { return v + l * head_dim + c * 16; }, from, l1,
+                                                  out, head_dim);
+        }
+    };
+    // Tokens whose heads fit side by side go together over the keys of the block that they all attend to; each
+    // token's keys before and after those are summed on its own, before and after, so every sum stays in key order.
+    const int64_t tile_tokens = t1 - t0, tokens_together = std::max<int64_t>(1, kWideValueHeads / group);
     for (int64_t l0 = tile_min * kKeys; l0 < ctx_max; l0 += kBlockKeys)
-      for (int64_t i0 = 0; i0 < nq; i0 += group) {
-        const int64_t from = std::max(l0, first_of(i0)), l1 = std::min(l0 + kBlockKeys, ctx_of(i0));
-        for (int64_t h = 0; from < l1 && h < group; h += kValueHeads)
-          for (int c = 0; c < DV; c += kValueChunks) {
-            const int64_t heads = std::min<int64_t>(kValueHeads, group - h), i = i0 + h;
-            float* out = acc + i * head_dim + c * 16;
-            if constexpr (kFloatRows)
-              weighted_values_of<kValueChunks>(heads, scores + i * stride, stride,
-                                               [&](int64_t l) { return vc + offsets[l] + c * 16; }, from, l1, out,
-                                               head_dim);
-            else
-              weighted_values_of<kValueChunks>(heads, scores + i * stride, stride,
-                                               [&](int64_t l) { return v + l * head_dim + c * 16; }, from, l1, out,
-                                               head_dim);
-          }
+      for (int64_t u0 = 0; u0 < tile_tokens; u0 += tokens_together) {
+        const int64_t u1 = std::min(tile_tokens, u0 + tokens_together);
+        const auto from_of = [&](int64_t u) { return std::max(l0, first_of(u * group)); };
+        const auto to_of = [&](int64_t u) { return std::min(l0 + kBlockKeys, ctx_of(u * group)); };
+        int64_t common_from = l0, common_to = l0 + kBlockKeys;
+        for (int64_t u = u0; u < u1; ++u)
+          common_from = std::max(common_from, from_of(u)), common_to = std::min(common_to, to_of(u));
+        if (u1 - u0 == 1 || common_from >= common_to) {
+          for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, from_of(u), to_of(u), kValueHeads);
+          continue;
+        }
+        for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, from_of(u), common_from, kValueHeads);
+        sum_values(u0 * group, (u1 - u0) * group, common_from, common_to, kWideValueHeads);
+        for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, common_to, to_of(u), kValueHeads);
       }
     for (int64_t i = 0; i < nq; ++i) {
       scalar_t* dst = o + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim;
