@@ -1,0 +1,74 @@
+"""run_peers.py's mixed workload (64 requests, 20-600 words in, 16-128 tokens out, seed 3) offline at concurrency
+16: a new request is added as one finishes, greedy, speculation off. Wall time, engine steps, and with --parts the
+main thread's CPU seconds in each part of the model (bench_step_cost.py's parts; they need --enforce-eager, where
+each kernel is called from Python).
+
+    .venv/bin/python benchmarks/bench_mixed_offline.py [--threads 2] [--enforce-eager --parts]
+
+Without the HTTP server and its client on the same two cores, the wall time moves less from run to run than the
+server's; it is the same engine and scheduler (token budget, chunked prefill) as `serval serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from bench_step_cost import PartTimer, instrument
+
+from serval import LLMEngine, SamplingParams
+from serval.benchmark.workloads import WorkloadConfig, build_requests
+from serval.config import EngineConfig, SpeculativeConfig
+from serval.platform_info import describe_hardware
+
+MIXED = WorkloadConfig("random", 64, (20, 600), (16, 128), seed=3)
+CONCURRENCY = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--enforce-eager", action="store_true", help="each kernel called from Python")
+    parser.add_argument("--parts", action="store_true", help="time each part (with --enforce-eager)")
+    args = parser.parse_args()
+    if args.parts and not args.enforce_eager:
+        parser.error("--parts needs --enforce-eager: a layer's one C++ call has no parts to time")
+    torch.set_num_threads(args.threads)
+    print(f"machine: {describe_hardware()}", flush=True)
+    engine = LLMEngine(EngineConfig(speculative=SpeculativeConfig(method=None), enforce_eager=args.enforce_eager))
+    timer = PartTimer()
+    if args.parts:
+        instrument(engine, timer)
+    engine.add_request("warm-up", "Hello there", SamplingParams(temperature=0, max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    timer.totals.clear()
+    pending = list(enumerate(build_requests(MIXED)))
+    prompt_tokens = 0
+
+    def add_next() -> None:
+        index, request = pending.pop(0)
+        engine.add_request(f"mixed-{index}", request.prompt,
+                           SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True))
+
+    for _ in range(min(CONCURRENCY, len(pending))):
+        add_next()
+    start, steps, output_tokens = time.perf_counter(), 0, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for output in engine.step():
+            if output.finished:
+                prompt_tokens += len(output.prompt_token_ids)
+                output_tokens += len(output.outputs[0].token_ids)
+                if pending:
+                    add_next()
+    wall = time.perf_counter() - start
+    print(f"mixed offline, concurrency {CONCURRENCY}: {MIXED.num_requests} requests, {prompt_tokens} prompt and "
+          f"{output_tokens} output tokens in {steps} steps, wall {wall:.2f} s", flush=True)
+    for part, seconds in sorted(timer.totals.items(), key=lambda item: -item[1]):
+        print(f"  {part:14s} {seconds:6.2f} s")
+
+
+if __name__ == "__main__":
+    main()
