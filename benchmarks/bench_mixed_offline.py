@@ -1,7 +1,7 @@
-"""run_peers.py's mixed workload (64 requests, 20-600 words in, 16-128 tokens out, seed 3) offline at concurrency
-16: a new request is added as one finishes, greedy, speculation off. Wall time, engine steps, and with --parts the
-main thread's CPU seconds in each part of the model (bench_step_cost.py's parts; they need --enforce-eager, where
-each kernel is called from Python).
+"""run_peers.py's mixed workload (MIXED: 64 requests, 20-600 words in, 16-128 tokens out, seed 3) offline at its
+concurrency, 16: a new request is added as one finishes, greedy, speculation off. Wall time, engine steps, and with
+--parts the main thread's CPU seconds in each part of the model (bench_step_cost.py's parts; they need
+--enforce-eager, where each kernel is called from Python).
 
     .venv/bin/python benchmarks/bench_mixed_offline.py [--threads 2] [--enforce-eager --parts]
 
@@ -16,14 +16,12 @@ import time
 
 import torch
 from bench_step_cost import PartTimer, instrument
+from run_peers import MIXED, MIXED_CONCURRENCY
 
 from serval import LLMEngine, SamplingParams
-from serval.benchmark.workloads import WorkloadConfig, build_requests
+from serval.benchmark.workloads import build_requests
 from serval.config import EngineConfig, SpeculativeConfig
 from serval.platform_info import describe_hardware
-
-MIXED = WorkloadConfig("random", 64, (20, 600), (16, 128), seed=3)
-CONCURRENCY = 16
 
 
 def main() -> None:
@@ -52,7 +50,7 @@ def main() -> None:
         engine.add_request(f"mixed-{index}", request.prompt,
                            SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True))
 
-    for _ in range(min(CONCURRENCY, len(pending))):
+    for _ in range(min(MIXED_CONCURRENCY, len(pending))):
         add_next()
     start, steps, output_tokens = time.perf_counter(), 0, 0
     while engine.has_unfinished_requests():
@@ -64,7 +62,7 @@ def main() -> None:
                 if pending:
                     add_next()
     wall = time.perf_counter() - start
-    print(f"mixed offline, concurrency {CONCURRENCY}: {MIXED.num_requests} requests, {prompt_tokens} prompt and "
+    print(f"mixed offline, concurrency {MIXED_CONCURRENCY}: {MIXED.num_requests} requests, {prompt_tokens} prompt and "
           f"{output_tokens} output tokens in {steps} steps, wall {wall:.2f} s", flush=True)
     for part, seconds in sorted(timer.totals.items(), key=lambda item: -item[1]):
         print(f"  {part:14s} {seconds:6.2f} s")

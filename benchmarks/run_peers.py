@@ -55,6 +55,10 @@ from serval.benchmark.workloads import WorkloadConfig  # noqa: E402
 MODEL_NAME = "smollm2"  # every server serves the model under this name
 SLOTS = 16  # llama-server's parallel slots: the most concurrent requests any workload sends
 NO_PREFIX_CACHE = "no-prefix-cache"
+# The mixed workload (prefill-heavy prompts among running decodes) and its concurrency: bench_mixed_offline.py runs
+# the same one without the server.
+MIXED = WorkloadConfig("random", 64, (20, 600), (16, 128), seed=3)
+MIXED_CONCURRENCY = 16
 # What --isa sets for every server (and this process): the instruction sets an AVX2-only CPU has.
 ISA_ENV = {"native": {}, "avx2": {"SERVAL_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
                                   "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
@@ -86,7 +90,7 @@ def suite(args: argparse.Namespace) -> list[Workload]:
     workloads = [
         Workload("single", sized(WorkloadConfig("random", 4, (10, 40), (256, 256), seed=1)), 1, [tok_s]),
         Workload("decode-heavy", sized(WorkloadConfig("random", 32, (10, 40), (128, 256), seed=2)), 16, [tok_s]),
-        Workload("mixed", sized(WorkloadConfig("random", 64, (20, 600), (16, 128), seed=3)), 16,
+        Workload("mixed", sized(MIXED), MIXED_CONCURRENCY,
                  [("wall s", "duration_s", False), ("ITL p99 ms", "itl_ms.p99", False)]),
         # Four at a time: the first wave computes the shared prefix, the rest can reuse it.
         Workload("shared-prefix", sized(WorkloadConfig("prefix", 16, (10, 20), (32, 32), prefix_words=600, seed=4)),
