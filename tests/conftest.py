@@ -61,10 +61,12 @@ def make_llm(smollm):
              session_cache_fraction: float = 0.5, kv_offload_size: float = 0.0, kv_offload_path: str | None = None,
              preemption_mode: str = "auto", kv_cache_dtype: str = "auto",
              activation_quantization: str = "none", async_output_processing: bool | None = None,
-             num_scheduler_steps: int | None = None, block_dot_products: str = "auto") -> LLM:
+             num_scheduler_steps: int | None = None, block_dot_products: str = "auto",
+             async_scheduling: bool = False, pad_decode_on_cpu: bool = False) -> LLM:
         model, tokenizer = smollm(dtype, quantization)
         config = EngineConfig(
             dtype=dtype, quantization=quantization, max_model_len=max_model_len, context_policy=context_policy,
+            pad_decode_on_cpu=pad_decode_on_cpu,
             activation_quantization=activation_quantization, block_dot_products=block_dot_products,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching, session_ttl=session_ttl,
@@ -73,7 +75,7 @@ def make_llm(smollm):
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
                                       async_output_processing=async_output_processing,
-                                      num_scheduler_steps=num_scheduler_steps),
+                                      num_scheduler_steps=num_scheduler_steps, async_scheduling=async_scheduling),
             speculative=SpeculativeConfig(method=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                           max_batch_size=speculative_max_batch_size),
         )

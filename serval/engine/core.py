@@ -22,8 +22,8 @@ from serval.engine.kv_offload import BlockStore, OffloadIndex
 from serval.engine.kv_transfer import KVConnector, ZmqKVConnector, prompt_hash
 from serval.engine.memory_profile import num_kv_blocks
 from serval.engine.request import RemoteKV, Request, RequestStatus
-from serval.engine.runner import ModelRunner, kv_cache_block_bytes
-from serval.engine.scheduler import Scheduler
+from serval.engine.runner import LaunchedRun, ModelRunner, ModelRunnerOutput, kv_cache_block_bytes
+from serval.engine.scheduler import Scheduler, SchedulerOutput
 from serval.engine.spec_decode import NgramProposer
 from serval.engine.workers import start_ranks
 from serval.layers.linear import use_activation_quantization, use_dot_products
@@ -192,6 +192,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
         self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
+        self._launched: LaunchedRun | None = None  # a run queued by async scheduling, read by the next step
         self.info.load_time = time.perf_counter() - start
 
     def _decode_buckets(self, max_model_len: int) -> DecodeBuckets | None:
@@ -397,7 +398,8 @@ class EngineCore:
         return self.kv_cache.end_session(session_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._grammar_waiting)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._grammar_waiting) \
+            or self._launched is not None
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self, while_device_runs: Callable[[], None] | None = None) -> EngineCoreOutputs:
@@ -411,9 +413,12 @@ class EngineCore:
                 self.structured.wait_compiled(GRAMMAR_WAIT_S)
             self._take_compiled_grammars()
         outputs, self._pending = self._pending, []
-        if not self.scheduler.has_unfinished_requests():
+        if self._launched is not None:  # the run the last step queued: this step reads it (async scheduling)
+            scheduled = self._launched.out
+        elif not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs, self.snapshot())
-        scheduled = self.scheduler.schedule()
+        else:
+            scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:  # its blocks were freed: the transfer they were offered to fails
             if request.transfer_id is not None:
                 self.kv_transfer.fail(request.transfer_id, "the request was preempted")
@@ -446,7 +451,7 @@ class EngineCore:
         grammar_bitmasks, grammar_errors = self._grammar_bitmasks(scheduled)
         try:
             forward_start = time.perf_counter()
-            result = self.runner.execute(scheduled, grammar_bitmasks, while_device_runs)
+            result = self._run(scheduled, grammar_bitmasks, while_device_runs)
             if scheduled.total_num_scheduled_tokens >= PROMPT_CHUNK_TIMING_TOKENS \
                     and scheduled.num_decode_steps == 1:  # what a recompute would cost
                 costs = self.scheduler.costs
@@ -455,6 +460,7 @@ class EngineCore:
                     (time.perf_counter() - forward_start) / scheduled.total_num_scheduled_tokens)
         except Exception as exc:  # a failed forward fails its batch, never the engine
             logger.exception("step failed; failing its %d requests", len(scheduled.scheduled))
+            self._launched = None  # a run queued after it holds the same requests
             for request in scheduled.scheduled:
                 if request.status.finished:
                     continue
@@ -503,6 +509,32 @@ class EngineCore:
         if self.proposer is not None:
             self._propose()
         return EngineCoreOutputs(outputs + list(by_id.values()), self.snapshot())
+
+    def _run(self, scheduled: SchedulerOutput, grammar_bitmasks: dict,
+             while_device_runs: Callable[[], None] | None) -> ModelRunnerOutput:
+        """The step's forwards and what they sampled. A run of greedy decodes (multi-step decoding) goes through
+        the runner's launched runs: queued by this step, or by the last one, which read the run before it. With
+        async scheduling the run that follows it (the same requests) is queued before its tokens are read, so the
+        device computes that run while the host checks stops, reports and schedules: the host's step costs the
+        device no idle time. A request that stopped in a run has its part of the queued run dropped."""
+        run, self._launched = self._launched, None
+        if run is None:
+            run = self.runner.launch_run(scheduled)
+            if run is None:
+                return self.runner.execute(scheduled, grammar_bitmasks, while_device_runs)
+        if self.config.scheduler.async_scheduling and self._may_queue_runs():
+            following = self.scheduler.schedule_next_run(scheduled)
+            if following is not None:
+                self._launched = self.runner.launch_next_run(run, following)
+        if while_device_runs is not None:
+            while_device_runs()
+        return self.runner.finish_run(run)
+
+    def _may_queue_runs(self) -> bool:
+        """Whether a run may be queued before the last one's tokens are read: nothing waits on those tokens but its
+        own requests' stops (no guesses to propose from them, no KV copies between tiers or workers)."""
+        return (self.kv_transfer is None and self.kv_cache.offload is None
+                and (self.proposer is None or len(self.scheduler.running) > self.speculative.max_batch_size))
 
     # -- speculative decoding ------------------------------------------------------------------------------------
     def _make_proposer(self, config: EngineConfig):

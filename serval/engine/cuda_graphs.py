@@ -20,6 +20,8 @@ Multi-step decoding (SchedulerConfig.num_scheduler_steps) runs a bucket's greedy
 logits, their argmax, and the next forward's inputs written in place (each real row's token at its next position; the
 attention backend moves the metadata on, ``advance_decodes``), captured as a second graph per bucket. The host then
 launches one graph a forward and builds nothing in between; the rows compute what ``run`` and the argmax give.
+With async scheduling, ``continue_greedy`` queues the next run of the same rows behind it: their inputs are already
+in place, so it loads only the metadata (through pinned memory, without waiting for the device).
 
 Steps this does not take run eagerly as before: prefill chunks, guesses, batches over the largest bucket, a model
 split over ranks (runner.group) and a draft model's steps.
@@ -93,6 +95,7 @@ class DecodeGraphs:
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._tokens: dict[int, torch.Tensor] = {}
         self.step = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
+        self._greedy_rows = 0  # the real rows of the last run_greedy, which continue_greedy moves on
         if buckets.capture and device.type == "cuda":
             self.capture()
 
@@ -128,12 +131,29 @@ class DecodeGraphs:
                    num_steps: int) -> torch.Tensor:
         """Multi-step decoding of greedy rows: ``num_steps`` forwards of ``seqs`` (``accepts(seqs)``), each one's
         argmax tokens and next positions written into the persistent inputs on the device (on CUDA all of it one
-        graph replay a forward). Returns the tokens [num_steps, len(seqs)]. Each forward computes its real rows as
-        ``run`` does, followed by the logits and argmax the runner takes after ``run``."""
+        graph replay a forward). Returns the tokens [num_steps, len(seqs)] on the device. Each forward computes its
+        real rows as ``run`` does, followed by the logits and argmax the runner takes after ``run``."""
         size, num_rows = self.bucket(len(seqs)), len(seqs)
-        meta, graph = self._load(seqs, input_ids, positions, self._greedy_graphs)
+        self._load_inputs(num_rows, size, input_ids, positions)
+        meta, graph = self._load_metadata(seqs, self._greedy_graphs)
         self.step[:num_rows].fill_(1)  # padding rows stay at token 0, position 0
         self.step[num_rows:size].zero_()
+        self._greedy_rows = num_rows
+        return self._greedy_forwards(size, num_rows, meta, graph, num_steps)
+
+    @torch.inference_mode()
+    def continue_greedy(self, seqs: list[ScheduledSequence], num_steps: int) -> torch.Tensor:
+        """The run after the last ``run_greedy`` or ``continue_greedy``, of the same rows in the same order, queued
+        before the host has read that run's tokens (async scheduling): its forwards left each row's next token and
+        position in the persistent inputs, so only the metadata is loaded (``seqs`` at those positions; a table
+        may have grown). Nothing here waits for the device. Returns the tokens [num_steps, len(seqs)]."""
+        if len(seqs) != self._greedy_rows:
+            raise ValueError(f"continue_greedy takes the last run's {self._greedy_rows} rows, got {len(seqs)}")
+        meta, graph = self._load_metadata(seqs, self._greedy_graphs)
+        return self._greedy_forwards(self.bucket(len(seqs)), len(seqs), meta, graph, num_steps)
+
+    def _greedy_forwards(self, size: int, num_rows: int, meta: AttentionMetadata,
+                         graph: torch.cuda.CUDAGraph | None, num_steps: int) -> torch.Tensor:
         tokens = []
         for _ in range(num_steps):
             if graph is None:
@@ -162,11 +182,18 @@ class DecodeGraphs:
               graphs: dict[int, torch.cuda.CUDAGraph]) -> tuple[AttentionMetadata, torch.cuda.CUDAGraph | None]:
         """Writes a step's token ids, positions and metadata into its bucket's persistent inputs. Returns the
         metadata to run with and the bucket's graph among ``graphs`` (None: run eagerly)."""
-        size, num_rows = self.bucket(len(seqs)), len(seqs)
+        self._load_inputs(len(seqs), self.bucket(len(seqs)), input_ids, positions)
+        return self._load_metadata(seqs, graphs)
+
+    def _load_inputs(self, num_rows: int, size: int, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         self.input_ids[:num_rows].copy_(input_ids)
         self.positions[:num_rows].copy_(positions)
         self.input_ids[num_rows:size].zero_()  # padding rows: token 0 at position 0
         self.positions[num_rows:size].zero_()
+
+    def _load_metadata(self, seqs: list[ScheduledSequence], graphs: dict[int, torch.cuda.CUDAGraph]
+                       ) -> tuple[AttentionMetadata, torch.cuda.CUDAGraph | None]:
+        size, num_rows = self.bucket(len(seqs)), len(seqs)
         padded = seqs + [self.padding_row] * (size - num_rows)
         persistent = self._meta.get(size)
         if persistent is None:  # the bucket's first step makes its persistent metadata, tables max_blocks_per_seq wide

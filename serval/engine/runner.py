@@ -58,6 +58,15 @@ class StepInputs:
     scored: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first row, prompt tokens scored)
 
 
+@dataclass
+class LaunchedRun:
+    """A multi-step run of greedy decodes queued on the device, whose tokens the host has not read yet."""
+
+    out: SchedulerOutput
+    tokens: torch.Tensor  # [num_decode_steps, rows] on the host once ``ready`` (pinned on CUDA)
+    ready: torch.cuda.Event | None = None  # recorded after the copy to the host (None: computed already)
+
+
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of every layer's keys and values, in the cache's ``dtype`` (8-bit: codes and scales)."""
     row = new_kv_cache(1, 1, 1, 1, config.head_dim, dtype, "meta")[0, 0, 0, 0, 0]
@@ -194,18 +203,16 @@ class ModelRunner:
         are the next one's inputs without leaving the device, and the host reads them all once, at the end. Each
         forward is the plain decode step of the same rows (its bucket's graph, or eager), so the tokens are the ones
         as many steps would give."""
+        run = self.launch_run(out)
+        if run is not None:  # the inputs move on on the device
+            self._host_work_while_device_runs()
+            result.sampled_token_ids.update(self.finish_run(run).sampled_token_ids)
+            return
         requests = out.scheduled
         starts = [r.num_computed_tokens for r in requests]
         token_ids = self._tensor([_last_token(r) for r in requests])
         start_positions = self._tensor(starts)
-        seqs = [ScheduledSequence(r.block_ids, start, 1) for r, start in zip(requests, starts)]
         graphs = self.decode_graphs
-        if graphs is not None and graphs.runs_greedy and graphs.accepts(seqs):  # the inputs move on on the device
-            tokens = graphs.run_greedy(seqs, token_ids, start_positions, out.num_decode_steps)
-            self._host_work_while_device_runs()
-            for request, row in zip(requests, tokens.t().tolist()):
-                result.sampled_token_ids[request.request_id] = row
-            return
         sampled = []
         for step in range(out.num_decode_steps):
             seqs = [ScheduledSequence(r.block_ids, start + step, 1) for r, start in zip(requests, starts)]
@@ -220,6 +227,54 @@ class ModelRunner:
         self._host_work_while_device_runs()  # the forwards are all queued: a GPU computes them meanwhile
         for request, tokens in zip(requests, torch.stack(sampled, dim=1).tolist()):
             result.sampled_token_ids[request.request_id] = tokens
+
+    # -- runs of greedy decodes queued ahead (async scheduling) ----------------------------------------------------
+    @torch.inference_mode()
+    def launch_run(self, out: SchedulerOutput) -> LaunchedRun | None:
+        """Queues a multi-step run (``out.num_decode_steps`` > 1) on the decode buckets' greedy forwards, which move
+        the inputs on on the device; None where they cannot take it (the caller then runs ``execute``)."""
+        graphs = self.decode_graphs
+        if out.num_decode_steps < 2 or graphs is None or not graphs.runs_greedy:
+            return None
+        requests = out.scheduled
+        seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens, 1) for r in requests]
+        if not graphs.accepts(seqs):
+            return None
+        tokens = graphs.run_greedy(seqs, self._tensor([_last_token(r) for r in requests]),
+                                   self._tensor([r.num_computed_tokens for r in requests]), out.num_decode_steps)
+        return self._launched(out, tokens)
+
+    @torch.inference_mode()
+    def launch_next_run(self, previous: LaunchedRun, out: SchedulerOutput) -> LaunchedRun | None:
+        """Queues the run ``out`` of the same requests, in the same order, right after ``previous`` and before its
+        tokens are read: each request's inputs are where ``previous`` left them on the device, at its positions
+        moved on by ``previous.out.num_decode_steps``. Waits for nothing. None where the buckets cannot take it."""
+        graphs = self.decode_graphs
+        moved_on = previous.out.num_decode_steps
+        seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens + moved_on, 1) for r in out.scheduled]
+        if [r.request_id for r in out.scheduled] != [r.request_id for r in previous.out.scheduled] \
+                or not graphs.accepts(seqs):
+            return None
+        return self._launched(out, graphs.continue_greedy(seqs, out.num_decode_steps))
+
+    def _launched(self, out: SchedulerOutput, tokens: torch.Tensor) -> LaunchedRun:
+        """A run whose tokens [steps, rows] are queued on the device: their copy to the host queued too."""
+        if tokens.device.type != "cuda":
+            return LaunchedRun(out, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedRun(out, host, ready)
+
+    def finish_run(self, run: LaunchedRun) -> ModelRunnerOutput:
+        """Waits for a launched run's tokens: each request's, in order."""
+        if run.ready is not None:
+            run.ready.synchronize()
+        result = ModelRunnerOutput()
+        for request, row in zip(run.out.scheduled, run.tokens.t().tolist()):
+            result.sampled_token_ids[request.request_id] = row
+        return result
 
     def _host_work_while_device_runs(self) -> None:
         work, self._while_device_runs = self._while_device_runs, None

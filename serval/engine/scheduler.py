@@ -190,6 +190,26 @@ class Scheduler:
         for request in out.scheduled:
             counts[request.request_id] = steps
 
+    def schedule_next_run(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling: the run of greedy decodes to follow the run ``out`` (``num_decode_steps`` forwards of
+        greedy decodes), decided before its tokens are known, so that the device computes it while the host reads
+        ``out``'s. It takes every running request, as ``out`` did, for as many forwards as each may still take after
+        ``out`` (a stop inside ``out`` is found later: ``update_from_output`` then skips the finished request).
+        None, and the host reads ``out``'s tokens first, when something else needs the step: a waiting request, a
+        request that left the batch, a token budget or a KV cache without room (a queued run never preempts)."""
+        requests = out.scheduled
+        if self.waiting or not requests or len(requests) != len(self.running) \
+                or any(r.status != RequestStatus.RUNNING for r in requests):
+            return None
+        done = out.num_decode_steps
+        steps = min(self.max_decode_steps, self.config.max_num_batched_tokens // len(requests),
+                    *(r.max_tokens - len(r.output_token_ids) - done for r in requests))
+        if steps < 1 or not all(self.kv_cache.allocate_slots(r, done + steps, may_end_sessions=False)
+                                for r in requests):
+            return None  # room taken for some requests stays with them: their next steps' slots
+        return SchedulerOutput(scheduled=list(requests), num_scheduled_tokens={r.request_id: steps for r in requests},
+                               num_decode_steps=steps)
+
     def _num_remote_tokens(self, request: Request, hit_blocks: ComputedBlocks, num_hit_tokens: int) -> int:
         """Prompt tokens past the prefix cache's hit whose KV a fetch from a prefill worker brought (0: none, or
         the cache lost blocks the fetch skipped since it started, and the prompt is computed here instead)."""

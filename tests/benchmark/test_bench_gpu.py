@@ -59,7 +59,8 @@ def test_bench_gpu_runs_every_phase_and_reports_every_figure(tiny_dir, tmp_path)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
          "--streams", "1,2", "--server-streams", "1,2", "--profile-streams", "1,2", "--tokens", "4",
-         "--engine-arg", "max_num_seqs=8", "--cap-scale", "4", "--out", str(out)],  # caps sized for a GPU
+         "--engine-arg", "max_num_seqs=8", "--compare-engine-arg", "num_scheduler_steps=2",
+         "--compare-engine-arg", "async_scheduling=true", "--cap-scale", "4", "--out", str(out)],  # caps: a GPU's
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = proc.stdout
@@ -85,6 +86,13 @@ def test_bench_gpu_runs_every_phase_and_reports_every_figure(tiny_dir, tmp_path)
     assert re.search(r"\| Serval, speculation off \| [\d,.]+ \| [\d,.]+ \|", report)
     assert re.search(r"\| Serval, n-gram speculation on \| [\d,.]+ \| - \|", report)
     assert re.search(r"\| transformers generate \| [\d,.]+ \| [\d,.]+ \|", report)
+    # The compare phase: the same counts and profile with its settings on top, in the same run.
+    compare = figures["compare"]
+    assert compare["engine_args"] == ["num_scheduler_steps=2", "async_scheduling=true"]
+    assert [compare["offline"][str(s)]["generated_tokens"] for s in (1, 2)] == [4, 8]
+    settings = "num_scheduler_steps=2 async_scheduling=true"
+    assert re.search(rf"\| Serval, speculation off, {settings} \| [\d,.]+ \| [\d,.]+ \|", report)
+    assert compare["profile"]["2"]["forwards_per_step"] == 2 and figures["profile"]["2"]["forwards_per_step"] == 1
 
     # The server: output tok/s and TTFT / TPOT / ITL percentiles at each stream count.
     for streams in (1, 2):
@@ -101,6 +109,7 @@ def test_bench_gpu_runs_every_phase_and_reports_every_figure(tiny_dir, tmp_path)
         assert len(profile["top_ops"]) == 5
         assert re.search(rf"- profile, {streams} streams: step [\d,.]+ ms .*GPU busy n/a \(CPU run\), "
                          r"\d+ operators dispatched", report)
+        assert re.search(rf"- profile \({settings}\), {streams} streams: step ", report)
     assert "top host events (self CPU): `" in report
 
     # No server process is left: neither the server nor anything in its process group.
@@ -169,8 +178,8 @@ def test_a_gpu_step_summary_counts_kernels_launches_and_the_busy_share():
 def test_the_readme_names_the_phase_caps_the_script_has():
     bench = load_script()
     readme = (REPO / "benchmarks" / "README.md").read_text()
-    names = {"offline": "offline", "ngram": "n-gram", "profile": "profile", "transformers": "transformers",
-             "server": "server"}
+    names = {"offline": "offline", "ngram": "n-gram", "profile": "profile", "compare": "compare",
+             "transformers": "transformers", "server": "server"}
     assert set(names) == set(bench.PHASE_CAP_S)
     for phase, cap in bench.PHASE_CAP_S.items():
         assert re.search(rf"\b{names[phase]}\s+{cap:g} s\b", readme), phase

@@ -180,8 +180,9 @@ def _core(path, model, **config) -> EngineCore:
     return EngineCore(EngineConfig(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, **config), path, model)
 
 
-def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int,
+            stop_token_ids: list[int] | None = None) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop_token_ids or [])
     for i, prompt in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"r{i}", prompt, params, [], max_tokens))
     tokens: dict[str, list[int]] = {}
@@ -263,8 +264,8 @@ def _cuda_core(model=None, **config) -> EngineCore:
     """The embedded model on CUDA in bfloat16 (``model``: already loaded, shared), buckets up to 64 rows."""
     config.setdefault("speculative", SpeculativeConfig(method=None))
     config.setdefault("cache", CacheConfig(num_blocks=512))
-    core = EngineCore(EngineConfig(dtype="bfloat16", device="cuda", max_model_len=1024,
-                                   scheduler=SchedulerConfig(max_num_seqs=64), **config), MODEL_PATH, model)
+    config.setdefault("scheduler", SchedulerConfig(max_num_seqs=64))
+    core = EngineCore(EngineConfig(dtype="bfloat16", device="cuda", max_model_len=1024, **config), MODEL_PATH, model)
     if not config.get("enforce_eager") and not core.runner.attention_backend.table_width_is_free:
         core.shutdown()
         pytest.skip("the CUDA attention backend gathers whole block tables (the PyTorch reference): no graphs")
@@ -381,3 +382,43 @@ def test_cuda_graphs_keep_greedy_output_through_preemption_and_prefix_hits():
         assert stats.num_preemptions > 0 if cache.num_blocks == 24 else stats.prefix_cache_hit_tokens > 0
         for core in cores.values():
             core.shutdown()
+
+
+@pytest.mark.gpu
+@requires_model
+@needs_cuda
+def test_async_scheduling_on_cuda_keeps_greedy_output_through_stops_preemption_and_prefix_hits():
+    """On CUDA with multi-step runs queued ahead (--async-scheduling), greedy tokens equal the runs read one at a
+    time: with stop tokens met inside runs, a cache small enough to preempt, and prompts sharing a prefix."""
+    shared = list(range(1000, 1040))
+    prompts = [shared + [7 + i] * (i + 1) for i in range(6)] + [list(range(2000, 2000 + n)) for n in (3, 50, 90)]
+    model = None
+    for cache in (CacheConfig(num_blocks=24), CacheConfig(num_blocks=512)):
+        cores = {}
+        for queued in (False, True):
+            cores[queued] = _cuda_core(model, cache=cache,
+                                       scheduler=SchedulerConfig(max_num_seqs=64, async_scheduling=queued))
+            model = cores[queued].model
+        free = _greedy(cores[False], prompts[:3], 40)
+        stops = [tokens[13] for tokens in free.values()]  # inside the second run of 8 of those requests
+        launches = _record_queued_runs(cores[True])
+        outputs = {queued: (_greedy(core, prompts[:1], 40), _greedy(core, prompts, 40, stops))
+                   for queued, core in cores.items()}
+        assert outputs[True] == outputs[False]
+        assert any(len(tokens) < 40 for tokens in outputs[True][1].values())  # some stopped inside a run
+        assert any(run is not None for run in launches)
+        for core in cores.values():
+            assert core.kv_cache.pool.num_owned_blocks() == 0
+            core.shutdown()
+
+
+def _record_queued_runs(core: EngineCore) -> list:
+    """A list that gets what each of the core's attempts to queue a run returned (None: not queued)."""
+    launches, launch_next_run = [], core.runner.launch_next_run
+
+    def recording(*args):
+        launches.append(launch_next_run(*args))
+        return launches[-1]
+
+    core.runner.launch_next_run = recording
+    return launches

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from core_runs import run_requests
 from tiny_models import tiny_llama
 
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
 from serval.layers import cpu_kernels
 from serval.layers.attention import ScheduledSequence
 from serval.layers.attention.cpu_kernel import CpuKernelBackend
 from serval.model.loader import load_model
 
 PROMPTS = [list(range(10, 10 + n)) for n in (5, 17, 30, 9, 12)]
-EOS = 2
 
 
 @pytest.fixture(scope="module")
@@ -35,39 +35,23 @@ def _core(tiny, steps: int, num_blocks: int = 64, budget: int = 512, **config) -
                                    cache=CacheConfig(block_size=16, num_blocks=num_blocks),
                                    scheduler=SchedulerConfig(num_scheduler_steps=steps, max_num_batched_tokens=budget),
                                    **config), path, model)
-    plans, execute = [], core.runner.execute
+    plans, execute, launch_run = [], core.runner.execute, core.runner.launch_run
+
+    def plan(out):
+        plans.append((out.num_decode_steps, sorted(r.request_id for r in out.scheduled)))
 
     def recording(out, *args, **kwargs):
-        plans.append((out.num_decode_steps, sorted(r.request_id for r in out.scheduled)))
+        plan(out)
         return execute(out, *args, **kwargs)
 
-    core.runner.execute = recording
+    def recording_launch(out):  # a run on the greedy buckets, which the core launches without execute
+        run = launch_run(out)
+        if run is not None:
+            plan(out)
+        return run
+
+    core.runner.execute, core.runner.launch_run = recording, recording_launch
     return core, plans
-
-
-def _run(core: EngineCore, requests: list[tuple[list[int], SamplingParams]], late: int = 0) -> dict[str, tuple]:
-    """Each request's tokens and finish reason; the last ``late`` requests are added after the third step."""
-    def add(i):
-        prompt, params = requests[i]
-        core.add_request(EngineCoreRequest(f"r{i}", prompt, params, [EOS], params.max_tokens))
-
-    for i in range(len(requests) - late):
-        add(i)
-    outputs: dict[str, tuple[list[int], list]] = {}
-    step = 0
-    while core.has_unfinished_requests():
-        step += 1
-        if step == 3:
-            for i in range(len(requests) - late, len(requests)):
-                add(i)
-        for out in core.step().outputs:
-            assert out.error is None, out.error
-            tokens, finish = outputs.setdefault(out.request_id, ([], []))
-            tokens += out.new_token_ids
-            finish.append(out.finish_reason)
-    pool = core.kv_cache.pool
-    assert pool.num_owned_blocks() == 0 and pool.num_free_blocks == core.kv_cache.num_blocks
-    return {rid: (tokens, [f for f in finish if f is not None]) for rid, (tokens, finish) in outputs.items()}
 
 
 def _greedy(max_tokens: int, **params) -> SamplingParams:
@@ -85,13 +69,13 @@ def test_greedy_requests_get_the_one_step_engines_tokens_in_runs_of_forwards(tin
     """Requests added at the start and after the third step (their prefills break the runs): the same tokens and
     finish reasons as one forward a step, in fewer steps, with runs of 4 forwards and shorter ones at the ends."""
     one, one_plans = _core(tiny, 1, pad_decode_on_cpu=pad_decode_on_cpu)
-    expected = _run(one, GREEDY, late=2)
+    expected = run_requests(one, GREEDY, late=2)
     multi, plans = _core(tiny, 4, pad_decode_on_cpu=pad_decode_on_cpu)
     graphs, greedy_runs = multi.runner.decode_graphs, []
     if pad_decode_on_cpu:  # the padded buckets move the inputs on themselves (CUDA's way, uncaptured)
         run_greedy = graphs.run_greedy
         graphs.run_greedy = lambda *args: greedy_runs.append(args[-1]) or run_greedy(*args)
-    assert _run(multi, GREEDY, late=2) == expected
+    assert run_requests(multi, GREEDY, late=2) == expected
     assert (4 in greedy_runs) == pad_decode_on_cpu
     if pad_decode_on_cpu:  # one forward a step prepares no greedy forwards (on CUDA: captures none at start-up)
         assert graphs.runs_greedy and not one.runner.decode_graphs.runs_greedy
@@ -107,12 +91,12 @@ def test_a_stop_inside_a_run_drops_the_tokens_after_it(tiny):
     """A stop token met in the middle of a run ends the request there: its output is the one-step engine's, which
     ends with that token, and the run's later tokens are dropped."""
     one, _ = _core(tiny, 1)
-    free = _run(one, [(PROMPTS[2], _greedy(20, ignore_eos=True))])["r0"][0]
+    free = run_requests(one, [(PROMPTS[2], _greedy(20, ignore_eos=True))])["r0"][0]
     stop = free[5]  # the sixth token: inside the second run of 4
     requests = [(PROMPTS[2], _greedy(20, stop_token_ids=[stop], ignore_eos=True))]
-    expected = _run(_core(tiny, 1)[0], requests)
+    expected = run_requests(_core(tiny, 1)[0], requests)
     multi, plans = _core(tiny, 4)
-    got = _run(multi, requests)
+    got = run_requests(multi, requests)
     assert got == expected
     assert got["r0"][0] == free[:free.index(stop) + 1] and got["r0"][1] == ["stop"]
     assert [steps for steps, _ in plans] == [1, 4, 4][:len(plans)]
@@ -123,9 +107,9 @@ def test_a_sampled_row_runs_its_batch_one_forward_a_step(tiny):
     host's); the greedy rows keep their tokens and the sampled row its draws."""
     sampled = (PROMPTS[1], SamplingParams(temperature=0.8, seed=11, max_tokens=8, ignore_eos=True))
     requests = GREEDY + [sampled]
-    expected = _run(_core(tiny, 1)[0], requests)
+    expected = run_requests(_core(tiny, 1)[0], requests)
     multi, plans = _core(tiny, 4)
-    assert _run(multi, requests) == expected
+    assert run_requests(multi, requests) == expected
     sampled_id = f"r{len(GREEDY)}"
     assert all(steps == 1 for steps, ids in plans if sampled_id in ids)
     assert any(steps > 1 for steps, ids in plans)  # once it ended
@@ -135,9 +119,9 @@ def test_the_token_budget_bounds_a_runs_forwards(tiny):
     """A run's tokens (forwards times rows) stay within max_num_batched_tokens: a budget of 12 gives 5 rows runs of 2,
     4 rows runs of 3, and so on."""
     requests = [(prompt, _greedy(9, ignore_eos=True)) for prompt in PROMPTS]
-    expected = _run(_core(tiny, 1, budget=64)[0], requests)
+    expected = run_requests(_core(tiny, 1, budget=64)[0], requests)
     multi, plans = _core(tiny, 8, budget=12)
-    assert _run(multi, requests) == expected
+    assert run_requests(multi, requests) == expected
     assert all(steps * len(ids) <= 12 for steps, ids in plans if steps > 1)
     assert any(steps > 1 for steps, _ in plans)
 
@@ -148,13 +132,13 @@ def test_preemption_and_prefix_hits_keep_the_tokens(tiny):
     hits the prefix cache; every request's tokens are the one-step engine's."""
     requests = [(prompt, _greedy(24, ignore_eos=True)) for prompt in PROMPTS]
     one, _ = _core(tiny, 1, num_blocks=12)
-    expected = _run(one, requests)
+    expected = run_requests(one, requests)
     assert one.scheduler.num_preemptions > 0
     multi, plans = _core(tiny, 4, num_blocks=12)
-    assert _run(multi, requests) == expected
+    assert run_requests(multi, requests) == expected
     assert multi.scheduler.num_preemptions > 0 and any(steps > 1 for steps, _ in plans)
     hits = multi.snapshot().prefix_cache_hit_tokens
-    assert _run(multi, requests) == expected
+    assert run_requests(multi, requests) == expected
     assert multi.snapshot().prefix_cache_hit_tokens > hits
 
 

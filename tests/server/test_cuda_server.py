@@ -40,8 +40,9 @@ async def _chats(server: Server, concurrent: bool) -> list[tuple[str, str]]:
         return [await one(topic) for topic in TOPICS]
 
 
-def test_32_concurrent_streamed_chats_each_equal_the_same_chat_alone(tmp_path):
-    server = Server(["--device", "cuda"], tmp_path / "cuda-serve.log").start()  # float32, else every default
+@pytest.mark.parametrize("flags", [[], ["--async-scheduling"]], ids=["defaults", "async-scheduling"])
+def test_32_concurrent_streamed_chats_each_equal_the_same_chat_alone(tmp_path, flags):
+    server = Server(["--device", "cuda", *flags], tmp_path / "cuda-serve.log").start()  # float32, else every default
     try:
         server.wait_ready()
         start = time.perf_counter()
