@@ -251,6 +251,18 @@ class DecodeGraphs:
         return sorted(self._graphs)
 
 
+def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``tensor``'s copy on the host, queued behind the device's work without waiting for it (on CUDA: into pinned
+    memory, with an event to synchronize on before reading it; elsewhere the tensor itself and None)."""
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 def _plain_fields(meta: AttentionMetadata) -> dict:
     """The metadata's compared fields that are not tensors (a graph's kernels were launched with their values)."""
     return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)

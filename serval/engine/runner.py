@@ -12,7 +12,7 @@ import torch
 
 from serval.config import ModelConfig
 from serval.distributed import ParallelGroup
-from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs
+from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, copy_to_host
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
@@ -257,15 +257,10 @@ class ModelRunner:
             return None
         return self._launched(out, graphs.continue_greedy(seqs, out.num_decode_steps))
 
-    def _launched(self, out: SchedulerOutput, tokens: torch.Tensor) -> LaunchedRun:
+    @staticmethod
+    def _launched(out: SchedulerOutput, tokens: torch.Tensor) -> LaunchedRun:
         """A run whose tokens [steps, rows] are queued on the device: their copy to the host queued too."""
-        if tokens.device.type != "cuda":
-            return LaunchedRun(out, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedRun(out, host, ready)
+        return LaunchedRun(out, *copy_to_host(tokens))
 
     def finish_run(self, run: LaunchedRun) -> ModelRunnerOutput:
         """Waits for a launched run's tokens: each request's, in order."""
