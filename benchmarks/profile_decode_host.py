@@ -2,10 +2,16 @@
 defaults for the device (on a GPU: CUDA graphs, async output processing). On a GPU the step is the host's once the
 graph is launched, so this is the profile that says what to cut next (benchmarks/README.md, "On a GPU").
 
-    python benchmarks/profile_decode_host.py [STREAMS ...] [--steps 50] [--top 25]
+    python benchmarks/profile_decode_host.py [STREAMS ...] [--steps 50] [--top 25] [--model M] \
+        [--num-scheduler-steps N] [--max-num-batched-tokens N] [--async-scheduling] [--async-output-processing] \
+        [--pad-decode-on-cpu]
 
-Prints, per stream count, the unprofiled and profiled step times and the functions by own time and by cumulative
-time. Greedy requests of 200 tokens, EOS ignored; the steps profiled are decode-only.
+Prints, per stream count, the unprofiled and profiled step times, the host's time a step split into its parts (the
+scheduler, the front end, the model's calls; on a GPU those calls only launch work, on a CPU they are the compute,
+so "outside the model" is the host's share there), and the functions by own time and by cumulative time. Greedy
+requests long enough for every step timed, EOS ignored; the steps profiled are decode-only. The options set the
+engine as on a GPU (multi-step runs, the token budget, async scheduling, async output processing, and the padded
+decode buckets, uncaptured on a CPU).
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import time
 
 import torch
 
-from serval.config import EngineConfig
+from serval.config import EngineConfig, SchedulerConfig
 from serval.engine.engine import LLMEngine
 from serval.platform_info import describe_hardware
 from serval.sampling_params import SamplingParams
+
+WARMUP_STEPS = 20
 
 
 def synchronize() -> None:
@@ -42,24 +50,74 @@ def timed_steps(engine: LLMEngine, steps: int, profiler: cProfile.Profile | None
     return 1000 * (time.perf_counter() - start) / steps
 
 
+class PartTimes:
+    """Host seconds spent in named methods of the engine's parts, summed until ``clear``."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds: dict[str, float] = {}
+        core = engine.core
+        for label, owner, name in (("schedule", core.scheduler, "schedule"),
+                                   ("schedule_next_run", core.scheduler, "schedule_next_run"),
+                                   ("update_from_output", core.scheduler, "update_from_output"),
+                                   ("front end", engine.outputs, "process"),
+                                   ("model", core.model, "forward"), ("model", core.model, "compute_logits")):
+            self._wrap(label, owner, name)
+
+    def _wrap(self, label: str, owner, name: str) -> None:
+        method = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def clear(self) -> None:
+        self.seconds.clear()
+
+    def report(self, steps: int, step_ms: float) -> str:
+        parts = ", ".join(f"{label} {1000 * s / steps:.3f}" for label, s in sorted(self.seconds.items(),
+                                                                                   key=lambda kv: -kv[1]))
+        outside = step_ms - 1000 * self.seconds.get("model", 0.0) / steps
+        return f"host ms a step: {parts}; outside the model {outside:.3f} of {step_ms:.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("streams", type=int, nargs="*", default=[1, 64])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--model", default=None, help="embedded model name, .gguf file or HF directory")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None, help="default: the device's")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the device's")
+    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--async-output-processing", action="store_true", default=None)
+    parser.add_argument("--pad-decode-on-cpu", action="store_true")
     args = parser.parse_args()
     print(f"machine: {describe_hardware()}", flush=True)
-    engine = LLMEngine(EngineConfig())
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    scheduler = SchedulerConfig(num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
+                                async_output_processing=args.async_output_processing,
+                                max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(EngineConfig(model=args.model, pad_decode_on_cpu=args.pad_decode_on_cpu, scheduler=scheduler))
+    print(f"engine: {engine.config.scheduler}", flush=True)
+    parts = PartTimes(engine)
+    # Tokens for the warm-up and both timed windows, each step up to num_scheduler_steps of them, and a few more.
+    max_tokens = (WARMUP_STEPS + 2 * args.steps + 5) * engine.config.scheduler.num_scheduler_steps
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for streams in args.streams:
         ids = [f"s{streams}-{i}" for i in range(streams)]
         for request_id in ids:
             engine.add_request(request_id, f"Tell me a story about the cat called {request_id}.", params)
-        timed_steps(engine, 20)  # every prompt computed: the steps from here on are decodes
+        timed_steps(engine, WARMUP_STEPS)  # every prompt computed: the steps from here on are decodes
         profiler = cProfile.Profile()
         profiled_ms = timed_steps(engine, args.steps, profiler)
+        parts.clear()
         plain_ms = timed_steps(engine, args.steps)
         print(f"=== {streams} streams: {plain_ms:.3f} ms a step unprofiled, {profiled_ms:.3f} ms profiled")
+        print(parts.report(args.steps, plain_ms))
         for order in ("tottime", "cumulative"):
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(args.top)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_runs import EOS, run_requests
+from core_runs import EOS, mixed_finals, mixed_params, run_requests
 from tiny_models import tiny_llama
 
 from serval import SamplingParams
@@ -159,18 +159,12 @@ def test_the_embedded_model_with_queued_runs_finishes_every_request_as_one_step_
     """The embedded model in bf16 with async output processing (a stop string is then found a step late, while a run
     of its request is queued): greedy requests that end on eos, on a stop string completed inside a run, on
     max_tokens, after min_tokens, beside a seeded sampled one, give the one-step engine's text, tokens and finish."""
-    prompts = ["The capital city of Korea is", "def fibonacci(n):", "Once upon a time, in a small village,",
-               "A list of fruits: apple, banana,", "The three primary colors are"]
     one = make_llm(dtype="bfloat16", num_scheduler_steps=1, speculative_model=None)
-    probe = one.generate(prompts[1], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
-    stop = probe.outputs[0].text[20:23]
-    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
-              SamplingParams(temperature=0, max_tokens=11), SamplingParams(temperature=0, max_tokens=25, min_tokens=9),
-              SamplingParams(temperature=0.7, seed=5, max_tokens=6)]
+    params = mixed_params(one)
+    stop = params[1].stop[0]
 
     def finals(llm):
-        return [(c.text, c.token_ids, c.finish_reason, c.stop_reason)
-                for out in llm.generate(prompts, params, use_tqdm=False) for c in out.outputs]
+        return mixed_finals(llm, params)
 
     expected = finals(one)
     assert expected[1][2:] == ("stop", stop)

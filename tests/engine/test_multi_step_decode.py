@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_runs import run_requests
+from core_runs import mixed_finals, mixed_params, run_requests
 from tiny_models import tiny_llama
 
 from serval import SamplingParams
@@ -158,18 +158,12 @@ def test_the_embedded_model_finishes_every_request_as_one_step_a_token_does(make
     """The embedded model in bf16 with n-gram speculation (the CPU's defaults) and async output processing off and
     on (CUDA's): greedy requests that end on eos, on a stop string the front end finds inside a run, on max_tokens,
     beside a seeded sampled one, give the one-step engine's final text, tokens and finish."""
-    prompts = ["The capital city of Korea is", "def fibonacci(n):", "Once upon a time, in a small village,",
-               "A list of fruits: apple, banana,", "The three primary colors are"]
     one = make_llm(dtype="bfloat16", num_scheduler_steps=1)
-    probe = one.generate(prompts[1], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
-    stop = probe.outputs[0].text[20:23]
-    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
-              SamplingParams(temperature=0, max_tokens=11), SamplingParams(temperature=0, max_tokens=25, min_tokens=9),
-              SamplingParams(temperature=0.7, seed=5, max_tokens=6)]
+    params = mixed_params(one)
+    stop = params[1].stop[0]
 
     def finals(llm):
-        return [(c.text, c.token_ids, c.finish_reason, c.stop_reason)
-                for out in llm.generate(prompts, params, use_tqdm=False) for c in out.outputs]
+        return mixed_finals(llm, params)
 
     one_steps = one.engine.stats.num_steps
     expected = finals(one)
