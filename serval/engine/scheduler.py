@@ -195,11 +195,15 @@ class Scheduler:
         greedy decodes), decided before its tokens are known, so that the device computes it while the host reads
         ``out``'s. It takes every running request, as ``out`` did, for as many forwards as each may still take after
         ``out`` (a stop inside ``out`` is found later: ``update_from_output`` then skips the finished request).
-        None, and the host reads ``out``'s tokens first, when something else needs the step: a waiting request, a
-        request that left the batch, a token budget or a KV cache without room (a queued run never preempts)."""
+        None, and the host reads ``out``'s tokens first, when something else needs the step: a waiting request that
+        could get in (a free seat, or a priority over a running one), a request that left the batch, a token budget
+        or a KV cache without room (a queued run never preempts)."""
         requests = out.scheduled
-        if self.waiting or not requests or len(requests) != len(self.running) \
+        if not requests or len(requests) != len(self.running) \
                 or any(r.status != RequestStatus.RUNNING for r in requests):
+            return None
+        if self.waiting and (len(self.running) < self.config.max_num_seqs
+                             or any(self._outranks(r) for r in self.waiting)):
             return None
         done = out.num_decode_steps
         steps = min(self.max_decode_steps, self.config.max_num_batched_tokens // len(requests),

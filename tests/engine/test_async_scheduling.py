@@ -29,14 +29,15 @@ def tiny(tmp_path_factory):
 
 
 def _core(tiny, steps: int = 4, async_scheduling: bool = True, num_blocks: int = 64, budget: int = 512,
-          ) -> tuple[EngineCore, list[tuple[int, int]]]:
+          max_num_seqs: int = 64) -> tuple[EngineCore, list[tuple[int, int]]]:
     """An engine core on the tiny model with the padded decode buckets, and a list that gets (forwards, rows) of each
     run queued before the last one's tokens were read."""
     path, model = tiny
     core = EngineCore(EngineConfig(dtype="float32", max_model_len=128, speculative=SpeculativeConfig(method=None),
                                    cache=CacheConfig(block_size=16, num_blocks=num_blocks), pad_decode_on_cpu=True,
                                    scheduler=SchedulerConfig(num_scheduler_steps=steps, max_num_batched_tokens=budget,
-                                                             async_scheduling=async_scheduling)), path, model)
+                                                             async_scheduling=async_scheduling,
+                                                             max_num_seqs=max_num_seqs)), path, model)
     queued, launch_next_run = [], core.runner.launch_next_run
 
     def recording(previous, out):
@@ -126,6 +127,28 @@ def test_a_waiting_request_is_scheduled_before_another_run_is_queued(tiny):
     while core.has_unfinished_requests():
         core.step()
     assert core.kv_cache.pool.num_owned_blocks() == 0
+
+
+def test_runs_are_queued_while_requests_wait_for_a_seat(tiny):
+    """With every seat taken (max_num_seqs 2, six requests) the waiting requests could not get in anyway: runs are
+    queued while they wait, each gets in once a seat frees (a run later at most), and every request's tokens and
+    finish are the one-step engine's."""
+    stop = _stop_inside_a_run(tiny, PROMPTS[2], 9)
+    requests = [(PROMPTS[2], _greedy(20, stop_token_ids=[stop], ignore_eos=True))]
+    requests += [(prompt, _greedy(9 + 4 * i, ignore_eos=True)) for i, prompt in enumerate(PROMPTS[:2] + PROMPTS[3:])]
+    expected = run_requests(_core(tiny, 1, async_scheduling=False, max_num_seqs=2)[0], requests)
+    core, queued = _core(tiny, 4, max_num_seqs=2)
+    waiting_when_queued, schedule_next_run = [], core.scheduler.schedule_next_run
+
+    def recording(out):
+        following = schedule_next_run(out)
+        if following is not None:
+            waiting_when_queued.append(len(core.scheduler.waiting))
+        return following
+
+    core.scheduler.schedule_next_run = recording
+    assert run_requests(core, requests) == expected
+    assert queued and any(waiting_when_queued)
 
 
 def test_preemption_prefix_hits_and_the_budget_keep_the_tokens(tiny):
