@@ -23,6 +23,7 @@ import pstats
 import time
 
 import torch
+from bench_step_cost import PartTimer
 
 from serval.config import EngineConfig, SchedulerConfig
 from serval.engine.engine import LLMEngine
@@ -50,39 +51,24 @@ def timed_steps(engine: LLMEngine, steps: int, profiler: cProfile.Profile | None
     return 1000 * (time.perf_counter() - start) / steps
 
 
-class PartTimes:
-    """Host seconds spent in named methods of the engine's parts, summed until ``clear``."""
+def time_parts(engine: LLMEngine) -> PartTimer:
+    """A wall-clock timer of the host's parts of a step: the scheduler's calls, the front end's output processing and
+    the model's (forwards and logits)."""
+    timer, core = PartTimer(clock=time.perf_counter), engine.core
+    for part, owner, name in (("schedule", core.scheduler, "schedule"),
+                              ("schedule_next_run", core.scheduler, "schedule_next_run"),
+                              ("update_from_output", core.scheduler, "update_from_output"),
+                              ("front end", engine.outputs, "process"),
+                              ("model", core.model, "forward"), ("model", core.model, "compute_logits")):
+        setattr(owner, name, timer.wrap(part, getattr(owner, name)))
+    return timer
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.seconds: dict[str, float] = {}
-        core = engine.core
-        for label, owner, name in (("schedule", core.scheduler, "schedule"),
-                                   ("schedule_next_run", core.scheduler, "schedule_next_run"),
-                                   ("update_from_output", core.scheduler, "update_from_output"),
-                                   ("front end", engine.outputs, "process"),
-                                   ("model", core.model, "forward"), ("model", core.model, "compute_logits")):
-            self._wrap(label, owner, name)
 
-    def _wrap(self, label: str, owner, name: str) -> None:
-        method = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
-
-        setattr(owner, name, timed)
-
-    def clear(self) -> None:
-        self.seconds.clear()
-
-    def report(self, steps: int, step_ms: float) -> str:
-        parts = ", ".join(f"{label} {1000 * s / steps:.3f}" for label, s in sorted(self.seconds.items(),
-                                                                                   key=lambda kv: -kv[1]))
-        outside = step_ms - 1000 * self.seconds.get("model", 0.0) / steps
-        return f"host ms a step: {parts}; outside the model {outside:.3f} of {step_ms:.3f}"
+def parts_report(timer: PartTimer, steps: int, step_ms: float) -> str:
+    parts = ", ".join(f"{part} {1000 * s / steps:.3f}" for part, s in sorted(timer.totals.items(),
+                                                                            key=lambda kv: -kv[1]))
+    outside = step_ms - 1000 * timer.totals.get("model", 0.0) / steps
+    return f"host ms a step: {parts}; outside the model {outside:.3f} of {step_ms:.3f}"
 
 
 def main() -> None:
@@ -103,7 +89,7 @@ def main() -> None:
                                 max_num_batched_tokens=args.max_num_batched_tokens)
     engine = LLMEngine(EngineConfig(model=args.model, pad_decode_on_cpu=args.pad_decode_on_cpu, scheduler=scheduler))
     print(f"engine: {engine.config.scheduler}", flush=True)
-    parts = PartTimes(engine)
+    parts = time_parts(engine)
     # Tokens for the warm-up and both timed windows, each step up to num_scheduler_steps of them, and a few more.
     max_tokens = (WARMUP_STEPS + 2 * args.steps + 5) * engine.config.scheduler.num_scheduler_steps
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -114,10 +100,10 @@ def main() -> None:
         timed_steps(engine, WARMUP_STEPS)  # every prompt computed: the steps from here on are decodes
         profiler = cProfile.Profile()
         profiled_ms = timed_steps(engine, args.steps, profiler)
-        parts.clear()
+        parts.totals.clear()
         plain_ms = timed_steps(engine, args.steps)
         print(f"=== {streams} streams: {plain_ms:.3f} ms a step unprofiled, {profiled_ms:.3f} ms profiled")
-        print(parts.report(args.steps, plain_ms))
+        print(parts_report(parts, args.steps, plain_ms))
         for order in ("tottime", "cumulative"):
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(args.top)

@@ -512,17 +512,18 @@ class EngineCore:
 
     def _run(self, scheduled: SchedulerOutput, grammar_bitmasks: dict,
              while_device_runs: Callable[[], None] | None) -> ModelRunnerOutput:
-        """The step's forwards and what they sampled. A run of greedy decodes (multi-step decoding) goes through
-        the runner's launched runs: queued by this step, or by the last one, which read the run before it. With
-        async scheduling the run that follows it (the same requests) is queued before its tokens are read, so the
-        device computes that run while the host checks stops, reports and schedules: the host's step costs the
-        device no idle time. A request that stopped in a run has its part of the queued run dropped."""
+        """The step's forwards and what they sampled. With async scheduling a run of greedy decodes (multi-step
+        decoding) is launched here, or was queued by the last step, and the run that follows it (the same requests)
+        is queued before its tokens are read, so the device computes that run while the host checks stops, reports
+        and schedules: the host's step costs the device no idle time. A request that stopped in a run has its part
+        of the queued run dropped. Any other step is the runner's ``execute``."""
         run, self._launched = self._launched, None
-        if run is None:
+        queues_runs = self.config.scheduler.async_scheduling and self._may_queue_runs()
+        if run is None and queues_runs:
             run = self.runner.launch_run(scheduled)
-            if run is None:
-                return self.runner.execute(scheduled, grammar_bitmasks, while_device_runs)
-        if self.config.scheduler.async_scheduling and self._may_queue_runs():
+        if run is None:  # the step as the runner runs it (its multi-step runs launched and read at once)
+            return self.runner.execute(scheduled, grammar_bitmasks, while_device_runs)
+        if queues_runs:
             following = self.scheduler.schedule_next_run(scheduled)
             if following is not None:
                 self._launched = self.runner.launch_next_run(run, following)

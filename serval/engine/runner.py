@@ -242,7 +242,7 @@ class ModelRunner:
             return None
         tokens = graphs.run_greedy(seqs, self._tensor([_last_token(r) for r in requests]),
                                    self._tensor([r.num_computed_tokens for r in requests]), out.num_decode_steps)
-        return self._launched(out, tokens)
+        return LaunchedRun(out, *copy_to_host(tokens))  # the copy to the host queued behind the forwards
 
     @torch.inference_mode()
     def launch_next_run(self, previous: LaunchedRun, out: SchedulerOutput) -> LaunchedRun | None:
@@ -252,15 +252,9 @@ class ModelRunner:
         graphs = self.decode_graphs
         moved_on = previous.out.num_decode_steps
         seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens + moved_on, 1) for r in out.scheduled]
-        if [r.request_id for r in out.scheduled] != [r.request_id for r in previous.out.scheduled] \
-                or not graphs.accepts(seqs):
+        if not graphs.accepts(seqs):
             return None
-        return self._launched(out, graphs.continue_greedy(seqs, out.num_decode_steps))
-
-    @staticmethod
-    def _launched(out: SchedulerOutput, tokens: torch.Tensor) -> LaunchedRun:
-        """A run whose tokens [steps, rows] are queued on the device: their copy to the host queued too."""
-        return LaunchedRun(out, *copy_to_host(tokens))
+        return LaunchedRun(out, *copy_to_host(graphs.continue_greedy(seqs, out.num_decode_steps)))
 
     def finish_run(self, run: LaunchedRun) -> ModelRunnerOutput:
         """Waits for a launched run's tokens: each request's, in order."""

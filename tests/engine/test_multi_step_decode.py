@@ -35,22 +35,13 @@ def _core(tiny, steps: int, num_blocks: int = 64, budget: int = 512, **config) -
                                    cache=CacheConfig(block_size=16, num_blocks=num_blocks),
                                    scheduler=SchedulerConfig(num_scheduler_steps=steps, max_num_batched_tokens=budget),
                                    **config), path, model)
-    plans, execute, launch_run = [], core.runner.execute, core.runner.launch_run
-
-    def plan(out):
-        plans.append((out.num_decode_steps, sorted(r.request_id for r in out.scheduled)))
+    plans, execute = [], core.runner.execute
 
     def recording(out, *args, **kwargs):
-        plan(out)
+        plans.append((out.num_decode_steps, sorted(r.request_id for r in out.scheduled)))
         return execute(out, *args, **kwargs)
 
-    def recording_launch(out):  # a run on the greedy buckets, which the core launches without execute
-        run = launch_run(out)
-        if run is not None:
-            plan(out)
-        return run
-
-    core.runner.execute, core.runner.launch_run = recording, recording_launch
+    core.runner.execute = recording
     return core, plans
 
 
