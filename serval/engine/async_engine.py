@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 
 from serval.config import EngineConfig
 from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
@@ -168,11 +169,7 @@ class AsyncEngine(EngineClient):
 
     def _refuse_pending_adds(self) -> None:
         """Once the loop has died: each add still queued hears EngineDeadError (callable from any thread)."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._queued_commands():
             if command[0] == "add":
                 stream, accepted = command[5], command[6]
                 with self._pending_lock:
@@ -181,12 +178,16 @@ class AsyncEngine(EngineClient):
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
                     stream.loop.call_soon_threadsafe(settle, accepted, None, error)
 
-    def _drain_commands(self) -> None:
+    def _queued_commands(self) -> Iterator[tuple]:
+        """The commands queued so far, each taken off the queue as it is yielded."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for command in self._queued_commands():
             if command[0] == "add":
                 _, request_id, prompt, params, (priority, session_id, end_session), stream, accepted = command
                 try:
