@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from serverproc import GUARDED_BLOCKLIST, GUARDED_KEYS, GUARDED_MAX_BODY, GUARDED_RPM, SMALL_KEY, Server
+from serverproc import GUARDED_BLOCKLIST, GUARDED_KEYS, GUARDED_MAX_BODY, GUARDED_RPM, SMALL_KEY, Server, running
 
 
 @pytest.fixture(scope="session")
@@ -18,14 +18,8 @@ def _launched(tmp_path_factory):
     small = Server(["--max-num-seqs", "1", "--max-waiting", "1", "--api-key", SMALL_KEY, "--protect-health",
                     "--shutdown-timeout", "40"], logs / "small.log", api_keys=[SMALL_KEY])
     default_dtype = Server([], logs / "default-dtype.log", dtype=None)
-    servers = {"plain": plain, "guarded": guarded, "small": small, "default_dtype": default_dtype}
-    try:
-        for s in servers.values():
-            s.start()
+    with running({"plain": plain, "guarded": guarded, "small": small, "default_dtype": default_dtype}) as servers:
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,3 +158,15 @@ class Router(Server):
 
     def state(self) -> dict:
         return httpx.get(f"{self.url}/router/state", headers=self.headers, timeout=10).json()
+
+
+@contextlib.contextmanager
+def running(servers: dict[str, Server]) -> Iterator[dict[str, Server]]:
+    """Starts every server before waiting on any (their loads overlap) and stops them all on the way out."""
+    try:
+        for s in servers.values():
+            s.start()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serverproc import Server, wait_for
+from serverproc import Server, running, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 LOAD_TIMEOUT_S = 900  # two servers loading at once on two shared cores
@@ -33,15 +33,9 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 def _servers(tmp_path_factory):
     """Both servers load at once: one with a small queue for the fuzzing, one rate-limited without API keys."""
     logs = tmp_path_factory.mktemp("fuzz-logs")
-    servers = {"fuzz": Server(["--max-waiting", str(MAX_WAITING)], logs / "fuzz.log"),
-               "limited": Server(["--rate-limit-rpm", "2"], logs / "limited.log")}
-    try:
-        for s in servers.values():
-            s.start()
+    with running({"fuzz": Server(["--max-waiting", str(MAX_WAITING)], logs / "fuzz.log"),
+                  "limited": Server(["--rate-limit-rpm", "2"], logs / "limited.log")}) as servers:
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 import trustme
-from serverproc import LOAD_TIMEOUT_S, SERVAL, Server
+from serverproc import LOAD_TIMEOUT_S, SERVAL, Server, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -65,20 +65,12 @@ def _client_context(pki, with_cert: bool) -> ssl.SSLContext:
 def tls_servers(pki, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tls-logs")
     tls_args = ["--ssl-certfile", str(pki["cert"]), "--ssl-keyfile", str(pki["key"])]
-    servers = {
-        "tls": TLSServer(tls_args, logs / "tls.log"),
-        "mtls": TLSServer(tls_args + ["--ssl-ca-certs", str(pki["ca"]), "--ssl-cert-reqs", "required"],
-                          logs / "mtls.log"),
-    }
-    try:
-        for s in servers.values():
-            s.start()
+    with running({"tls": TLSServer(tls_args, logs / "tls.log"),
+                  "mtls": TLSServer(tls_args + ["--ssl-ca-certs", str(pki["ca"]), "--ssl-cert-reqs", "required"],
+                                    logs / "mtls.log")}) as servers:
         servers["tls"].wait_ready_tls(_client_context(pki, with_cert=False))
         servers["mtls"].wait_ready_tls(_client_context(pki, with_cert=True))
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def test_openai_client_streams_over_https_with_the_test_ca(tls_servers, pki):
