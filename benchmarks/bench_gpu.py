@@ -1,10 +1,11 @@
 """One run that takes the figures of GPU serving (issue 33): the machine, Serval's offline tokens/s at several stream
-counts beside Hugging Face transformers on the same weights, the server at 1 and 16 streams, and a torch-profiler
-summary of one decode step. Runs on the CPU too (at small sizes), which is how a test keeps it working.
+counts beside Hugging Face transformers on the same weights (and Serval's with seeded sampling at a few), the
+server at 1 and 16 streams, and a torch-profiler summary of one decode step. Runs on the CPU too (at small sizes),
+which is how a test keeps it working.
 
     python benchmarks/bench_gpu.py --out DIR [--model M] [--device cuda] [--dtype bfloat16] \
-        [--streams 1,16,64,256] [--tokens 128] [--skip transformers,server,profile] [--engine-arg KEY=VALUE ...] \
-        [--compare-engine-arg KEY=VALUE ...]
+        [--streams 1,16,64,256] [--sampled-streams 1,64] [--tokens 128] [--skip transformers,server,profile,sampled] \
+        [--engine-arg KEY=VALUE ...] [--compare-engine-arg KEY=VALUE ...]
 
 Prints a markdown report to stdout (progress goes to stderr) and writes it, with the figures as JSON, to DIR. Every
 phase has a time cap; a phase that fails or runs out of time puts its error in the report and the run goes on, and
@@ -38,15 +39,17 @@ from serval.platform_info import describe_hardware
 from serval.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
-PHASES = ("offline", "ngram", "profile", "compare", "transformers", "server")
-SKIPPABLE = ("transformers", "server", "profile")
+PHASES = ("offline", "sampled", "ngram", "profile", "compare", "transformers", "server")
+SKIPPABLE = ("transformers", "server", "profile", "sampled")
 # Seconds each phase may take, model load included; together under 5 minutes (the optional compare phase aside). A
 # phase past its cap stops at the next step (or generate's max_time, or a request's timeout) and reports what it
 # measured until then.
-PHASE_CAP_S = {"offline": 90.0, "ngram": 20.0, "profile": 30.0, "compare": 90.0, "transformers": 80.0,
-               "server": 75.0}
+PHASE_CAP_S = {"offline": 75.0, "sampled": 15.0, "ngram": 20.0, "profile": 30.0, "compare": 90.0,
+               "transformers": 80.0, "server": 75.0}
 PROGRESS_EVERY_S = 5.0
 SERVER_MODEL_NAME = "bench"
+# The sampled phase's requests: a chat server's usual settings, each request seeded with its index.
+SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
 # The host's calls that start work on the GPU: a kernel each, or a whole captured CUDA graph.
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
 
@@ -158,14 +161,18 @@ def release_memory(device: str) -> None:
 
 
 # -- offline: Serval ------------------------------------------------------------------------------------------------
-def serval_generate(run: Run, engine, prompts: list[str], tokens: int, deadline: float, label: str) -> dict:
-    """Runs ``prompts`` to ``tokens`` tokens each (greedy, EOS ignored) through the engine's step loop; tokens/s is
-    output tokens over the wall time from the first add_request to the last step."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+def serval_generate(run: Run, engine, prompts: list[str], tokens: int, deadline: float, label: str,
+                    sampled: bool = False) -> dict:
+    """Runs ``prompts`` to ``tokens`` tokens each (greedy, or with ``sampled`` SAMPLED_TEMPERATURE and SAMPLED_TOP_P
+    seeded by the request's index; EOS ignored) through the engine's step loop; tokens/s is output tokens over the
+    wall time from the first add_request to the last step."""
     ids = [f"{label}-{i}" for i in range(len(prompts))]
     counts = dict.fromkeys(ids, 0)
     start = last_report = time.perf_counter()
-    for request_id, prompt in zip(ids, prompts):
+    for i, (request_id, prompt) in enumerate(zip(ids, prompts)):
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True) if not sampled else \
+            SamplingParams(temperature=SAMPLED_TEMPERATURE, top_p=SAMPLED_TOP_P, seed=i, max_tokens=tokens,
+                           ignore_eos=True)
         engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
         if time.monotonic() > deadline:
@@ -215,6 +222,19 @@ def phase_offline(run: Run, deadline: float, engines: list) -> None:
         table[str(streams)] = serval_generate(run, engine, prompts_for(streams), args.tokens, deadline,
                                               f"serval{streams}")
         run.progress(f"offline: serval, {streams} streams: {table[str(streams)]['tokens_per_s']:.1f} tok/s")
+
+
+def phase_sampled(run: Run, deadline: float, engine) -> None:
+    """The offline engine again at each --sampled-streams count, its requests sampled (seeded) instead of greedy."""
+    if engine is None:
+        raise RuntimeError("no engine: the offline phase failed")
+    table = run.results.setdefault("serval_sampled", {})
+    serval_generate(run, engine, prompts_for(1), 8, deadline, "sampled-warmup", sampled=True)
+    for streams in run.args.sampled_streams:
+        check_deadline(deadline, f"sampled at {streams} streams")
+        table[str(streams)] = serval_generate(run, engine, prompts_for(streams), run.args.tokens, deadline,
+                                              f"sampled{streams}", sampled=True)
+        run.progress(f"sampled: {streams} streams: {table[str(streams)]['tokens_per_s']:.1f} tok/s")
 
 
 def phase_ngram(run: Run, deadline: float, weights: tuple | None) -> None:
@@ -489,7 +509,8 @@ def format_report(run: Run) -> str:
     lines = ["# Serval GPU benchmark", "", "## Machine", "",
              f"- GPU: {m['gpu']}", f"- CPU: {m['cpu']}", f"- torch: {m['torch']}", f"- Serval commit: {m['commit']}",
              f"- model: {m['model']}; device {args.device}, dtype {args.dtype}, {args.tokens} new tokens a request, "
-             "greedy, EOS ignored", ""]
+             f"greedy (the sampled row: temperature {SAMPLED_TEMPERATURE}, top-p {SAMPLED_TOP_P}, seeded), EOS "
+             "ignored", ""]
     engine = r.get("engine")
     if engine:
         lines += [f"Serval engine: max_num_seqs {engine['max_num_seqs']}, token budget "
@@ -497,16 +518,17 @@ def format_report(run: Run) -> str:
                   f"decode step, async output processing {engine.get('async_output_processing')}, "
                   f"{engine['kv_blocks']} KV blocks of {engine['block_size']} "
                   f"tokens, loaded in {engine['load_s']:.1f} s; engine args: {' '.join(args.engine_arg) or 'none'}", ""]
-    streams = args.streams
+    streams = sorted(set(args.streams) | {int(count) for count in r.get("serval_sampled", {})})
     lines += ["## Offline throughput (output tokens/s)", "", "| engine | " + " | ".join(map(str, streams)) + " |",
               "|---|" + "---|" * len(streams)]
     compare = r.get("compare", {})
     compare_label = "Serval, speculation off, " + " ".join(compare.get("engine_args", []))
     for row, label in ((r.get("serval", {}), "Serval, speculation off"),
+                       (r.get("serval_sampled"), "Serval, speculation off, sampled"),
                        (compare.get("offline"), compare_label),
                        (r.get("serval_ngram", {}), "Serval, n-gram speculation on"),
                        (r.get("transformers", {}), "transformers generate")):
-        if row is None:  # no compare phase
+        if row is None:  # no compare or sampled phase
             continue
         lines.append(f"| {label} | " + " | ".join(_num(row[str(s)]["tokens_per_s"]) if str(s) in row else "-"
                                                   for s in streams) + " |")
@@ -548,6 +570,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--streams", type=stream_counts, default=[1, 16, 64, 256],
                         help="offline stream counts (Serval and transformers)")
+    parser.add_argument("--sampled-streams", type=stream_counts, default=[1, 64],
+                        help="offline stream counts of the sampled phase (Serval's requests seeded and sampled)")
     parser.add_argument("--server-streams", type=stream_counts, default=[1, 16], help="concurrent server streams")
     parser.add_argument("--profile-streams", type=stream_counts, default=[1, 64],
                         help="streams of the profiled decode step")
@@ -592,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     engines: list = []
     run.phase("offline", phase_offline, engines)
     engine = engines.pop() if engines else None
+    if "sampled" not in args.skip:
+        run.phase("sampled", phase_sampled, engine)
     if "profile" not in args.skip:
         run.phase("profile", phase_profile, engine)
     weights = None if engine is None else (engine.model, engine.tokenizer)

@@ -221,7 +221,7 @@ def default_token_budget() -> int:
 CPU_MAX_NUM_SEQS = 64
 CUDA_MAX_NUM_SEQS = 256
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
-# Forwards a greedy decode step runs in a row on CUDA (SchedulerConfig.num_scheduler_steps). Measured on an H200
+# Forwards a decode step runs in a row on CUDA (SchedulerConfig.num_scheduler_steps). Measured on an H200
 # (benchmarks/bench_gpu.sh, the embedded model, bf16, 128 tokens, offline at 1/16/64/256 streams): 1 gave 540/6,931/
 # 19,552/27,111 tok/s, 8 gave 865/12,032/39,770/85,346 and 16 785/10,577/28,334/49,825.
 CUDA_NUM_SCHEDULER_STEPS = 8
@@ -249,20 +249,22 @@ class SchedulerConfig(DeviceDefaults):
     async_output_processing: bool | None = field(default=None, metadata=flag(
         "the offline engine detokenizes a step's tokens while the device computes the next step (default: on for "
         "CUDA, off on CPU)"))
-    # Multi-step decoding: a step of greedy decodes only runs up to this many forwards in a row on the device, each
-    # one's tokens the next one's inputs, before the host reads the tokens and schedules again. The host's work
+    # Multi-step decoding: a step of decodes only (each row's token drawn from its logits alone: greedy, or sampled
+    # without logprobs or penalties) runs up to this many forwards in a row on the device, each one's tokens the next
+    # one's inputs, before the host reads the tokens and schedules again. The host's work
     # (scheduling, stop checks, outputs) is paid once per run instead of once per token, which is what a GPU waits
     # on with a small model; tokens then reach a stream in runs of up to this many. None: the device's default.
     num_scheduler_steps: int | None = field(default=None, metadata=flag(
-        "a step of greedy decodes runs up to this many forwards in a row on the device before the host schedules "
+        "a step of decodes (greedy, or sampled without logprobs or penalties) runs up to this many forwards in a "
+        "row on the device before the host schedules "
         f"again (default: {CUDA_NUM_SCHEDULER_STEPS} on CUDA, 1 on CPU)"))
-    # Async scheduling (vLLM's name) of multi-step runs: the next run of the same greedy decodes is queued on the
+    # Async scheduling (vLLM's name) of multi-step runs: the next run of the same decodes is queued on the
     # device before the host reads this run's tokens, so the device computes it while the host checks stops,
     # reports and schedules (engine/core.py, EngineCore._run). A request that stopped in a run wastes its share of
     # the queued one. Off by default until measured on a GPU (benchmarks/README.md); on a CPU the forward holds the
     # host, so nothing overlaps there.
     async_scheduling: bool = field(default=False, metadata=flag(
-        "with multi-step decoding, queue a run of greedy decodes on the device before reading the last run's "
+        "with multi-step decoding, queue a run of decodes on the device before reading the last run's "
         "tokens, so the host's work overlaps the device's"))
 
     def device_defaults(self, kind: str) -> dict[str, Any]:

@@ -203,7 +203,7 @@ class EngineCore:
         if config.enforce_eager or self.group is not None or not (on_gpu or config.pad_decode_on_cpu):
             return None
         return DecodeBuckets(config.scheduler.max_num_seqs, max_model_len, capture=on_gpu,
-                             greedy=config.scheduler.num_scheduler_steps > 1)
+                             multi_step=config.scheduler.num_scheduler_steps > 1)
 
     def _make_offload_tier(self, model_path) -> tuple[BlockStore | None, OffloadIndex | None]:
         cache = self.config.cache
@@ -512,7 +512,7 @@ class EngineCore:
 
     def _run(self, scheduled: SchedulerOutput, grammar_bitmasks: dict,
              while_device_runs: Callable[[], None] | None) -> ModelRunnerOutput:
-        """The step's forwards and what they sampled. With async scheduling a run of greedy decodes (multi-step
+        """The step's forwards and what they sampled. With async scheduling a run of decodes (multi-step
         decoding) is launched here, or was queued by the last step, and the run that follows it (the same requests)
         is queued before its tokens are read, so the device computes that run while the host checks stops, reports
         and schedules: the host's step costs the device no idle time. A request that stopped in a run has its part

@@ -16,12 +16,15 @@ something on their first call (a linear's row padding) synchronize, which a capt
 memory pool. Anywhere else the same code runs the persistent buffers eagerly (no capture), which is how the CPU suite
 covers the padding. The graph ends at the hidden states; logits and sampling run after it, on the first B rows.
 
-Multi-step decoding (SchedulerConfig.num_scheduler_steps) runs a bucket's greedy forward instead: the forward, the
-logits, their argmax, and the next forward's inputs written in place (each real row's token at its next position; the
-attention backend moves the metadata on, ``advance_decodes``), captured as a second graph per bucket. The host then
-launches one graph a forward and builds nothing in between; the rows compute what ``run`` and the argmax give.
-With async scheduling, ``continue_greedy`` queues the next run of the same rows behind it: their inputs are already
-in place, so it loads only the metadata (through pinned memory, without waiting for the device).
+Multi-step decoding (SchedulerConfig.num_scheduler_steps) runs several forwards of the same rows in a row
+(``run_decodes``), each writing the next one's inputs in place: each real row's token at its next position, the
+attention backend moving the metadata on (``advance_decodes``). Greedy rows run a bucket's greedy forward: the
+forward, the logits, their argmax and those writes, captured as a second graph per bucket, so the host launches one
+graph a forward and builds nothing in between. Sampled rows run the bucket's forward graph, then their logits and
+the sampler's draw (a ``Draw``, the runner's) eagerly, then the same writes: still nothing for the host to wait on.
+Either way the rows compute what ``run`` and the sampler give. With async scheduling, ``continue_decodes`` queues
+the next run of the same rows behind it: their inputs are already in place, so it loads only the metadata (through
+pinned memory, without waiting for the device).
 
 Steps this does not take run eagerly as before: prefill chunks, guesses, batches over the largest bucket, a model
 split over ranks (runner.group) and a draft model's steps.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,17 +45,22 @@ from serval.layers.sampler import greedy_token_tensor
 
 logger = logging.getLogger(__name__)
 
+# A run's draw for sampled rows: (the logits [rows, vocab] of its forward number i, i) -> their tokens [rows], on
+# the device and only queued there (the runner's, through Sampler.sample_tensor).
+Draw = Callable[[torch.Tensor, int], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class DecodeBuckets:
     """Which padded decode steps a runner prepares: batches of up to ``max_num_seqs`` rows, each row's block table
-    ``max_model_len`` tokens wide; ``capture``: record a CUDA graph per bucket (only on a CUDA device); ``greedy``:
-    also each bucket's greedy forward (multi-step decoding; without it, start-up captures half the graphs)."""
+    ``max_model_len`` tokens wide; ``capture``: record a CUDA graph per bucket (only on a CUDA device); ``multi_step``:
+    runs of decodes (``run_decodes``), with each bucket's greedy forward (without it, start-up captures half the
+    graphs)."""
 
     max_num_seqs: int
     max_model_len: int
     capture: bool = True
-    greedy: bool = True
+    multi_step: bool = True
 
 
 def bucket_sizes(max_num_seqs: int, smallest: int = 1) -> list[int]:
@@ -83,19 +92,19 @@ class DecodeGraphs:
         self.buckets = model_bucket_sizes(model, buckets, kv_cache.device)
         self.table_width = -(-buckets.max_model_len // backend.block_size)  # max blocks a sequence holds
         self.padding_row = ScheduledSequence([pad_block], 0, 1)
-        self.greedy = buckets.greedy
+        self.multi_step = buckets.multi_step
         device = kv_cache.device
         self.input_ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         self.positions = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         self._meta: dict[int, AttentionMetadata] = {}  # each bucket's persistent metadata
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._hidden: dict[int, torch.Tensor] = {}  # each graph's output: [bucket, hidden] states
-        # Multi-step decoding: each bucket's greedy forward (run_greedy), its output tokens [bucket], and which rows
+        # Multi-step decoding: each bucket's greedy forward (run_decodes), its output tokens [bucket], and which rows
         # move on after a forward (1: a real row, 0: padding).
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._tokens: dict[int, torch.Tensor] = {}
         self.step = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
-        self._greedy_rows = 0  # the real rows of the last run_greedy, which continue_greedy moves on
+        self._run_rows = 0  # the real rows of the last run_decodes, which continue_decodes moves on
         if buckets.capture and device.type == "cuda":
             self.capture()
 
@@ -121,42 +130,53 @@ class DecodeGraphs:
         return hidden[:num_rows]
 
     @property
-    def runs_greedy(self) -> bool:
-        """Whether ``run_greedy`` runs here, moving its forwards' inputs on without the host (the backend advances
+    def runs_in_a_row(self) -> bool:
+        """Whether ``run_decodes`` runs here, moving its forwards' inputs on without the host (the backend advances
         them)."""
-        return self.greedy and self.backend.advances_decodes
+        return self.multi_step and self.backend.advances_decodes
 
     @torch.inference_mode()
-    def run_greedy(self, seqs: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,
-                   num_steps: int) -> torch.Tensor:
-        """Multi-step decoding of greedy rows: ``num_steps`` forwards of ``seqs`` (``accepts(seqs)``), each one's
-        argmax tokens and next positions written into the persistent inputs on the device (on CUDA all of it one
-        graph replay a forward). Returns the tokens [num_steps, len(seqs)] on the device. Each forward computes its
-        real rows as ``run`` does, followed by the logits and argmax the runner takes after ``run``."""
+    def run_decodes(self, seqs: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,
+                    num_steps: int, draw: Draw | None = None) -> torch.Tensor:
+        """Multi-step decoding: ``num_steps`` forwards of ``seqs`` (``accepts(seqs)``), each one's tokens (the argmax,
+        or ``draw``'s for sampled rows) and next positions written into the persistent inputs on the device (for
+        greedy rows on CUDA all of it one graph replay a forward). Returns the tokens [num_steps, len(seqs)] on the
+        device. Each forward computes its real rows as ``run`` does, followed by the logits and tokens the runner
+        takes after ``run``."""
         size, num_rows = self.bucket(len(seqs)), len(seqs)
         self._load_inputs(num_rows, size, input_ids, positions)
-        meta, graph = self._load_metadata(seqs, self._greedy_graphs)
+        meta, graph = self._load_metadata(seqs, self._greedy_graphs if draw is None else self._graphs)
         self.step[:num_rows].fill_(1)  # padding rows stay at token 0, position 0
         self.step[num_rows:size].zero_()
-        self._greedy_rows = num_rows
-        return self._greedy_forwards(size, num_rows, meta, graph, num_steps)
+        self._run_rows = num_rows
+        return self._forwards_in_a_row(size, num_rows, meta, graph, num_steps, draw)
 
     @torch.inference_mode()
-    def continue_greedy(self, seqs: list[ScheduledSequence], num_steps: int) -> torch.Tensor:
-        """The run after the last ``run_greedy`` or ``continue_greedy``, of the same rows in the same order, queued
+    def continue_decodes(self, seqs: list[ScheduledSequence], num_steps: int, draw: Draw | None = None
+                         ) -> torch.Tensor:
+        """The run after the last ``run_decodes`` or ``continue_decodes``, of the same rows in the same order, queued
         before the host has read that run's tokens (async scheduling): its forwards left each row's next token and
         position in the persistent inputs, so only the metadata is loaded (``seqs`` at those positions; a table
         may have grown). Nothing here waits for the device. Returns the tokens [num_steps, len(seqs)]."""
-        if len(seqs) != self._greedy_rows:
-            raise ValueError(f"continue_greedy takes the last run's {self._greedy_rows} rows, got {len(seqs)}")
-        meta, graph = self._load_metadata(seqs, self._greedy_graphs)
-        return self._greedy_forwards(self.bucket(len(seqs)), len(seqs), meta, graph, num_steps)
+        if len(seqs) != self._run_rows:
+            raise ValueError(f"continue_decodes takes the last run's {self._run_rows} rows, got {len(seqs)}")
+        meta, graph = self._load_metadata(seqs, self._greedy_graphs if draw is None else self._graphs)
+        return self._forwards_in_a_row(self.bucket(len(seqs)), len(seqs), meta, graph, num_steps, draw)
 
-    def _greedy_forwards(self, size: int, num_rows: int, meta: AttentionMetadata,
-                         graph: torch.cuda.CUDAGraph | None, num_steps: int) -> torch.Tensor:
+    def _forwards_in_a_row(self, size: int, num_rows: int, meta: AttentionMetadata,
+                           graph: torch.cuda.CUDAGraph | None, num_steps: int, draw: Draw | None) -> torch.Tensor:
         tokens = []
-        for _ in range(num_steps):
-            if graph is None:
+        for i in range(num_steps):
+            if draw is not None:
+                if graph is None:
+                    hidden = self._forward(size, meta)
+                else:
+                    graph.replay()
+                    hidden = self._hidden[size]
+                step_tokens = draw(self.model.compute_logits(hidden[:num_rows]), i)
+                self.input_ids[:num_rows].copy_(step_tokens)  # padding rows keep token 0
+                self._move_on(size, meta)
+            elif graph is None:
                 step_tokens = self._greedy_forward(size, meta)
             else:
                 graph.replay()
@@ -172,11 +192,15 @@ class DecodeGraphs:
         the next position (the metadata moved on by the backend)."""
         hidden = self._forward(size, meta)
         tokens = greedy_token_tensor(self.model.compute_logits(hidden))
+        self.input_ids[:size].copy_(tokens * self.step[:size])
+        self._move_on(size, meta)
+        return tokens
+
+    def _move_on(self, size: int, meta: AttentionMetadata) -> None:
+        """Each real row's next position, and the metadata at it."""
         step = self.step[:size]
-        self.input_ids[:size].copy_(tokens * step)
         self.positions[:size].add_(step)
         self.backend.advance_decodes(meta, step)
-        return tokens
 
     def _load(self, seqs: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,
               graphs: dict[int, torch.cuda.CUDAGraph]) -> tuple[AttentionMetadata, torch.cuda.CUDAGraph | None]:
@@ -219,14 +243,14 @@ class DecodeGraphs:
             for size in reversed(self.buckets):
                 zeros = torch.zeros(size, dtype=torch.long)
                 self.run([self.padding_row] * size, zeros, zeros)  # the warm-up: probes, lazy state
-                if self.runs_greedy:
-                    self.run_greedy([self.padding_row] * size, zeros, zeros, 1)
+                if self.runs_in_a_row:
+                    self.run_decodes([self.padding_row] * size, zeros, zeros, 1)
                     self.step.zero_()
                 torch.cuda.synchronize(self.kv_cache.device)
                 meta = self._meta[size]
                 try:
                     self._graphs[size], self._hidden[size] = self._record(pool, self._forward, size, meta)
-                    if self.runs_greedy:
+                    if self.runs_in_a_row:
                         self._greedy_graphs[size], self._tokens[size] = self._record(
                             pool, self._greedy_forward, size, meta)
                 except RuntimeError as exc:  # a layer that synchronizes each call (e.g. a MoE's routing counts)

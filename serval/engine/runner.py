@@ -12,7 +12,7 @@ import torch
 
 from serval.config import ModelConfig
 from serval.distributed import ParallelGroup
-from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, copy_to_host
+from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, Draw, copy_to_host
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
@@ -25,6 +25,7 @@ from serval.layers.sampler import (
     takes_argmax_only,
     token_logprobs,
 )
+from serval.sampling_params import SamplingParams
 
 # Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long
 # chunk never holds a [chunk, vocab] tensor whole.
@@ -60,7 +61,7 @@ class StepInputs:
 
 @dataclass
 class LaunchedRun:
-    """A multi-step run of greedy decodes queued on the device, whose tokens the host has not read yet."""
+    """A multi-step run of decodes queued on the device, whose tokens the host has not read yet."""
 
     out: SchedulerOutput
     tokens: torch.Tensor  # [num_decode_steps, rows] on the host once ``ready`` (pinned on CUDA)
@@ -199,10 +200,11 @@ class ModelRunner:
             first += len(guesses) + 1
 
     def _decode_in_a_row(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Multi-step decoding (``out.num_decode_steps`` forwards of greedy decodes only): each forward's argmax tokens
-        are the next one's inputs without leaving the device, and the host reads them all once, at the end. Each
-        forward is the plain decode step of the same rows (its bucket's graph, or eager), so the tokens are the ones
-        as many steps would give."""
+        """Multi-step decoding (``out.num_decode_steps`` forwards of decodes only, each row's token drawn from its
+        logits alone): each forward's tokens are the next one's inputs without leaving the device, and the host reads
+        them all once, at the end. Each forward is the plain decode step of the same rows (its bucket's graph, or
+        eager) and the sampler's draw, each seeded row's generator at its output position, so the tokens are the
+        ones as many steps would give."""
         run = self.launch_run(out)
         if run is not None:  # the inputs move on on the device
             self._host_work_while_device_runs()
@@ -212,7 +214,7 @@ class ModelRunner:
         starts = [r.num_computed_tokens for r in requests]
         token_ids = self._tensor([_last_token(r) for r in requests])
         start_positions = self._tensor(starts)
-        graphs = self.decode_graphs
+        graphs, draw = self.decode_graphs, self._draw(requests)
         sampled = []
         for step in range(out.num_decode_steps):
             seqs = [ScheduledSequence(r.block_ids, start + step, 1) for r, start in zip(requests, starts)]
@@ -222,26 +224,43 @@ class ModelRunner:
             else:
                 meta = self.attention_backend.build_metadata(seqs)
                 hidden = self.model(token_ids, positions, self.kv_cache, meta)
-            token_ids = greedy_token_tensor(self.model.compute_logits(hidden))
+            logits = self.model.compute_logits(hidden)
+            token_ids = greedy_token_tensor(logits) if draw is None else draw(logits, step)
             sampled.append(token_ids)
         self._host_work_while_device_runs()  # the forwards are all queued: a GPU computes them meanwhile
         for request, tokens in zip(requests, torch.stack(sampled, dim=1).tolist()):
             result.sampled_token_ids[request.request_id] = tokens
 
-    # -- runs of greedy decodes queued ahead (async scheduling) ----------------------------------------------------
+    def _draw(self, requests: list[Request], done: int = 0) -> Draw | None:
+        """How a run of ``requests`` draws its tokens, ``done`` tokens after their outputs so far: None where every
+        row takes its argmax (the greedy forwards), else the sampler over every row, each seeded one with its
+        generator at its output position, as a step of its own would draw it."""
+        if all(self._takes_argmax_only(r) for r in requests):
+            return None
+
+        def draw(logits: torch.Tensor, step: int) -> torch.Tensor:
+            rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
+                                self._generator(r.sampling_params, len(r.output_token_ids) + done + step), [])
+                    for r in requests]
+            return self.sampler.sample_tensor(logits, rows)
+
+        return draw
+
+    # -- runs of decodes queued ahead (async scheduling) -------------------------------------------------------
     @torch.inference_mode()
     def launch_run(self, out: SchedulerOutput) -> LaunchedRun | None:
-        """Queues a multi-step run (``out.num_decode_steps`` > 1) on the decode buckets' greedy forwards, which move
-        the inputs on on the device; None where they cannot take it (the caller then runs ``execute``)."""
+        """Queues a multi-step run (``out.num_decode_steps`` > 1) on the decode buckets, whose forwards move the
+        inputs on on the device; None where they cannot take it (the caller then runs ``execute``)."""
         graphs = self.decode_graphs
-        if out.num_decode_steps < 2 or graphs is None or not graphs.runs_greedy:
+        if out.num_decode_steps < 2 or graphs is None or not graphs.runs_in_a_row:
             return None
         requests = out.scheduled
         seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens, 1) for r in requests]
         if not graphs.accepts(seqs):
             return None
-        tokens = graphs.run_greedy(seqs, self._tensor([_last_token(r) for r in requests]),
-                                   self._tensor([r.num_computed_tokens for r in requests]), out.num_decode_steps)
+        tokens = graphs.run_decodes(seqs, self._tensor([_last_token(r) for r in requests]),
+                                    self._tensor([r.num_computed_tokens for r in requests]), out.num_decode_steps,
+                                    self._draw(requests))
         return LaunchedRun(out, *copy_to_host(tokens))  # the copy to the host queued behind the forwards
 
     @torch.inference_mode()
@@ -254,7 +273,8 @@ class ModelRunner:
         seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens + moved_on, 1) for r in out.scheduled]
         if not graphs.accepts(seqs):
             return None
-        return LaunchedRun(out, *copy_to_host(graphs.continue_greedy(seqs, out.num_decode_steps)))
+        tokens = graphs.continue_decodes(seqs, out.num_decode_steps, self._draw(out.scheduled, done=moved_on))
+        return LaunchedRun(out, *copy_to_host(tokens))
 
     def finish_run(self, run: LaunchedRun) -> ModelRunnerOutput:
         """Waits for a launched run's tokens: each request's, in order."""
@@ -391,16 +411,20 @@ class ModelRunner:
         """The sampler's view of ``request`` at its next output position, after ``guesses`` were accepted."""
         params = request.sampling_params
         outputs = request.output_token_ids + guesses if guesses else request.output_token_ids
-        generator = None
-        if params.seed is not None and not params.greedy:
-            # A seeded draw depends only on the seed and the output position: the same token whether it is drawn
-            # in a plain decode step or while checking guesses, and whatever else shares the batch.
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed((params.seed * 1_000_003 + len(outputs)) % (1 << 63))
         blocked: list[int] = []
         if len(outputs) < params.min_tokens and not constrained:  # a grammar decides when its output may end
             blocked = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids))
-        return SamplingRow(params, request.prompt_token_ids, outputs, generator, blocked)
+        return SamplingRow(params, request.prompt_token_ids, outputs, self._generator(params, len(outputs)), blocked)
+
+    def _generator(self, params: SamplingParams, position: int) -> torch.Generator | None:
+        """A seeded sampled row's generator for its output token number ``position`` (None: not seeded, or greedy).
+        A seeded draw depends only on the seed and the output position: the same token whether it is drawn in a
+        plain decode step, while checking guesses or inside a run of forwards, whatever else shares the batch."""
+        if params.seed is None or params.greedy:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed((params.seed * 1_000_003 + position) % (1 << 63))
+        return generator
 
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from serval.config import SchedulerConfig
 from serval.engine.kv_cache import ComputedBlocks, KVCacheManager
 from serval.engine.request import Request, RequestStatus
-from serval.layers.sampler import takes_argmax_only
+from serval.layers.sampler import samples_without_the_host
 
 
 @dataclass
@@ -31,8 +31,9 @@ class SchedulerOutput:
     # Prompt KV fetched from a prefill worker, to copy into these blocks before the forward: (blocks as rows of a
     # byte tensor, block ids).
     kv_loads: list[tuple[object, list[int]]] = field(default_factory=list)
-    # Multi-step decoding (SchedulerConfig.num_scheduler_steps): a step of greedy decodes only that runs this many
-    # forwards in a row, each one's tokens the next one's inputs; every request's num_scheduled_tokens is this.
+    # Multi-step decoding (SchedulerConfig.num_scheduler_steps): a step of decodes only (each row's token drawn from
+    # its logits alone) that runs this many forwards in a row, each one's tokens the next one's inputs; every
+    # request's num_scheduled_tokens is this.
     num_decode_steps: int = 1
 
     @property
@@ -170,16 +171,17 @@ class Scheduler:
         return out
 
     def _decode_in_a_row(self, out: SchedulerOutput) -> None:
-        """Makes a step of greedy decodes only (every request past its prompt, with no guesses, no grammar and
-        nothing but an argmax to sample) run several forwards in a row, as many as every request still may take
-        tokens and has KV room for without preempting anyone; otherwise leaves the step as it is. A request that
-        stops inside the run has its tokens after the stop dropped (update_from_output), like rejected guesses."""
+        """Makes a step of decodes only (every request past its prompt, with no guesses, no grammar and a token drawn
+        from its logits alone: greedy or sampled, without logprobs or penalties) run several forwards in a row, as
+        many as every request still may take tokens and has KV room for without preempting anyone; otherwise leaves
+        the step as it is. A request that stops inside the run has its tokens after the stop dropped
+        (update_from_output), like rejected guesses."""
         counts = out.num_scheduled_tokens
         if not out.scheduled or out.spec_token_ids or out.kv_loads:
             return
         for request in out.scheduled:
             if counts[request.request_id] != 1 or request.num_computed_tokens + 1 != request.num_tokens \
-                    or request.max_tokens == 0 or not _samples_by_argmax(request):
+                    or request.max_tokens == 0 or not _samples_on_the_device(request):
                 return
         steps = min(self.max_decode_steps, self.config.max_num_batched_tokens // len(out.scheduled),
                     *(r.max_tokens - len(r.output_token_ids) for r in out.scheduled))
@@ -191,8 +193,8 @@ class Scheduler:
             counts[request.request_id] = steps
 
     def schedule_next_run(self, out: SchedulerOutput) -> SchedulerOutput | None:
-        """Async scheduling: the run of greedy decodes to follow the run ``out`` (``num_decode_steps`` forwards of
-        greedy decodes), decided before its tokens are known, so that the device computes it while the host reads
+        """Async scheduling: the run of decodes to follow the run ``out`` (``num_decode_steps`` forwards of
+        decodes), decided before its tokens are known, so that the device computes it while the host reads
         ``out``'s. It takes every running request, as ``out`` did, for as many forwards as each may still take after
         ``out`` (a stop inside ``out`` is found later: ``update_from_output`` then skips the finished request).
         None, and the host reads ``out``'s tokens first, when something else needs the step: a waiting request that
@@ -328,9 +330,10 @@ class Scheduler:
         self.waiting.append(request)
 
 
-def _samples_by_argmax(request: Request) -> bool:
-    """Whether the request's next tokens are each its logits' argmax and nothing else: greedy, past min_tokens (no id
-    blocked), under no grammar; such tokens can be fed back on the device without the host looking at them."""
+def _samples_on_the_device(request: Request) -> bool:
+    """Whether the request's next tokens are each drawn from its logits alone (``samples_without_the_host``), past
+    min_tokens (no id blocked) and under no grammar: such tokens can be fed back on the device without the host
+    looking at them."""
     params = request.sampling_params
-    return takes_argmax_only(params) and len(request.output_token_ids) >= params.min_tokens \
+    return samples_without_the_host(params) and len(request.output_token_ids) >= params.min_tokens \
         and params.structured_outputs is None

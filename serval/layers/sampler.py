@@ -60,10 +60,18 @@ class Sampler:
                  allowed: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
         """``allowed``: (rows constrained by a grammar, their ``[len(rows), ceil(V / 32)]`` int32 bitmask of the
         tokens they may take; bit i of word w is token 32w + i)."""
+        raw = logits.float()  # no copy when already float32; nothing below writes into it
+        tokens = self.sample_tensor(raw, rows, allowed)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=_logprobs(raw, tokens, rows))
+
+    def sample_tensor(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      allowed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """The tokens [B] of ``__call__`` still on the logits' device, without logprobs: on a GPU only queued, so that
+        a run of forwards can feed them to the next one before the host waits for any (runner.py's runs of
+        decodes)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
-        raw = logits.float()  # no copy when already float32; nothing below writes into it
-        x = _block(raw, rows)
+        x = _block(logits.float(), rows)
         x = _add_logit_bias(x, rows)
         x = apply_penalties(x, rows)
         if allowed is not None:
@@ -71,23 +79,27 @@ class Sampler:
 
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not sampled:
-            tokens = argmax(x)
-        elif len(sampled) == len(rows):
-            tokens = _sample(x, rows)
-        else:
-            tokens = argmax(x)
-            index = _tensor(sampled, torch.long, x.device)
-            tokens[index] = _sample(x[index], [rows[i] for i in sampled])
-
-        logprobs = _logprobs(raw, tokens, rows)
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+            return argmax(x)
+        if len(sampled) == len(rows):
+            return _sample(x, rows)
+        tokens = argmax(x)
+        index = _tensor(sampled, torch.long, x.device)
+        tokens[index] = _sample(x[index], [rows[i] for i in sampled])
+        return tokens
 
 
 def takes_argmax_only(params: SamplingParams) -> bool:
     """Whether a row of ``params`` is sampled by its logits' argmax and nothing else: greedy, with no logprobs, logit
     bias or penalty (its blocked ids are the caller's to rule out: ``greedy_tokens`` takes none)."""
-    return (params.greedy and params.logprobs is None and not params.logit_bias and params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
+    return params.greedy and not params.logit_bias and samples_without_the_host(params)
+
+
+def samples_without_the_host(params: SamplingParams) -> bool:
+    """Whether a row of ``params`` draws its token from its logits alone (and its seed at its position), so that a
+    run of forwards can feed each token to the next forward on the device: no logprobs to send back and no penalty
+    over the output so far (its blocked ids are the caller's to rule out)."""
+    return (params.logprobs is None and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

@@ -58,7 +58,8 @@ def test_bench_gpu_runs_every_phase_and_reports_every_figure(tiny_dir, tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
-         "--streams", "1,2", "--server-streams", "1,2", "--profile-streams", "1,2", "--tokens", "4",
+         "--streams", "1,2", "--sampled-streams", "2", "--server-streams", "1,2", "--profile-streams", "1,2",
+         "--tokens", "4",
          "--engine-arg", "max_num_seqs=8", "--compare-engine-arg", "num_scheduler_steps=2",
          "--compare-engine-arg", "async_scheduling=true", "--cap-scale", "4", "--out", str(out)],  # caps: a GPU's
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
@@ -85,6 +86,9 @@ def test_bench_gpu_runs_every_phase_and_reports_every_figure(tiny_dir, tmp_path)
     assert figures["serval_ngram"]["1"]["generated_tokens"] == 4 and figures["serval_ngram"]["1"]["tokens_per_s"] > 0
     assert re.search(r"\| Serval, speculation off \| [\d,.]+ \| [\d,.]+ \|", report)
     assert re.search(r"\| Serval, n-gram speculation on \| [\d,.]+ \| - \|", report)
+    # The sampled phase: the offline engine's requests seeded and sampled, at its own stream counts.
+    assert figures["serval_sampled"]["2"]["generated_tokens"] == 8 and "1" not in figures["serval_sampled"]
+    assert re.search(r"\| Serval, speculation off, sampled \| - \| [\d,.]+ \|", report)
     assert re.search(r"\| transformers generate \| [\d,.]+ \| [\d,.]+ \|", report)
     # The compare phase: the same counts and profile with its settings on top, in the same run.
     compare = figures["compare"]
@@ -178,7 +182,7 @@ def test_a_gpu_step_summary_counts_kernels_launches_and_the_busy_share():
 def test_the_readme_names_the_phase_caps_the_script_has():
     bench = load_script()
     readme = (REPO / "benchmarks" / "README.md").read_text()
-    names = {"offline": "offline", "ngram": "n-gram", "profile": "profile", "compare": "compare",
+    names = {"offline": "offline", "sampled": "sampled", "ngram": "n-gram", "profile": "profile", "compare": "compare",
              "transformers": "transformers", "server": "server"}
     assert set(names) == set(bench.PHASE_CAP_S)
     for phase, cap in bench.PHASE_CAP_S.items():

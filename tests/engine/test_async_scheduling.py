@@ -1,9 +1,9 @@
-"""Async scheduling (SchedulerConfig.async_scheduling): with multi-step decoding, the next run of the same greedy
-decodes is queued on the device before the host reads the last run's tokens. On the CPU the padded decode buckets
+"""Async scheduling (SchedulerConfig.async_scheduling): with multi-step decoding, the next run of the same decodes
+is queued on the device before the host reads the last run's tokens. On the CPU the padded decode buckets
 (EngineConfig.pad_decode_on_cpu) run the same code uncaptured, so these tests check what it must keep: every
-request's tokens and finish are the one-step engine's, beside late arrivals, stops inside a run, aborts while a run
-is queued, preemption and prefix hits, and every KV block comes back. The GPU tests (test_cuda_graphs.py,
-test_cuda_server.py) check it on CUDA."""
+request's tokens and finish are the one-step engine's (seeded draws included), beside late arrivals, stops inside a
+run, aborts while a run is queued, preemption and prefix hits, and every KV block comes back. The GPU tests
+(test_cuda_graphs.py, test_cuda_server.py) check it on CUDA."""
 
 from __future__ import annotations
 
@@ -81,6 +81,20 @@ def test_queued_runs_give_the_one_step_engines_tokens_beside_late_requests_and_s
     assert run_requests(core, requests, late=2) == expected
     # Runs of 4, and the last ones cut to what their requests may take.
     assert any(steps == 4 for steps, _ in queued) and any(steps < 4 for steps, _ in queued)
+
+
+def test_queued_runs_of_sampled_rows_draw_the_one_step_engines_tokens(tiny):
+    """Seeded sampled rows (temperature, top-k, top-p) beside a greedy one, one of them ending on eos: runs of them
+    are queued, each drawing with its generators at the output positions after the run before it, so every token is
+    the one forward a step draws."""
+    requests = [(PROMPTS[0], SamplingParams(temperature=0.8, seed=21, max_tokens=26, ignore_eos=True)),
+                (PROMPTS[1], SamplingParams(temperature=1.0, top_k=4, seed=22, max_tokens=30)),
+                (PROMPTS[2], SamplingParams(temperature=0.6, top_p=0.85, seed=23, max_tokens=19, ignore_eos=True)),
+                (PROMPTS[3], _greedy(23, ignore_eos=True))]
+    expected = run_requests(_core(tiny, 1, async_scheduling=False)[0], requests)
+    core, queued = _core(tiny, 4)
+    assert run_requests(core, requests) == expected
+    assert any(steps == 4 and rows == len(requests) for steps, rows in queued)
 
 
 def test_a_stop_inside_a_run_drops_the_queued_run_of_that_request(tiny):

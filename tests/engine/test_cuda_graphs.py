@@ -21,6 +21,7 @@ from serval.engine.runner import ModelRunner
 from serval.layers.attention import ScheduledSequence
 from serval.layers.attention.torch_reference import TorchReferenceBackend
 from serval.layers.linear import largest_row_padding
+from serval.layers.sampler import SamplingRow
 from serval.model.loader import load_model
 
 BLOCK = 16
@@ -183,8 +184,13 @@ def _core(path, model, **config) -> EngineCore:
 def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int,
             stop_token_ids: list[int] | None = None) -> dict[str, list[int]]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop_token_ids or [])
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(f"r{i}", prompt, params, [], max_tokens))
+    return _tokens(core, prompts, [params] * len(prompts))
+
+
+def _tokens(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    """Each request's tokens, run to the end on ``core``; request i is "ri", with prompt i and params i."""
+    for i, (prompt, request_params) in enumerate(zip(prompts, params)):
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, request_params, [], request_params.max_tokens))
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
         for out in core.step().outputs:
@@ -303,25 +309,39 @@ def test_graph_replay_equals_eager_for_every_bucket():
 @requires_model
 @needs_cuda
 @torch.inference_mode()
-def test_greedy_graph_replays_equal_one_step_at_a_time_for_every_bucket():
-    """Multi-step decoding's greedy graphs: 3 replayed forwards of each bucket (full and half full) give the tokens of
-    the same forwards run eagerly on the persistent inputs, and of 3 plain decode steps, each fed the last one's
-    argmax at the next position."""
+def test_runs_of_forwards_equal_one_step_at_a_time_for_every_bucket():
+    """Multi-step decoding on each bucket (full and half full), 3 forwards in a row: greedy (the greedy graphs) and
+    seeded draws (the forward graphs and the sampler's draw) each give the tokens of the same forwards run eagerly on
+    the persistent inputs, and of 3 plain decode steps, each fed the last one's token at the next position."""
     core = _cuda_core()
     runner, graphs = core.runner, core.runner.decode_graphs
-    assert graphs.runs_greedy and sorted(graphs._greedy_graphs) == graphs.captured
+    assert graphs.runs_in_a_row and sorted(graphs._greedy_graphs) == graphs.captured
     uncaptured = _uncaptured(runner)
     for bucket, num_rows, seqs, ids, positions in _random_batches(graphs.buckets, 1, 90):
-        replayed = graphs.run_greedy(seqs, ids, positions, 3).cpu()
-        assert torch.equal(replayed, uncaptured.run_greedy(seqs, ids, positions, 3).cpu()), (bucket, num_rows)
-        tokens, stepped = ids, []
-        for step in range(3):
-            step_seqs = [ScheduledSequence(s.block_ids, s.num_computed_tokens + step, 1) for s in seqs]
-            hidden = graphs.run(step_seqs, tokens, positions + step)
-            tokens = runner.model.compute_logits(hidden).float().argmax(-1)
-            stepped.append(tokens.cpu())
-        assert torch.equal(replayed, torch.stack(stepped)), (bucket, num_rows)
+        for draw in (None, _seeded_draw(runner, num_rows)):
+            replayed = graphs.run_decodes(seqs, ids, positions, 3, draw).cpu()
+            assert torch.equal(replayed, uncaptured.run_decodes(seqs, ids, positions, 3, draw).cpu()), \
+                (bucket, num_rows, draw)
+            tokens, stepped = ids, []
+            for step in range(3):
+                step_seqs = [ScheduledSequence(s.block_ids, s.num_computed_tokens + step, 1) for s in seqs]
+                logits = runner.model.compute_logits(graphs.run(step_seqs, tokens, positions + step))
+                tokens = logits.float().argmax(-1) if draw is None else draw(logits, step)
+                stepped.append(tokens.cpu())
+            assert torch.equal(replayed, torch.stack(stepped)), (bucket, num_rows, draw)
     core.shutdown()
+
+
+def _seeded_draw(runner: ModelRunner, num_rows: int):
+    """A run's draw for ``num_rows`` seeded rows (temperature, top-k and top-p), each row at its own output positions:
+    the runner's generators and sampler, as ModelRunner._draw makes it."""
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7)
+
+    def draw(logits: torch.Tensor, step: int) -> torch.Tensor:
+        rows = [SamplingRow(params, [], [], runner._generator(params, 100 * i + step), []) for i in range(num_rows)]
+        return runner.sampler.sample_tensor(logits, rows)
+
+    return draw
 
 
 def _uncaptured(runner: ModelRunner) -> DecodeGraphs:
@@ -410,6 +430,29 @@ def test_async_scheduling_on_cuda_keeps_greedy_output_through_stops_preemption_a
         for core in cores.values():
             assert core.kv_cache.pool.num_owned_blocks() == 0
             core.shutdown()
+
+
+@pytest.mark.gpu
+@requires_model
+@needs_cuda
+def test_seeded_sampled_requests_on_cuda_draw_in_runs_what_one_forward_a_step_draws():
+    """On CUDA, seeded sampled requests (temperature, top-k, top-p, min-p) beside greedy ones get the same tokens with
+    multi-step runs (the default 8 forwards, the sampler's draws fed back on the device), with those runs queued
+    ahead (--async-scheduling), and one forward a step."""
+    prompts = [list(range(1000 + 50 * i, 1010 + 50 * i + 3 * i)) for i in range(12)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02 * (i % 2), seed=i, max_tokens=40,
+                             ignore_eos=True) if i % 4 else greedy for i in range(len(prompts))]
+    model, outputs = None, {}
+    for steps, queued in ((1, False), (None, False), (None, True)):
+        core = _cuda_core(model, scheduler=SchedulerConfig(max_num_seqs=64, num_scheduler_steps=steps,
+                                                           async_scheduling=queued))
+        model = core.model
+        launches = _record_queued_runs(core)
+        outputs[steps, queued] = _tokens(core, prompts, params)
+        assert not queued or any(run is not None for run in launches)
+        core.shutdown()
+    assert outputs[None, False] == outputs[1, False] and outputs[None, True] == outputs[1, False]
 
 
 def _record_queued_runs(core: EngineCore) -> list:

@@ -1,7 +1,8 @@
-"""Multi-step decoding (SchedulerConfig.num_scheduler_steps, CUDA's default): a step of greedy decodes only runs
-several forwards in a row, each one's argmax tokens the next one's inputs on the device. Every request's tokens and
-finish are the one-step engine's, with the padded decode buckets and without, beside prefills, sampled rows,
-preemption and prefix-cache hits; a stop inside a run drops what follows it and every KV block comes back."""
+"""Multi-step decoding (SchedulerConfig.num_scheduler_steps, CUDA's default): a step of decodes only, greedy or
+sampled, runs several forwards in a row, each one's tokens the next one's inputs on the device. Every request's
+tokens and finish are the one-step engine's (seeded draws included), with the padded decode buckets and without,
+beside prefills, rows that need the host each token (logprobs, penalties), preemption and prefix-cache hits; a stop
+inside a run drops what follows it and every KV block comes back."""
 
 from __future__ import annotations
 
@@ -64,12 +65,12 @@ def test_greedy_requests_get_the_one_step_engines_tokens_in_runs_of_forwards(tin
     multi, plans = _core(tiny, 4, pad_decode_on_cpu=pad_decode_on_cpu)
     graphs, greedy_runs = multi.runner.decode_graphs, []
     if pad_decode_on_cpu:  # the padded buckets move the inputs on themselves (CUDA's way, uncaptured)
-        run_greedy = graphs.run_greedy
-        graphs.run_greedy = lambda *args: greedy_runs.append(args[-1]) or run_greedy(*args)
+        run_decodes = graphs.run_decodes
+        graphs.run_decodes = lambda *args: greedy_runs.append(args[3]) or run_decodes(*args)
     assert run_requests(multi, GREEDY, late=2) == expected
     assert (4 in greedy_runs) == pad_decode_on_cpu
     if pad_decode_on_cpu:  # one forward a step prepares no greedy forwards (on CUDA: captures none at start-up)
-        assert graphs.runs_greedy and not one.runner.decode_graphs.runs_greedy
+        assert graphs.runs_in_a_row and not one.runner.decode_graphs.runs_in_a_row
     runs = [steps for steps, _ in plans]
     assert {steps for steps, _ in one_plans} == {1}
     assert 4 in runs and any(1 < steps < 4 for steps in runs)  # a run cut to the tokens its requests may take
@@ -93,17 +94,47 @@ def test_a_stop_inside_a_run_drops_the_tokens_after_it(tiny):
     assert [steps for steps, _ in plans] == [1, 4, 4][:len(plans)]
 
 
-def test_a_sampled_row_runs_its_batch_one_forward_a_step(tiny):
-    """Beside a seeded sampled row the batch takes one forward a step while that row runs (its draws are the
-    host's); the greedy rows keep their tokens and the sampled row its draws."""
-    sampled = (PROMPTS[1], SamplingParams(temperature=0.8, seed=11, max_tokens=8, ignore_eos=True))
-    requests = GREEDY + [sampled]
+# Seeded sampled rows, each with other filters (temperature alone, top-k, top-p with min-p, a logit bias), one
+# that may end on eos and one past its min_tokens after a few steps.
+SAMPLED = [(PROMPTS[1], SamplingParams(temperature=0.8, seed=11, max_tokens=14, ignore_eos=True)),
+           (PROMPTS[2], SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=11)),
+           (PROMPTS[3], SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=13, max_tokens=17,
+                                       ignore_eos=True)),
+           (PROMPTS[4], SamplingParams(temperature=0.9, logit_bias={7: 5.0}, seed=14, max_tokens=9, min_tokens=3))]
+
+
+@pytest.mark.parametrize("pad_decode_on_cpu", [False, True])
+def test_sampled_rows_run_in_a_row_with_the_one_step_engines_draws(tiny, pad_decode_on_cpu):
+    """Seeded sampled rows beside greedy ones run in runs of forwards (on the padded buckets through the sampler's
+    draw, each token fed to the next forward on the device), and each draws the tokens it draws one forward a step:
+    a seeded draw depends on the seed and the output position alone."""
+    requests = GREEDY[:2] + SAMPLED
+    expected = run_requests(_core(tiny, 1, pad_decode_on_cpu=pad_decode_on_cpu)[0], requests, late=1)
+    multi, plans = _core(tiny, 4, pad_decode_on_cpu=pad_decode_on_cpu)
+    draws = []
+    if pad_decode_on_cpu:
+        run_decodes = multi.runner.decode_graphs.run_decodes
+        multi.runner.decode_graphs.run_decodes = lambda *args: draws.append(args[4]) or run_decodes(*args)
+    assert run_requests(multi, requests, late=1) == expected
+    sampled_ids = {f"r{i}" for i in range(2, len(requests))}
+    assert any(steps == 4 and sampled_ids & set(ids) for steps, ids in plans)
+    if pad_decode_on_cpu:  # the sampled runs went through the buckets with the sampler's draw
+        assert any(draw is not None for draw in draws)
+
+
+def test_a_row_with_logprobs_or_a_penalty_runs_its_batch_one_forward_a_step(tiny):
+    """A row whose token needs the host (logprobs to send back, a penalty over its output so far) makes its batch take
+    one forward a step while it runs; every row keeps its tokens and the seeded ones their draws."""
+    host_rows = [(PROMPTS[1], SamplingParams(temperature=0, logprobs=2, max_tokens=6, ignore_eos=True)),
+                 (PROMPTS[2], SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=3, max_tokens=9,
+                                             ignore_eos=True))]
+    requests = GREEDY + SAMPLED[:1] + host_rows
     expected = run_requests(_core(tiny, 1)[0], requests)
     multi, plans = _core(tiny, 4)
     assert run_requests(multi, requests) == expected
-    sampled_id = f"r{len(GREEDY)}"
-    assert all(steps == 1 for steps, ids in plans if sampled_id in ids)
-    assert any(steps > 1 for steps, ids in plans)  # once it ended
+    host_ids = {f"r{len(requests) - 2}", f"r{len(requests) - 1}"}
+    assert all(steps == 1 for steps, ids in plans if host_ids & set(ids))
+    assert any(steps > 1 for steps, ids in plans)  # once they ended
 
 
 def test_the_token_budget_bounds_a_runs_forwards(tiny):
