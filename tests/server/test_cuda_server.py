@@ -1,5 +1,6 @@
-"""`serval serve --device cuda` with the GPU's defaults: 32 concurrent streamed greedy chats each get the text the same
-request gets alone. Skipped without a CUDA device."""
+"""`serval serve --device cuda` with the GPU's defaults: 32 concurrent streamed chats each get the text the same
+request gets alone, greedy and with the model's sampling defaults and a seed (both run in multi-step runs). Skipped
+without a CUDA device."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ TOPICS = ["rivers", "owls", "bread", "volcanoes", "chess", "tea", "bicycles", "g
 MAX_TOKENS = 32
 
 
-async def _chats(server: Server, concurrent: bool) -> list[tuple[str, str]]:
-    """(text, finish reason) of a greedy streamed chat about each topic: all at once, or one after another."""
+async def _chats(server: Server, concurrent: bool, sampled: bool = False) -> list[tuple[str, str]]:
+    """(text, finish reason) of a streamed chat about each topic, greedy or (``sampled``) with the model's sampling
+    defaults and the topic's index as its seed: all at once, or one after another."""
     async with server.async_client() as client:
-        async def one(topic: str) -> tuple[str, str]:
+        async def one(seed: int, topic: str) -> tuple[str, str]:
+            sampling = {"seed": seed} if sampled else {"temperature": 0}
             stream = await client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": f"Tell me one fact about {topic}."}], stream=True,
-                temperature=0, max_tokens=MAX_TOKENS)
+                max_tokens=MAX_TOKENS, **sampling)
             text, finish = "", None
             async for chunk in stream:
                 for choice in chunk.choices:
@@ -36,8 +39,8 @@ async def _chats(server: Server, concurrent: bool) -> list[tuple[str, str]]:
             return text, finish
 
         if concurrent:
-            return list(await asyncio.gather(*(one(topic) for topic in TOPICS)))
-        return [await one(topic) for topic in TOPICS]
+            return list(await asyncio.gather(*(one(seed, topic) for seed, topic in enumerate(TOPICS))))
+        return [await one(seed, topic) for seed, topic in enumerate(TOPICS)]
 
 
 @pytest.mark.parametrize("flags", [[], ["--async-scheduling"]], ids=["defaults", "async-scheduling"])
@@ -54,7 +57,10 @@ def test_32_concurrent_streamed_chats_each_equal_the_same_chat_alone(tmp_path, f
         print(f"\n{len(TOPICS)} chats of up to {MAX_TOKENS} tokens on {torch.cuda.get_device_name()}: "
               f"{alone_s:.2f} s one after another, {together_s:.2f} s all at once")
         print("\n".join(line for line in server.log().splitlines() if "KV cache" in line))
+        sampled_alone = asyncio.run(_chats(server, concurrent=False, sampled=True))
+        sampled_together = asyncio.run(_chats(server, concurrent=True, sampled=True))
     finally:
         server.stop()
-    assert all(text and finish in ("stop", "length") for text, finish in alone)
+    assert all(text and finish in ("stop", "length") for text, finish in alone + sampled_alone)
     assert together == alone
+    assert sampled_together == sampled_alone and sampled_alone != alone

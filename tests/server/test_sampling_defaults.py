@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from serverproc import Server, wait_for
+from serverproc import Server, running, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -24,13 +24,8 @@ def servers(tmp_path_factory):
     started = {"default": Server([], logs / "default.log", log_level=None),  # what a user gets
                "greedy": Server(["--generation-config", "vllm", "--override-generation-config", '{"temperature": 0}'],
                                 logs / "greedy.log")}
-    try:
-        for server in started.values():
-            server.start()
+    with running(started):
         yield {name: server.wait_ready() for name, server in started.items()}
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def logged_sampling(server: Server, request_id: str) -> dict:
