@@ -249,13 +249,13 @@ class SchedulerConfig(DeviceDefaults):
     async_output_processing: bool | None = field(default=None, metadata=flag(
         "the offline engine detokenizes a step's tokens while the device computes the next step (default: on for "
         "CUDA, off on CPU)"))
-    # Multi-step decoding: a step of decodes only (each row's token drawn from its logits alone: greedy, or sampled
-    # without logprobs or penalties) runs up to this many forwards in a row on the device, each one's tokens the next
-    # one's inputs, before the host reads the tokens and schedules again. The host's work
+    # Multi-step decoding: a step of decodes only (each row's token drawn from its logits alone: greedy or sampled,
+    # with logprobs if asked, without penalties) runs up to this many forwards in a row on the device, each one's
+    # tokens the next one's inputs, before the host reads the tokens and schedules again. The host's work
     # (scheduling, stop checks, outputs) is paid once per run instead of once per token, which is what a GPU waits
     # on with a small model; tokens then reach a stream in runs of up to this many. None: the device's default.
     num_scheduler_steps: int | None = field(default=None, metadata=flag(
-        "a step of decodes (greedy, or sampled without logprobs or penalties) runs up to this many forwards in a "
+        "a step of decodes (greedy or sampled, without penalties) runs up to this many forwards in a "
         "row on the device before the host schedules "
         f"again (default: {CUDA_NUM_SCHEDULER_STEPS} on CUDA, 1 on CPU)"))
     # Async scheduling (vLLM's name) of multi-step runs: the next run of the same decodes is queued on the

@@ -14,10 +14,11 @@ EOS = 2
 
 
 def run_requests(core: EngineCore, requests: list[tuple[list[int], SamplingParams]], late: int = 0,
-                 abort_at: dict[int, str] | None = None) -> dict[str, tuple[list[int], list[str]]]:
+                 abort_at: dict[int, str] | None = None,
+                 logprobs: dict[str, list] | None = None) -> dict[str, tuple[list[int], list[str]]]:
     """Each request's (tokens, finish reasons), request i named "ri" with EOS as its end-of-sequence token; the last
     ``late`` requests are added after the third step, and ``abort_at`` {step: request id} aborts a request after that
-    step."""
+    step. ``logprobs``, if given, gets each request's token logprobs (for those that ask)."""
     def add(i):
         prompt, params = requests[i]
         core.add_request(EngineCoreRequest(f"r{i}", prompt, params, [EOS], params.max_tokens))
@@ -36,6 +37,8 @@ def run_requests(core: EngineCore, requests: list[tuple[list[int], SamplingParam
             tokens, finish = outputs.setdefault(out.request_id, ([], []))
             tokens += out.new_token_ids
             finish.append(out.finish_reason)
+            if logprobs is not None and out.new_logprobs:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
         if abort_at and step in abort_at:
             core.finish_requests([abort_at[step]], RequestStatus.FINISHED_ABORTED)
     pool = core.kv_cache.pool

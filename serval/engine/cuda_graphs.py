@@ -275,16 +275,18 @@ class DecodeGraphs:
         return sorted(self._graphs)
 
 
-def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """``tensor``'s copy on the host, queued behind the device's work without waiting for it (on CUDA: into pinned
-    memory, with an event to synchronize on before reading it; elsewhere the tensor itself and None)."""
-    if tensor.device.type != "cuda":
-        return tensor, None
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
+def copy_to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """The tensors' copies on the host, queued behind the device's work without waiting for it (on CUDA: into pinned
+    memory, with one event to synchronize on before reading any; elsewhere the tensors themselves and None)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return list(tensors), None
+    hosts = []
+    for tensor in tensors:
+        hosts.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True))
+        hosts[-1].copy_(tensor, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return host, ready
+    return hosts, ready
 
 
 def _plain_fields(meta: AttentionMetadata) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 from serval.config import ModelConfig
 from serval.distributed import ParallelGroup
-from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, Draw, copy_to_host
+from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, copy_to_host
 from serval.engine.request import Request
 from serval.engine.scheduler import SchedulerOutput
 from serval.engine.spec_decode import accept
@@ -22,6 +22,7 @@ from serval.layers.sampler import (
     SamplingRow,
     TokenLogprobs,
     greedy_token_tensor,
+    logprob_tensors,
     takes_argmax_only,
     token_logprobs,
 )
@@ -65,7 +66,51 @@ class LaunchedRun:
 
     out: SchedulerOutput
     tokens: torch.Tensor  # [num_decode_steps, rows] on the host once ``ready`` (pinned on CUDA)
-    ready: torch.cuda.Event | None = None  # recorded after the copy to the host (None: computed already)
+    ready: torch.cuda.Event | None = None  # recorded after the copies to the host (None: computed already)
+    draw: RunDraw | None = None  # how sampled rows drew their tokens (None: every row its argmax)
+    logprobs: list[torch.Tensor] = field(default_factory=list)  # the draw's logprob tensors, on the host once ready
+
+
+class RunDraw:
+    """How a run of forwards (multi-step decoding) draws its rows' tokens on the device, ``done`` tokens after their
+    outputs so far: the sampler over every row, each seeded one with its generator at its output position, as a step
+    of its own would draw it, and the logprobs of the raw logits for the rows that ask for them, kept on the device
+    until the run is read. Called by DecodeGraphs once a forward, in order (a cuda_graphs.Draw)."""
+
+    def __init__(self, runner: ModelRunner, requests: list[Request], done: int = 0) -> None:
+        self.runner, self.requests, self.done = runner, requests, done
+        asked = [r.sampling_params.logprobs for r in requests if r.sampling_params.logprobs is not None]
+        self.num_top = max(asked) if asked else None  # the most top logprobs a row asks for (None: no row asks)
+        self._logprobs: list[tuple[torch.Tensor, ...]] = []  # each forward's logprob_tensors
+
+    def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        raw, runner = logits.float(), self.runner
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
+                            runner._generator(r.sampling_params, len(r.output_token_ids) + self.done + step), [])
+                for r in self.requests]
+        tokens = runner.sampler.sample_tensor(raw, rows)
+        if self.num_top is not None:
+            self._logprobs.append(logprob_tensors(raw, tokens, self.num_top))
+        return tokens
+
+    def logprob_tensors(self) -> list[torch.Tensor]:
+        """The run's logprobs on the device: chosen and rank [steps, rows], top values and ids [steps, rows, N]."""
+        return [torch.stack(part) for part in zip(*self._logprobs)]
+
+    def token_logprobs(self, tokens: torch.Tensor, logprobs: list[torch.Tensor]) -> dict[str, list[TokenLogprobs]]:
+        """Each asking request's logprobs, a token of the run each, from the run's ``tokens`` [steps, rows] and
+        ``logprob_tensors`` (on the host), its top trimmed to what it asks for."""
+        chosen, rank, top_values, top_ids = (part.tolist() for part in logprobs)
+        steps = tokens.tolist()
+        found = {}
+        for i, request in enumerate(self.requests):
+            num_top = request.sampling_params.logprobs
+            if num_top is not None:
+                found[request.request_id] = [
+                    TokenLogprobs(row[i], chosen[s][i], rank[s][i], dict(zip(top_ids[s][i][:num_top],
+                                                                              top_values[s][i][:num_top])))
+                    for s, row in enumerate(steps)]
+        return found
 
 
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -204,12 +249,18 @@ class ModelRunner:
         logits alone): each forward's tokens are the next one's inputs without leaving the device, and the host reads
         them all once, at the end. Each forward is the plain decode step of the same rows (its bucket's graph, or
         eager) and the sampler's draw, each seeded row's generator at its output position, so the tokens are the
-        ones as many steps would give."""
-        run = self.launch_run(out)
-        if run is not None:  # the inputs move on on the device
-            self._host_work_while_device_runs()
-            result.sampled_token_ids.update(self.finish_run(run).sampled_token_ids)
-            return
+        ones as many steps would give (with the logprobs of their logits where asked for)."""
+        run = self.launch_run(out)  # the buckets move the inputs on on the device
+        if run is None:
+            run = self._run_forwards(out)
+        self._host_work_while_device_runs()  # the forwards are all queued: a GPU computes them meanwhile
+        finished = self.finish_run(run)
+        result.sampled_token_ids.update(finished.sampled_token_ids)
+        result.logprobs.update(finished.logprobs)
+
+    def _run_forwards(self, out: SchedulerOutput) -> LaunchedRun:
+        """A multi-step run the buckets cannot take, queued a forward at a time: each forward's tokens are the next
+        one's inputs, its metadata built by the host."""
         requests = out.scheduled
         starts = [r.num_computed_tokens for r in requests]
         token_ids = self._tensor([_last_token(r) for r in requests])
@@ -227,24 +278,19 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
             token_ids = greedy_token_tensor(logits) if draw is None else draw(logits, step)
             sampled.append(token_ids)
-        self._host_work_while_device_runs()  # the forwards are all queued: a GPU computes them meanwhile
-        for request, tokens in zip(requests, torch.stack(sampled, dim=1).tolist()):
-            result.sampled_token_ids[request.request_id] = tokens
+        return self._launched(out, torch.stack(sampled), draw)
 
-    def _draw(self, requests: list[Request], done: int = 0) -> Draw | None:
+    def _draw(self, requests: list[Request], done: int = 0) -> RunDraw | None:
         """How a run of ``requests`` draws its tokens, ``done`` tokens after their outputs so far: None where every
-        row takes its argmax (the greedy forwards), else the sampler over every row, each seeded one with its
-        generator at its output position, as a step of its own would draw it."""
-        if all(self._takes_argmax_only(r) for r in requests):
-            return None
+        row takes its argmax (the greedy forwards), else a RunDraw."""
+        return None if all(self._takes_argmax_only(r) for r in requests) else RunDraw(self, requests, done)
 
-        def draw(logits: torch.Tensor, step: int) -> torch.Tensor:
-            rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                                self._generator(r.sampling_params, len(r.output_token_ids) + done + step), [])
-                    for r in requests]
-            return self.sampler.sample_tensor(logits, rows)
-
-        return draw
+    @staticmethod
+    def _launched(out: SchedulerOutput, tokens: torch.Tensor, draw: RunDraw | None) -> LaunchedRun:
+        """A run whose forwards are queued: its tokens [steps, rows] and the draw's logprobs, their copies to the host
+        queued behind the forwards."""
+        (tokens, *logprobs), ready = copy_to_host(tokens, *(draw.logprob_tensors() if draw is not None else []))
+        return LaunchedRun(out, tokens, ready, draw, logprobs)
 
     # -- runs of decodes queued ahead (async scheduling) -------------------------------------------------------
     @torch.inference_mode()
@@ -258,10 +304,11 @@ class ModelRunner:
         seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens, 1) for r in requests]
         if not graphs.accepts(seqs):
             return None
+        draw = self._draw(requests)
         tokens = graphs.run_decodes(seqs, self._tensor([_last_token(r) for r in requests]),
                                     self._tensor([r.num_computed_tokens for r in requests]), out.num_decode_steps,
-                                    self._draw(requests))
-        return LaunchedRun(out, *copy_to_host(tokens))  # the copy to the host queued behind the forwards
+                                    draw)
+        return self._launched(out, tokens, draw)
 
     @torch.inference_mode()
     def launch_next_run(self, previous: LaunchedRun, out: SchedulerOutput) -> LaunchedRun | None:
@@ -273,16 +320,18 @@ class ModelRunner:
         seqs = [ScheduledSequence(r.block_ids, r.num_computed_tokens + moved_on, 1) for r in out.scheduled]
         if not graphs.accepts(seqs):
             return None
-        tokens = graphs.continue_decodes(seqs, out.num_decode_steps, self._draw(out.scheduled, done=moved_on))
-        return LaunchedRun(out, *copy_to_host(tokens))
+        draw = self._draw(out.scheduled, done=moved_on)
+        return self._launched(out, graphs.continue_decodes(seqs, out.num_decode_steps, draw), draw)
 
     def finish_run(self, run: LaunchedRun) -> ModelRunnerOutput:
-        """Waits for a launched run's tokens: each request's, in order."""
+        """Waits for a launched run's tokens: each request's, in order, and their logprobs where asked for."""
         if run.ready is not None:
             run.ready.synchronize()
         result = ModelRunnerOutput()
         for request, row in zip(run.out.scheduled, run.tokens.t().tolist()):
             result.sampled_token_ids[request.request_id] = row
+        if run.logprobs:
+            result.logprobs.update(run.draw.token_logprobs(run.tokens, run.logprobs))
         return result
 
     def _host_work_while_device_runs(self) -> None:

@@ -172,9 +172,9 @@ class Scheduler:
 
     def _decode_in_a_row(self, out: SchedulerOutput) -> None:
         """Makes a step of decodes only (every request past its prompt, with no guesses, no grammar and a token drawn
-        from its logits alone: greedy or sampled, without logprobs or penalties) run several forwards in a row, as
-        many as every request still may take tokens and has KV room for without preempting anyone; otherwise leaves
-        the step as it is. A request that stops inside the run has its tokens after the stop dropped
+        from its logits alone: greedy or sampled, with logprobs if asked, without penalties) run several forwards in
+        a row, as many as every request still may take tokens and has KV room for without preempting anyone;
+        otherwise leaves the step as it is. A request that stops inside the run has its tokens after the stop dropped
         (update_from_output), like rejected guesses."""
         counts = out.num_scheduled_tokens
         if not out.scheduled or out.spec_token_ids or out.kv_loads:

@@ -91,15 +91,14 @@ class Sampler:
 def takes_argmax_only(params: SamplingParams) -> bool:
     """Whether a row of ``params`` is sampled by its logits' argmax and nothing else: greedy, with no logprobs, logit
     bias or penalty (its blocked ids are the caller's to rule out: ``greedy_tokens`` takes none)."""
-    return params.greedy and not params.logit_bias and samples_without_the_host(params)
+    return params.greedy and params.logprobs is None and not params.logit_bias and samples_without_the_host(params)
 
 
 def samples_without_the_host(params: SamplingParams) -> bool:
     """Whether a row of ``params`` draws its token from its logits alone (and its seed at its position), so that a
-    run of forwards can feed each token to the next forward on the device: no logprobs to send back and no penalty
-    over the output so far (its blocked ids are the caller's to rule out)."""
-    return (params.logprobs is None and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0)
+    run of forwards can feed each token to the next forward on the device: no penalty over the output so far (its
+    blocked ids are the caller's to rule out; its logprobs, if asked for, come from the same logits)."""
+    return params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -280,14 +279,19 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) 
     Log-softmax in float32 over the raw ``[S, V]`` logits; also scores prompt tokens (the runner feeds it a
     prompt's positions a slice at a time, to bound the ``[S, V]`` float32 copies).
     """
+    parts = [part.tolist() for part in logprob_tensors(logits, token_ids, num_top)]
+    return [TokenLogprobs(token_id=t, logprob=lp, rank=r, top=dict(zip(ids, values, strict=True)))
+            for t, lp, r, values, ids in zip(token_ids.tolist(), *parts, strict=True)]
+
+
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:
+    """``token_logprobs``' figures still on the logits' device: each row's logprob of its token [S] and rank [S], and
+    its ``num_top`` likeliest tokens' logprobs [S, num_top] and ids [S, num_top], most likely first."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen_logprob = logprobs.gather(1, token_ids.unsqueeze(1))
     rank = (logprobs >= chosen_logprob).sum(dim=-1)  # vLLM's rank: ties count against the chosen token
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # sorted, most likely first; num_top may be 0
-    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-    return [TokenLogprobs(token_id=t, logprob=lp, rank=r, top=dict(zip(ids, values, strict=True)))
-            for t, lp, r, ids, values in zip(token_ids.tolist(), chosen_logprob.squeeze(1).tolist(), rank.tolist(),
-                                              top_ids_list, top_values_list, strict=True)]
+    return chosen_logprob.squeeze(1), rank, top_values, top_ids
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprobs | None]:

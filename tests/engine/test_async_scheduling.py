@@ -83,17 +83,19 @@ def test_queued_runs_give_the_one_step_engines_tokens_beside_late_requests_and_s
     assert any(steps == 4 for steps, _ in queued) and any(steps < 4 for steps, _ in queued)
 
 
-def test_queued_runs_of_sampled_rows_draw_the_one_step_engines_tokens(tiny):
-    """Seeded sampled rows (temperature, top-k, top-p) beside a greedy one, one of them ending on eos: runs of them
-    are queued, each drawing with its generators at the output positions after the run before it, so every token is
-    the one forward a step draws."""
+def test_queued_runs_of_sampled_rows_draw_the_one_step_engines_tokens_and_logprobs(tiny):
+    """Seeded sampled rows (temperature, top-k, top-p; one asking for 3 top logprobs) beside a greedy one asking for
+    logprobs, one of them ending on eos: runs of them are queued, each drawing with its generators at the output
+    positions after the run before it, so every token and logprob is the one forward a step gives."""
     requests = [(PROMPTS[0], SamplingParams(temperature=0.8, seed=21, max_tokens=26, ignore_eos=True)),
-                (PROMPTS[1], SamplingParams(temperature=1.0, top_k=4, seed=22, max_tokens=30)),
+                (PROMPTS[1], SamplingParams(temperature=1.0, top_k=4, seed=22, max_tokens=30, logprobs=3)),
                 (PROMPTS[2], SamplingParams(temperature=0.6, top_p=0.85, seed=23, max_tokens=19, ignore_eos=True)),
-                (PROMPTS[3], _greedy(23, ignore_eos=True))]
-    expected = run_requests(_core(tiny, 1, async_scheduling=False)[0], requests)
+                (PROMPTS[3], _greedy(23, ignore_eos=True, logprobs=1))]
+    one_logprobs, queued_logprobs = {}, {}
+    expected = run_requests(_core(tiny, 1, async_scheduling=False)[0], requests, logprobs=one_logprobs)
     core, queued = _core(tiny, 4)
-    assert run_requests(core, requests) == expected
+    assert run_requests(core, requests, logprobs=queued_logprobs) == expected
+    assert queued_logprobs == one_logprobs and set(one_logprobs) == {"r1", "r3"}
     assert any(steps == 4 and rows == len(requests) for steps, rows in queued)
 
 

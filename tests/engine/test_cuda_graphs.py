@@ -187,8 +187,10 @@ def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int,
     return _tokens(core, prompts, [params] * len(prompts))
 
 
-def _tokens(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
-    """Each request's tokens, run to the end on ``core``; request i is "ri", with prompt i and params i."""
+def _tokens(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
+            logprobs: dict[str, list] | None = None) -> dict[str, list[int]]:
+    """Each request's tokens, run to the end on ``core``; request i is "ri", with prompt i and params i. ``logprobs``,
+    if given, gets each asking request's token logprobs."""
     for i, (prompt, request_params) in enumerate(zip(prompts, params)):
         core.add_request(EngineCoreRequest(f"r{i}", prompt, request_params, [], request_params.max_tokens))
     tokens: dict[str, list[int]] = {}
@@ -196,6 +198,8 @@ def _tokens(core: EngineCore, prompts: list[list[int]], params: list[SamplingPar
         for out in core.step().outputs:
             assert out.error is None, out.error
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if logprobs is not None and out.new_logprobs:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
     return tokens
 
 
@@ -436,23 +440,32 @@ def test_async_scheduling_on_cuda_keeps_greedy_output_through_stops_preemption_a
 @requires_model
 @needs_cuda
 def test_seeded_sampled_requests_on_cuda_draw_in_runs_what_one_forward_a_step_draws():
-    """On CUDA, seeded sampled requests (temperature, top-k, top-p, min-p) beside greedy ones get the same tokens with
-    multi-step runs (the default 8 forwards, the sampler's draws fed back on the device), with those runs queued
-    ahead (--async-scheduling), and one forward a step."""
+    """On CUDA, seeded sampled requests (temperature, top-k, top-p, min-p) beside greedy ones, some asking for logprobs,
+    get the same tokens with multi-step runs (the default 8 forwards, the sampler's draws fed back on the device), with
+    those runs queued ahead (--async-scheduling), and one forward a step; their logprobs agree within 1e-4 and
+    their top ids exactly."""
     prompts = [list(range(1000 + 50 * i, 1010 + 50 * i + 3 * i)) for i in range(12)]
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02 * (i % 2), seed=i, max_tokens=40,
-                             ignore_eos=True) if i % 4 else greedy for i in range(len(prompts))]
-    model, outputs = None, {}
+                             ignore_eos=True, logprobs=2 if i % 3 == 0 else None) if i % 4 else greedy
+              for i in range(len(prompts))]
+    params[4] = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    model, outputs, logprobs = None, {}, {}
     for steps, queued in ((1, False), (None, False), (None, True)):
         core = _cuda_core(model, scheduler=SchedulerConfig(max_num_seqs=64, num_scheduler_steps=steps,
                                                            async_scheduling=queued))
         model = core.model
         launches = _record_queued_runs(core)
-        outputs[steps, queued] = _tokens(core, prompts, params)
+        outputs[steps, queued] = _tokens(core, prompts, params, logprobs.setdefault((steps, queued), {}))
         assert not queued or any(run is not None for run in launches)
         core.shutdown()
     assert outputs[None, False] == outputs[1, False] and outputs[None, True] == outputs[1, False]
+    one = logprobs[1, False]
+    assert set(one) == {f"r{i}" for i, request_params in enumerate(params) if request_params.logprobs is not None}
+    for got in (logprobs[None, False], logprobs[None, True]):
+        assert {rid: [(lp.token_id, list(lp.top)) for lp in lps] for rid, lps in got.items()} == \
+            {rid: [(lp.token_id, list(lp.top)) for lp in lps] for rid, lps in one.items()}
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for rid in one for a, b in zip(got[rid], one[rid]))
 
 
 def _record_queued_runs(core: EngineCore) -> list:

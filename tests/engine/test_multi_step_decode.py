@@ -1,8 +1,8 @@
 """Multi-step decoding (SchedulerConfig.num_scheduler_steps, CUDA's default): a step of decodes only, greedy or
 sampled, runs several forwards in a row, each one's tokens the next one's inputs on the device. Every request's
 tokens and finish are the one-step engine's (seeded draws included), with the padded decode buckets and without,
-beside prefills, rows that need the host each token (logprobs, penalties), preemption and prefix-cache hits; a stop
-inside a run drops what follows it and every KV block comes back."""
+with the logprobs rows ask for, beside prefills, rows that need the host each token (penalties), preemption and
+prefix-cache hits; a stop inside a run drops what follows it and every KV block comes back."""
 
 from __future__ import annotations
 
@@ -122,18 +122,37 @@ def test_sampled_rows_run_in_a_row_with_the_one_step_engines_draws(tiny, pad_dec
         assert any(draw is not None for draw in draws)
 
 
-def test_a_row_with_logprobs_or_a_penalty_runs_its_batch_one_forward_a_step(tiny):
-    """A row whose token needs the host (logprobs to send back, a penalty over its output so far) makes its batch take
-    one forward a step while it runs; every row keeps its tokens and the seeded ones their draws."""
-    host_rows = [(PROMPTS[1], SamplingParams(temperature=0, logprobs=2, max_tokens=6, ignore_eos=True)),
+def test_rows_with_logprobs_run_in_a_row_with_the_one_step_engines_logprobs(tiny):
+    """Greedy and seeded sampled rows asking for logprobs (0, 2 and 5 top ones) beside rows that do not: they run in
+    runs of forwards, and every token, its logprob, rank and top logprobs are the one-step engine's."""
+    asking = [(PROMPTS[1], SamplingParams(temperature=0, logprobs=2, max_tokens=10, ignore_eos=True)),
+              (PROMPTS[2], SamplingParams(temperature=0.8, top_p=0.9, logprobs=5, seed=3, max_tokens=13)),
+              (PROMPTS[3], SamplingParams(temperature=1.0, logprobs=0, seed=4, max_tokens=9, ignore_eos=True))]
+    requests = GREEDY[:2] + SAMPLED[:1] + asking
+    for pad_decode_on_cpu in (False, True):
+        one_logprobs, multi_logprobs = {}, {}
+        expected = run_requests(_core(tiny, 1, pad_decode_on_cpu=pad_decode_on_cpu)[0], requests,
+                                logprobs=one_logprobs)
+        multi, plans = _core(tiny, 4, pad_decode_on_cpu=pad_decode_on_cpu)
+        assert run_requests(multi, requests, logprobs=multi_logprobs) == expected
+        assert multi_logprobs == one_logprobs and set(one_logprobs) == {"r3", "r4", "r5"}
+        assert all(len(one_logprobs[rid]) == len(expected[rid][0]) for rid in one_logprobs)
+        assert [len(lp.top) for lp in one_logprobs["r4"]] == [5] * len(expected["r4"][0])
+        assert any(steps == 4 and {"r3", "r4", "r5"} <= set(ids) for steps, ids in plans)
+
+
+def test_a_row_with_a_penalty_runs_its_batch_one_forward_a_step(tiny):
+    """A row whose token needs the host (a penalty over its output so far) makes its batch take one forward a step
+    while it runs; every row keeps its tokens and the seeded ones their draws."""
+    penalized = [(PROMPTS[1], SamplingParams(temperature=0, frequency_penalty=0.5, max_tokens=6, ignore_eos=True)),
                  (PROMPTS[2], SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=3, max_tokens=9,
                                              ignore_eos=True))]
-    requests = GREEDY + SAMPLED[:1] + host_rows
+    requests = GREEDY + SAMPLED[:1] + penalized
     expected = run_requests(_core(tiny, 1)[0], requests)
     multi, plans = _core(tiny, 4)
     assert run_requests(multi, requests) == expected
-    host_ids = {f"r{len(requests) - 2}", f"r{len(requests) - 1}"}
-    assert all(steps == 1 for steps, ids in plans if host_ids & set(ids))
+    penalized_ids = {f"r{len(requests) - 2}", f"r{len(requests) - 1}"}
+    assert all(steps == 1 for steps, ids in plans if penalized_ids & set(ids))
     assert any(steps > 1 for steps, ids in plans)  # once they ended
 
 
