@@ -75,20 +75,22 @@ class RunDraw:
     """How a run of forwards (multi-step decoding) draws its rows' tokens on the device, ``done`` tokens after their
     outputs so far: the sampler over every row, each seeded one with its generator at its output position, as a step
     of its own would draw it, and the logprobs of the raw logits for the rows that ask for them, kept on the device
-    until the run is read. Called by DecodeGraphs once a forward, in order (a cuda_graphs.Draw)."""
+    until the run is read. Called once a forward, in order, by DecodeGraphs (a cuda_graphs.Draw) or
+    ModelRunner._run_forwards."""
 
-    def __init__(self, runner: ModelRunner, requests: list[Request], done: int = 0) -> None:
-        self.runner, self.requests, self.done = runner, requests, done
+    def __init__(self, sampler: Sampler, device: torch.device, requests: list[Request], done: int = 0) -> None:
+        self.sampler, self.device, self.requests, self.done = sampler, device, requests, done
         asked = [r.sampling_params.logprobs for r in requests if r.sampling_params.logprobs is not None]
         self.num_top = max(asked) if asked else None  # the most top logprobs a row asks for (None: no row asks)
         self._logprobs: list[tuple[torch.Tensor, ...]] = []  # each forward's logprob_tensors
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        raw, runner = logits.float(), self.runner
+        raw = logits.float()
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                            runner._generator(r.sampling_params, len(r.output_token_ids) + self.done + step), [])
+                            seeded_generator(r.sampling_params, len(r.output_token_ids) + self.done + step,
+                                             self.device), [])
                 for r in self.requests]
-        tokens = runner.sampler.sample_tensor(raw, rows)
+        tokens = self.sampler.sample_tensor(raw, rows)
         if self.num_top is not None:
             self._logprobs.append(logprob_tensors(raw, tokens, self.num_top))
         return tokens
@@ -283,7 +285,9 @@ class ModelRunner:
     def _draw(self, requests: list[Request], done: int = 0) -> RunDraw | None:
         """How a run of ``requests`` draws its tokens, ``done`` tokens after their outputs so far: None where every
         row takes its argmax (the greedy forwards), else a RunDraw."""
-        return None if all(self._takes_argmax_only(r) for r in requests) else RunDraw(self, requests, done)
+        if all(self._takes_argmax_only(r) for r in requests):
+            return None
+        return RunDraw(self.sampler, self.device, requests, done)
 
     @staticmethod
     def _launched(out: SchedulerOutput, tokens: torch.Tensor, draw: RunDraw | None) -> LaunchedRun:
@@ -463,20 +467,22 @@ class ModelRunner:
         blocked: list[int] = []
         if len(outputs) < params.min_tokens and not constrained:  # a grammar decides when its output may end
             blocked = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids))
-        return SamplingRow(params, request.prompt_token_ids, outputs, self._generator(params, len(outputs)), blocked)
-
-    def _generator(self, params: SamplingParams, position: int) -> torch.Generator | None:
-        """A seeded sampled row's generator for its output token number ``position`` (None: not seeded, or greedy).
-        A seeded draw depends only on the seed and the output position: the same token whether it is drawn in a
-        plain decode step, while checking guesses or inside a run of forwards, whatever else shares the batch."""
-        if params.seed is None or params.greedy:
-            return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed((params.seed * 1_000_003 + position) % (1 << 63))
-        return generator
+        generator = seeded_generator(params, len(outputs), self.device)
+        return SamplingRow(params, request.prompt_token_ids, outputs, generator, blocked)
 
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+
+def seeded_generator(params: SamplingParams, position: int, device: torch.device) -> torch.Generator | None:
+    """A seeded sampled row's generator for its output token number ``position`` (None: not seeded, or greedy). A
+    seeded draw depends only on the seed and the output position: the same token whether it is drawn in a plain
+    decode step, while checking guesses or inside a run of forwards, whatever else shares the batch."""
+    if params.seed is None or params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed((params.seed * 1_000_003 + position) % (1 << 63))
+    return generator
 
 
 def _last_token(request: Request) -> int:

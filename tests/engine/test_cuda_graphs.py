@@ -17,7 +17,7 @@ from serval.cli import _engine_config, build_parser
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from serval.engine.core import EngineCore, EngineCoreRequest
 from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, bucket_sizes, model_bucket_sizes
-from serval.engine.runner import ModelRunner
+from serval.engine.runner import ModelRunner, seeded_generator
 from serval.layers.attention import ScheduledSequence
 from serval.layers.attention.torch_reference import TorchReferenceBackend
 from serval.layers.linear import largest_row_padding
@@ -342,7 +342,8 @@ def _seeded_draw(runner: ModelRunner, num_rows: int):
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7)
 
     def draw(logits: torch.Tensor, step: int) -> torch.Tensor:
-        rows = [SamplingRow(params, [], [], runner._generator(params, 100 * i + step), []) for i in range(num_rows)]
+        rows = [SamplingRow(params, [], [], seeded_generator(params, 100 * i + step, runner.device), [])
+                for i in range(num_rows)]
         return runner.sampler.sample_tensor(logits, rows)
 
     return draw
