@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -89,20 +90,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def run_chat(engine, params: SamplingParams, system: str | None = None) -> int:
     """The interactive chat on ``engine`` (an LLMEngine). Ctrl-C during an answer stops that answer and returns to
     the prompt; at the prompt, Ctrl-C, Ctrl-D or an empty line quits."""
+    messages = [{"role": "system", "content": system}] if system else []
+    print("serval chat — Ctrl-C stops an answer; an empty line, Ctrl-C or Ctrl-D quits", file=sys.stderr)
+    try:  # outside an answer, Ctrl-C quits wherever it lands: at the prompt or in the few lines around it
+        with _StdinLines() as lines:
+            _chat_turns(engine, params, messages, lines)
+    except (EOFError, KeyboardInterrupt):
+        print()  # the shell's prompt starts on a line of its own
+    return 0
+
+
+def _chat_turns(engine, params: SamplingParams, messages: list[dict], lines: _StdinLines) -> None:
+    """Question, answer, until an empty line."""
     from serval.chat import build_chat_prompt
     from serval.sampling_params import prompt_room
 
-    messages = [{"role": "system", "content": system}] if system else []
-    print("serval chat — Ctrl-C stops an answer; an empty line, Ctrl-C or Ctrl-D quits", file=sys.stderr)
     turn = 0
-    while True:
-        try:
-            line = input("you> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()  # the shell's prompt starts on a line of its own
-            return 0
-        if not line:
-            return 0
+    while line := lines.read("you> ").strip():
         messages.append({"role": "user", "content": line})
         try:
             prompt = build_chat_prompt(engine.tokenizer, messages, prompt_room(engine.max_model_len, params.max_tokens),
@@ -143,6 +147,54 @@ def _stream_answer(engine, request_id: str, prompt_ids: list[int], params: Sampl
                 finished = output.finished
         print()
     return answer, aborted
+
+
+class _StdinLines:
+    """The chat's lines from stdin, one at a time after a prompt, never losing a Ctrl-C. input() writes the prompt and
+    then blocks in read(): a SIGINT that lands between the two (just as the prompt shows) only marks the Python
+    handler as due, and nothing runs it until the read returns. Here the wait is a select() that also watches the
+    signal's wakeup byte (signal.set_wakeup_fd, installed for the whole chat), which the C handler writes whenever and
+    in whichever thread the signal lands; the due KeyboardInterrupt is raised as soon as select() returns."""
+
+    def __enter__(self) -> _StdinLines:
+        self._fd = sys.stdin.fileno()
+        self._encoding = sys.stdin.encoding or "utf-8"
+        self._buffer = b""  # read but not yet returned: a pipe may bring several lines at once
+        self._at_end = False
+        self._wakeup_read, self._wakeup_write = os.pipe()
+        for fd in (self._wakeup_read, self._wakeup_write):
+            os.set_blocking(fd, False)
+        self._previous_wakeup = signal.set_wakeup_fd(self._wakeup_write, warn_on_full_buffer=False)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        signal.set_wakeup_fd(self._previous_wakeup)
+        os.close(self._wakeup_read)
+        os.close(self._wakeup_write)
+
+    def read(self, prompt: str) -> str:
+        """The next line without its newline; EOFError at the end of input, KeyboardInterrupt on Ctrl-C."""
+        self._drain_wakeups()  # an answer's Ctrl-C, already handled
+        print(prompt, end="", flush=True)
+        while b"\n" not in self._buffer and not self._at_end:
+            ready = select.select([self._fd, self._wakeup_read], [], [])[0]  # in the main thread a signal is EINTR
+            if self._wakeup_read in ready:
+                self._drain_wakeups()  # the signal's handler runs before the loop goes round
+                continue
+            chunk = os.read(self._fd, 4096)
+            self._buffer += chunk
+            self._at_end = not chunk
+        if not self._buffer:
+            raise EOFError
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode(self._encoding, errors="replace")
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wakeup_read, 512):
+                pass
+        except BlockingIOError:
+            pass
 
 
 class _InterruptFlag:

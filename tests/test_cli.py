@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import random
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -70,12 +72,19 @@ def test_ctrl_c_mid_answer_aborts_that_request_and_frees_its_blocks(make_llm, mo
     engine = make_llm().engine
     lines = iter([STORY, "What is the capital city of Korea?"])
 
-    def typed_input(prompt: str) -> str:
-        print(prompt, end="")
-        try:
-            return next(lines)
-        except StopIteration:
-            raise KeyboardInterrupt from None  # Ctrl-C at the prompt
+    class TypedLines:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            pass
+
+        def read(self, prompt: str) -> str:
+            print(prompt, end="")
+            try:
+                return next(lines)
+            except StopIteration:
+                raise KeyboardInterrupt from None  # Ctrl-C at the prompt
 
     finals = {}
     engine_step = engine.step
@@ -90,7 +99,7 @@ def test_ctrl_c_mid_answer_aborts_that_request_and_frees_its_blocks(make_llm, mo
         finals.update((o.request_id, o) for o in outputs if o.finished)
         return outputs
 
-    monkeypatch.setattr("builtins.input", typed_input)
+    monkeypatch.setattr("serval.cli._StdinLines", TypedLines)
     monkeypatch.setattr(engine, "step", step)
     handler_before = signal.getsignal(signal.SIGINT)
     try:
@@ -177,6 +186,86 @@ def test_chat_ctrl_c_stops_an_answer_then_ctrl_c_at_the_prompt_quits(tmp_path):
         chat.kill()
     chat._reader.join(timeout=10)
     assert chat.stdout.endswith("you> \n")
+    assert "Traceback" not in chat.stderr, chat.stderr
+
+
+class ChatRounds:
+    """tests/chat_rounds.py in a subprocess: `serval chat`'s loop, round after round on one engine. Its stdout is read
+    on the test's own thread, so a signal can follow the moment a prompt arrives."""
+
+    def __init__(self, tmp_path: Path, num_rounds: int, *flags: str) -> None:
+        self.stderr_path = tmp_path / "chat_rounds.stderr"
+        with open(self.stderr_path, "wb") as stderr:
+            self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "chat_rounds.py"), str(num_rounds),
+                                          *flags], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=stderr)
+        self.stdout = ""
+
+    def read_until(self, text: str, count: int, timeout: float, after: bool = False) -> None:
+        """Reads stdout until ``text`` has appeared ``count`` times (and, with ``after``, 10 characters follow its
+        last appearance). Counts, not the tail: one read may bring a round's last lines and the next one's prompt."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while not (self.stdout.count(text) == count and len(self.stdout.rpartition(text)[2]) >= (10 if after else 0)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"stdout's tail: {self.stdout[-300:]!r}")
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 4096)
+                assert chunk, f"chat exited ({self.proc.wait()}): {self.stdout[-300:]!r}\n{self.stderr}"
+                self.stdout += chunk.decode(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def where_it_waits(self) -> str:
+        """Its threads' Python stacks (py-spy) and signal state (pending, blocked, caught), for a failure."""
+        dump = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(self.proc.pid)],
+                              capture_output=True, text=True, timeout=60)
+        signals = []
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            status = Path(f"/proc/{self.proc.pid}/task/{tid}/status").read_text().splitlines()
+            signals.append(f"{tid}: " + " ".join(line for line in status if line.startswith(("SigPnd", "ShdPnd",
+                                                                                             "SigBlk", "SigCgt"))))
+        return dump.stdout + dump.stderr + "\n".join(signals)
+
+
+@pytest.mark.slow
+@requires_model
+def test_ctrl_c_at_the_prompt_quits_in_every_round_however_soon_it_follows_the_prompt(tmp_path):
+    """Fifty rounds of the Ctrl-C sequence on one engine: Ctrl-C stops an answer, then Ctrl-C at the next prompt quits
+    the chat. The second Ctrl-C is sent the moment the prompt arrives in half the rounds, and after a random delay of
+    up to 20 ms in the others. input() lost it when it landed after the prompt was written but before the read of
+    the line began (every run, within its first rounds): the chat then waited at the prompt for good."""
+    num_rounds = 50
+    delays = random.Random(0)
+    chat = ChatRounds(tmp_path, num_rounds, "--max-tokens", "400")
+    try:
+        for round_ in range(num_rounds):
+            chat.read_until("you> ", 2 * round_ + 1, timeout=300)  # each round has two prompts
+            chat.send(STORY)
+            chat.read_until("assistant> ", round_ + 1, after=True, timeout=120)  # the answer is streaming
+            chat.proc.send_signal(signal.SIGINT)  # stops the answer
+            chat.read_until("you> ", 2 * round_ + 2, timeout=120)
+            if round_ % 2:
+                time.sleep(delays.uniform(0, 0.02))
+            chat.proc.send_signal(signal.SIGINT)  # at the prompt: quits this round's chat
+            try:
+                chat.read_until("you> \n[quit 0]\n", round_ + 1, timeout=30)
+            except TimeoutError as exc:
+                raise AssertionError(f"round {round_}: Ctrl-C at the prompt was lost ({exc}); the chat waits in:\n"
+                                     f"{chat.where_it_waits()}") from None
+        assert chat.proc.wait(timeout=60) == 0
+    finally:
+        if chat.proc.poll() is None:
+            chat.proc.kill()
+            chat.proc.wait()
+    assert chat.stderr.count("[stopped]") == num_rounds  # every first Ctrl-C hit an answer, not a prompt
     assert "Traceback" not in chat.stderr, chat.stderr
 
 
