@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import tempfile
+import time
 
 import torch
 
@@ -82,3 +85,16 @@ def make_llm(smollm):
         return LLM.from_engine(LLMEngine(config, model=model, tokenizer=tokenizer))
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_engine_core_folder_outlives_the_suite():
+    """Every engine core's /tmp/serval-core-* folder (its ZeroMQ sockets) is gone when the suite ends: the front end
+    removes it once the core has connected, or on a failed start, and an orphaned core while loading."""
+    pattern = os.path.join(tempfile.gettempdir(), "serval-core-*")
+    before = set(glob.glob(pattern))  # a run killed before this one may have left some: not this run's
+    yield
+    deadline = time.monotonic() + 20  # a core orphaned while loading removes its folder as it exits
+    while (left := set(glob.glob(pattern)) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"engine core folders left behind: {sorted(left)}"

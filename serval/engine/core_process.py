@@ -1,9 +1,10 @@
 """The EngineCore in its own process, and CoreProcessClient: the front end that talks to it over ZeroMQ.
 
 Why a process: the server's HTTP/SSE loop, tokenizing and detokenizing then never share a GIL with the step
-loop. The front end (this process) binds two ipc:// sockets: it PUSHes adds and finishes to the core, and PULLs
-each step's outputs (token ids, logprobs, finish reasons, the core's counters) back. The messages, one dataclass
-per kind, and their msgpack frames are in engine/messages.py.
+loop. The front end (this process) binds two ipc:// sockets in a private folder, removed as soon as the core has
+connected both (CoreConnected): it PUSHes adds and finishes to the core, and PULLs each step's outputs (token ids,
+logprobs, finish reasons, the core's counters) back. The messages, one dataclass per kind, and their msgpack frames
+are in engine/messages.py.
 
 The core process exits when told to, when its loop dies (after saying why), or when its parent is gone. The
 front end notices a core that exits for any reason (a kill included) within a poll interval and fails every
@@ -34,6 +35,7 @@ from serval.engine.core import EngineCore, EngineCoreInfo, EngineCoreOutputs, En
 from serval.engine.frontend import InputProcessor, OutputProcessor
 from serval.engine.messages import (
     AddRequests,
+    CoreConnected,
     CoreDead,
     CoreFailed,
     CoreReady,
@@ -75,6 +77,7 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
     commands.connect(input_address)
     results = context.socket(zmq.PUSH)
     results.connect(output_address)
+    results.send(encode(CoreConnected()))
     try:
         core = EngineCore(config, model_path)
     except BaseException as exc:  # noqa: BLE001 - the front end raises it
@@ -199,6 +202,8 @@ class CoreProcessClient(EngineClient):
         while True:
             if self._results.poll(POLL_MS):
                 match decode(self._results.recv()):
+                    case CoreConnected():
+                        self._remove_ipc_dir()
                     case CoreReady(info):
                         return info
                     case CoreFailed(reason):
@@ -208,6 +213,15 @@ class CoreProcessClient(EngineClient):
             if self.process.poll() is not None:
                 raise RuntimeError(f"the engine core process exited with code {self.process.returncode} while "
                                    "loading")
+
+    def _remove_ipc_dir(self) -> None:
+        """Removes the sockets' folder once the core's commands socket is connected too (its results socket is: it
+        sent CoreConnected). Open connections need no path, so from here on nothing can leave the folder behind,
+        however the two processes end (a SIGKILL to both included)."""
+        while not self._commands.poll(POLL_MS, zmq.POLLOUT):  # writable: the core's end is attached
+            if self.process.poll() is not None:
+                return  # the caller hears of the exit and closes
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self) -> None:

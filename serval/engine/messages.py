@@ -72,6 +72,11 @@ class Shutdown:
 
 # -- replies: core → front end -------------------------------------------------------------------------------------
 @dataclass
+class CoreConnected:
+    """Both sockets are connected (the core's first message, before it loads): their folder can go."""
+
+
+@dataclass
 class CoreReady:
     """The model is loaded: what the front end needs to know of the core."""
 
@@ -100,7 +105,7 @@ class CoreDead:
 
 # EngineCoreOutputs (engine/core.py), a step's outputs and the core's counters, crosses as it is.
 COMMANDS: tuple[type, ...] = (AddRequests, FinishRequests, EndSession, SetupGrammar, KVStateQuery, Shutdown)
-REPLIES: tuple[type, ...] = (CoreReady, CoreFailed, EngineCoreOutputs, KVStateReply, CoreDead)
+REPLIES: tuple[type, ...] = (CoreConnected, CoreReady, CoreFailed, EngineCoreOutputs, KVStateReply, CoreDead)
 MESSAGES: tuple[type, ...] = COMMANDS + REPLIES
 
 # -- the codec -----------------------------------------------------------------------------------------------------

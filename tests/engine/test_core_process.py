@@ -201,7 +201,8 @@ client.start()
 async def main():
     params = SamplingParams(max_tokens=4000, ignore_eos=True)
     async for _ in client.generate("long", "Once upon a time", params):
-        print(client.process.pid, flush=True)  # the core is busy: tell the test who it is, then keep going
+        # the core is busy: tell the test who it is and where its sockets were, then keep going
+        print(client.process.pid, client._ipc_dir, flush=True)
         await asyncio.sleep(3600)
 
 asyncio.run(main())
@@ -210,22 +211,34 @@ asyncio.run(main())
 
 @pytest.mark.slow
 @requires_model
-def test_a_busy_core_whose_server_is_killed_exits(tmp_path):
+@pytest.mark.parametrize("end", ["server SIGKILL", "SIGKILL to the process group", "core SIGTERM"])
+def test_a_busy_core_ends_with_its_server_and_leaves_no_sockets_folder(tmp_path, end):
     """A server killed outright (SIGKILL: no shutdown) leaves its core mid-request; the core notices within a step
-    that its parent is gone and exits, rather than computing thousands of tokens for nobody."""
+    that its parent is gone and exits, rather than computing thousands of tokens for nobody. The sockets' folder is
+    gone from the moment the core connected, so no end of either process can leave it behind."""
     script = tmp_path / "orphan.py"
     script.write_text(ORPHAN_SCRIPT)
     server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True,
                               env={**os.environ, "PYTHONPATH": str(Path(serval.__file__).parents[1])})
     try:
-        core_pid = int(server.stdout.readline())
+        pid, ipc_dir = server.stdout.readline().split()
+        core_pid = int(pid)
         assert _alive(core_pid)
-        server.kill()
+        assert not os.path.exists(ipc_dir)  # removed once connected, while the core runs
+        if end == "server SIGKILL":
+            server.kill()
+        elif end == "SIGKILL to the process group":
+            os.killpg(server.pid, signal.SIGKILL)
+        else:
+            os.kill(core_pid, signal.SIGTERM)
+            server.kill()
         server.wait(10)
         deadline = time.monotonic() + 10
         while _alive(core_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(core_pid)
+        assert not os.path.exists(ipc_dir)
     finally:
         server.kill()
 

@@ -17,6 +17,7 @@ from serval.engine.client import EngineClient
 from serval.engine.core import EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from serval.engine.messages import (
     AddRequests,
+    CoreConnected,
     CoreDead,
     CoreFailed,
     CoreReady,
@@ -52,6 +53,7 @@ EXAMPLES = {
     SetupGrammar: SetupGrammar('{"vocab_type": 1}'),
     KVStateQuery: KVStateQuery("0a1b"),
     Shutdown: Shutdown(),
+    CoreConnected: CoreConnected(),
     CoreReady: CoreReady(EngineCoreInfo("/m.gguf", 2048, 49152, 300, 1.5, "tcp://127.0.0.1:5600")),
     CoreFailed: CoreFailed("ValueError: fewer than 2 blocks"),
     EngineCoreOutputs: OUTPUTS,
