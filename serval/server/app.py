@@ -9,16 +9,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 import serval
-from serval.engine.client import EngineClient, EngineDeadError
+from serval.engine.client import EngineClient
 from serval.server.config import ServerConfig
-from serval.server.errors import engine_dead, install_error_handlers
+from serval.server.errors import install_error_handlers
 from serval.server.metrics import ServerMetrics
 from serval.server.middleware import FrontDoor
 from serval.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    OpenAIError,
     TokenizeRequest,
     now,
 )
@@ -73,16 +72,10 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         return {**s.__dict__, "max_model_len": engine.max_model_len, "alive": engine.is_alive}
 
     @app.api_route("/debug/kv", methods=READ_METHODS)
-    async def debug_kv():
+    async def debug_kv(request: Request):
         """The KV cache now: blocks by tier and state (owned, owned by sessions, cached-free, empty), the prefix
-        cache's hit rate, the kept conversation sessions. Needs the API key when the server has one."""
-        try:
-            return await engine.kv_state()
-        except EngineDeadError as exc:
-            raise engine_dead(exc) from exc
-        except TimeoutError as exc:
-            raise OpenAIError("the engine did not answer in time", status=503, type="server_error",
-                              code="engine_busy") from exc
+        cache's hit rate, the caller's kept conversation sessions. Needs the API key when the server has one."""
+        return await serving.kv_state_for(request)
 
     @app.api_route("/", methods=READ_METHODS)
     async def index():
@@ -106,17 +99,16 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         return await serving.chat(body, request)
 
     @app.delete("/v1/sessions/{session_id}")
-    async def end_session(session_id: str):
+    async def end_session(session_id: str, request: Request):
         """Lets a conversation's kept KV go now (it stays in the prefix cache as free blocks)."""
-        engine.end_session(session_id)
-        return {"id": session_id, "object": "session", "deleted": True}
+        return await serving.end_session(session_id, request)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         return await serving.responses(body, request)
 
     @app.api_route("/v1/responses/{response_id}", methods=READ_METHODS)
-    async def get_response(response_id: str):
-        return serving.response_store.response(response_id)
+    async def get_response(response_id: str, request: Request):
+        return serving.stored_response(response_id, request)
 
     return app

@@ -15,6 +15,7 @@ from serval.server.errors import error_response
 from serval.server.metrics import ServerMetrics
 from serval.server.protocol import OpenAIError, new_id
 from serval.server.render import usage
+from serval.server.tenancy import tenant_of
 
 if TYPE_CHECKING:
     from serval.server.config import ServerConfig
@@ -111,11 +112,10 @@ async def read_chunked_body(request: Request, limit: int):
 
 
 def client_key(request: Request, api_keys: list[str]) -> str:
-    """Whose rate-limit buckets a request spends: its API key once verified (the front door refused any other), and
-    without enforced keys its client's address: a bearer string nobody checks is the client's to change at will."""
+    """Whose rate-limit buckets a request spends: its tenant (its API key, verified by the front door) and without
+    enforced keys its client's address: a bearer string nobody checks is the client's to change at will."""
     if api_keys:
-        auth = request.headers.get("authorization", "")
-        return "key:" + auth.removeprefix("Bearer ").strip()
+        return "key:" + tenant_of(request, api_keys)
     return "ip:" + (request.client.host if request.client else "unknown")
 
 

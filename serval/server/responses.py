@@ -120,30 +120,35 @@ INPUT_ITEMS = {"message": InputMessage, "function_call": FunctionCallItem,
 
 
 class ResponseStore:
-    """The latest responses kept with ``store``: id -> (the conversation's messages so far, the Response)."""
+    """The latest responses kept with ``store``, each tenant's apart (server/tenancy.py): tenant -> id -> (the
+    conversation's messages so far, the Response). Each tenant keeps its latest ``capacity``, so one key's traffic
+    never pushes out another's."""
 
     capacity = 1024
 
     def __init__(self) -> None:
-        self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+        self._tenants: dict[str, OrderedDict[str, tuple[list[dict], dict]]] = {}
 
-    def put(self, response: dict, messages: list[dict]) -> None:
-        self._items[response["id"]] = (messages, response)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def put(self, tenant: str, response: dict, messages: list[dict]) -> None:
+        items = self._tenants.setdefault(tenant, OrderedDict())
+        items[response["id"]] = (messages, response)
+        items.move_to_end(response["id"])
+        while len(items) > self.capacity:
+            items.popitem(last=False)
 
-    def messages(self, response_id: str) -> list[dict]:
-        return list(self._get(response_id, "previous_response_id")[0])
+    def messages(self, tenant: str, response_id: str) -> list[dict]:
+        return list(self._get(tenant, response_id, "previous_response_id")[0])
 
-    def response(self, response_id: str) -> dict:
-        return self._get(response_id, None)[1]
+    def response(self, tenant: str, response_id: str) -> dict:
+        return self._get(tenant, response_id, None)[1]
 
-    def _get(self, response_id: str, param: str | None) -> tuple[list[dict], dict]:
-        if response_id not in self._items:
+    def _get(self, tenant: str, response_id: str, param: str | None) -> tuple[list[dict], dict]:
+        """Another tenant's response is not found, exactly as one that never was."""
+        items = self._tenants.get(tenant, {})
+        if response_id not in items:
             raise OpenAIError(f"Response with id '{response_id}' not found.", status=404, param=param,
                               code="not_found")
-        return self._items[response_id]
+        return items[response_id]
 
 
 # -- request in ------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from serval.server.protocol import (
 )
 from serval.server.render import Choice, Rendering, StreamRenderer, full_response
 from serval.server.responses import ResponsesRequest, ResponseStore
+from serval.server.tenancy import scoped, tenant_of, unscoped
 from serval.server.tools import ToolError, check_tools, prepare_messages, resolve_tool_choice, tool_call_grammar
 
 if TYPE_CHECKING:
@@ -100,8 +101,8 @@ class OpenAIServing:
     async def responses(self, body: ResponsesRequest, request: Request):
         """The Responses API: a chat completion underneath, its answer translated (responses.py)."""
         self.check_model(body.model)
-        store = self.response_store
-        history = store.messages(body.previous_response_id) if body.previous_response_id else []
+        store, tenant = self.response_store, tenant_of(request, self.config.api_keys)
+        history = store.messages(tenant, body.previous_response_id) if body.previous_response_id else []
         turns = responses_api.input_messages(body)
         try:
             chat_body = responses_api.chat_request(body, history, turns)
@@ -113,7 +114,7 @@ class OpenAIServing:
 
         def keep(done: dict, turn: dict) -> None:
             if body.store:
-                store.put(done, history + turns + [turn])
+                store.put(tenant, done, history + turns + [turn])
 
         try:
             result = await self.chat(chat_body, request)
@@ -127,6 +128,36 @@ class OpenAIServing:
         done, turn = responses_api.from_chat_completion(result, response)
         keep(done, turn)
         return done
+
+    def stored_response(self, response_id: str, request: Request) -> dict:
+        return self.response_store.response(tenant_of(request, self.config.api_keys), response_id)
+
+    async def end_session(self, session_id: str, request: Request) -> dict:
+        """Ends one of the caller's kept sessions; 404 for one it does not have (another key's included)."""
+        engine_session_id = scoped(tenant_of(request, self.config.api_keys), session_id)
+        kept = (await self.kv_state())["sessions"]["kept"]
+        if not any(s["session_id"] == engine_session_id for s in kept):
+            raise OpenAIError(f"Session with id '{session_id}' not found.", status=404, code="not_found")
+        self.engine.end_session(engine_session_id)
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    async def kv_state_for(self, request: Request) -> dict:
+        """The KV cache's state as the caller may see it: the counts whole, the kept sessions only its own."""
+        tenant = tenant_of(request, self.config.api_keys)
+        state = await self.kv_state()
+        sessions = state["sessions"]
+        kept = [{**s, "session_id": own} for s in sessions["kept"]
+                if (own := unscoped(tenant, s["session_id"])) is not None]
+        return {**state, "sessions": {**sessions, "kept": kept}}
+
+    async def kv_state(self) -> dict:
+        try:
+            return await self.engine.kv_state()
+        except EngineDeadError as exc:
+            raise engine_dead(exc) from exc
+        except TimeoutError as exc:
+            raise OpenAIError("the engine did not answer in time", status=503, type="server_error",
+                              code="engine_busy") from exc
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
@@ -206,11 +237,15 @@ class OpenAIServing:
                     tools: bool = False):
         """Runs the prompts (each a (prompt, its text as sent or None) pair) and answers: whole, or as a stream."""
         self._admit(request, prompts, params)
-        request_id = request.state.request_id
-        # A conversation's turn: one prompt, a session id (or, for chat, the end user's id).
+        # The engine's id is the server's own: a client's X-Request-Id (kept for the log and the response header)
+        # could name another client's request.
+        request_id = new_id("req")
+        # A conversation's turn: one prompt, a session id (or, for chat, the end user's id), the tenant's own.
         session_id = body.session_id or (body.user if chat else None)
         if len(prompts) != 1:
             session_id = None
+        elif session_id is not None:
+            session_id = scoped(tenant_of(request, self.config.api_keys), session_id)
         streams = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt, params,
                                         priority=body.priority, session_id=session_id, end_session=body.end_session)
                    for i, (prompt, _) in enumerate(prompts)]
