@@ -66,7 +66,7 @@ def test_disconnect_storm_frees_everything_and_logs_one_line_each(server):
         return (m["serval:kv_cache_blocks_owned"] == 0 and m["serval:num_requests_running"] == 0
                 and m["serval:num_requests_waiting"] == 0)
 
-    assert wait_for(idle, timeout=10), server.metrics()
+    assert wait_for(idle, timeout=60), server.metrics()  # a hang guard: two loaded cores abort 16 streams in seconds
     state = httpx.get(f"{server.url}/engine/state", timeout=10).json()
     assert state["num_running"] == 0 and state["num_free_blocks"] == state["num_blocks"]
     r = server.client().completions.create(model=MODEL, prompt="After the storm,", max_tokens=4, temperature=0)

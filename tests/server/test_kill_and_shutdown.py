@@ -204,7 +204,12 @@ def test_a_dead_engine_ends_every_response_with_an_error_then_the_server_exits(t
     tree, dirs = descendants(server.proc.pid), ipc_dirs(server.proc.pid)
     streams = Streams(server, 8, non_streamed=True)
     streams.wait_started()
-    time.sleep(0.5)  # the non-streamed request is running too
+
+    def all_in_the_engine() -> bool:  # the non-streamed request too, running or waiting
+        state = httpx.get(f"{server.url}/engine/state", timeout=10).json()
+        return state["num_running"] + state["num_waiting"] == 9
+
+    assert wait_for(all_in_the_engine, timeout=60)
     if engine == "in-process":
         trigger.touch()
     else:

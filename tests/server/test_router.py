@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from serverproc import MODEL, QUESTIONS, REPLICA_FLAGS, SYSTEMS, Router, Server, free_port
+from serverproc import MODEL, QUESTIONS, REPLICA_FLAGS, SYSTEMS, Router, Server, free_port, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -180,6 +180,9 @@ def test_a_full_fleet_answers_503_with_retry_after_and_the_router_checks_its_own
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "overloaded"
         worker.join(120)
+        assert not worker.is_alive()
+        # The client stops reading at [DONE]; the router counts the stream out once its upstream has ended too.
+        assert wait_for(lambda: all(r["outstanding"] == 0 for r in router.state()["replicas"]), timeout=60)
         after = router.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2)
         assert after.usage.completion_tokens == 2
     finally:
