@@ -40,7 +40,7 @@ class AsyncEngine(EngineClient):
         self._wake = threading.Event()
         # Adds sent to the engine thread that it has not taken yet: they are waiting too, or a burst arriving
         # within one step would all see an empty queue and slip past load shedding.
-        self._num_pending_adds = 0
+        self._num_pending_adds = 0  # sequences of adds not yet taken by the engine
         self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -111,7 +111,7 @@ class AsyncEngine(EngineClient):
         accepted: asyncio.Future = loop.create_future()
         stream = RequestStream(asyncio.Queue(), loop)
         with self._pending_lock:
-            self._num_pending_adds += 1
+            self._num_pending_adds += params.n  # queued sequences, as the engine will count them
         self._commands.put(("add", request_id, prompt, params, (priority, session_id, end_session), stream,
                             accepted))
         self._wake.set()
@@ -171,9 +171,9 @@ class AsyncEngine(EngineClient):
         """Once the loop has died: each add still queued hears EngineDeadError (callable from any thread)."""
         for command in self._queued_commands():
             if command[0] == "add":
-                stream, accepted = command[5], command[6]
+                params, stream, accepted = command[3], command[5], command[6]
                 with self._pending_lock:
-                    self._num_pending_adds -= 1
+                    self._num_pending_adds -= params.n
                 error = EngineDeadError("the engine loop is not running")
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
                     stream.loop.call_soon_threadsafe(settle, accepted, None, error)
@@ -199,7 +199,7 @@ class AsyncEngine(EngineClient):
                     continue
                 finally:
                     with self._pending_lock:
-                        self._num_pending_adds -= 1
+                        self._num_pending_adds -= params.n
                 self._streams[request_id] = stream
                 stream.loop.call_soon_threadsafe(settle, accepted, None)
             elif command[0] == "abort":

@@ -190,7 +190,7 @@ class CoreProcessClient(EngineClient):
         self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
         self._grammar_sent = False  # the grammar compiler's tokenizer table, sent before the first grammar
         self._grammar_setup_lock = threading.Lock()
-        self._num_preparing = 0  # adds being tokenized and checked (on the event loop's thread only)
+        self._num_preparing = 0  # sequences of adds being tokenized and checked (on the event loop's thread only)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_outputs, name="serval-core-outputs", daemon=True)
 
@@ -264,12 +264,12 @@ class CoreProcessClient(EngineClient):
             raise ValueError(f"request id {request_id!r} is already in use")
         # Tokenizing a long prompt and checking a grammar take a while: off the event loop. Counted as waiting
         # meanwhile, or a burst would all pass the server's load check before any of them was sent.
-        self._num_preparing += 1
+        self._num_preparing += params.n  # its sequences, as the core will count them
         try:
             prompt_text, core_requests, frame = await asyncio.to_thread(
                 self._prepare, request_id, prompt, params, priority, session_id, end_session)  # ValueError
         finally:
-            self._num_preparing -= 1
+            self._num_preparing -= params.n
         stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
             if self.error is not None:  # the core died since the check above, and its streams were failed already

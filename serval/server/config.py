@@ -37,7 +37,10 @@ class ServerConfig:
     api_keys: list[str] = field(default_factory=list)  # empty: no auth
     protect_health: bool = field(default=False, metadata=flag("require the API key on /health"))
     protect_metrics: bool = field(default=False, metadata=flag("require the API key on /metrics"))
-    max_waiting: int = field(default=256, metadata=flag("503 past this many queued requests"))  # load shedding
+    max_waiting: int = field(default=256, metadata=flag(  # load shedding, counted in sequences (prompts × n)
+        "503 for a request whose sequences (prompts × n) would queue past this many; 400 for one that never fits"))
+    max_prompts_per_request: int = field(default=256, metadata=flag(
+        "most prompts in one completions request (400 past it)"))
     max_body_bytes: int = field(default=1 << 20, metadata=flag("413 for a larger request body"))
     rate_limit_rpm: int | None = field(default=None, metadata=flag(
         "requests per minute per key (default: no limit)"))

@@ -62,7 +62,7 @@ class OpenAIServing:
     # -- endpoints -------------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
-        prompts = completion_prompts(body.prompt)
+        prompts = completion_prompts(body.prompt, self.config.max_prompts_per_request)
         if body.max_tokens == 0 and not body.echo:  # as vLLM: there would be nothing to return
             raise OpenAIError("max_tokens=0 generates nothing: it is allowed only with echo: true, to score the prompt",
                               param="max_tokens", code="invalid_value")
@@ -280,8 +280,15 @@ class OpenAIServing:
 
     def _admit(self, request: Request, prompts: list, params: SamplingParams) -> None:
         """Load shedding and rate limits: an OpenAIError (503, 429) when this request must wait."""
+        # Counted in sequences, as the engine queues them: a request of p prompts with n samples each takes p × n
+        # places, all or none.
+        num_sequences = len(prompts) * params.n
+        if num_sequences > self.config.max_waiting:
+            raise OpenAIError(f"{len(prompts)} prompts × n={params.n} is {num_sequences} sequences, more than this "
+                              f"server ever queues ({self.config.max_waiting})",
+                              param="n" if params.n > 1 else "prompt", code="invalid_value")
         snapshot = self.engine.snapshot()
-        if snapshot.num_waiting + self.flags["admitting"] >= self.config.max_waiting:
+        if snapshot.num_waiting + self.flags["admitting"] + num_sequences > self.config.max_waiting:
             raise OpenAIError("the server is overloaded; try again later", status=503, type="server_error",
                               code="overloaded", headers={"Retry-After": "1"})
         if self.limiter.enabled:
@@ -298,8 +305,16 @@ class OpenAIServing:
         engine found becomes the OpenAIError naming its field, before any byte of the answer."""
         firsts: list = []
 
+        num_sequences = len(streams) * body.n  # its places in the queue (_admit)
+        self.flags["admitting"] += num_sequences  # until the engine counts them, as soon as their adds start
+
+        def added() -> None:
+            nonlocal num_sequences
+            self.flags["admitting"] -= num_sequences
+            num_sequences = 0
+
         async def start() -> None:
-            firsts.extend(await first_outputs(streams))
+            firsts.extend(await first_outputs(streams, added))
             refused = next((f.error for f in firsts if f is not None and f.error is not None
                             and f.error.startswith("invalid structured output")), None)
             if refused is not None:  # the core could not compile the grammar (or not in time): the caller's error
@@ -307,7 +322,6 @@ class OpenAIServing:
                     await s.aclose()
                 raise ValueError(refused)
 
-        self.flags["admitting"] += 1  # until its first output, when the engine has long counted it
         try:
             if not await unless_disconnected(request, start()):
                 request.state.log.update(endpoint="chat" if chat else "completions", stream=body.stream)
@@ -325,7 +339,7 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise engine_dead(exc) from exc
         finally:
-            self.flags["admitting"] -= 1
+            added()  # if they never started
         return firsts
 
     async def _observe(self, merged, choices: dict[int, Choice], n: int, started: float, log: dict):
@@ -417,8 +431,9 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"  # outside the try: a client gone by now was logged as served, not again as aborted
 
 
-def completion_prompts(prompt) -> list:
-    """A completions request's prompts: one text, one list of token ids, or a list of either."""
+def completion_prompts(prompt, max_prompts: int) -> list:
+    """A completions request's prompts: one text, one list of token ids, or a list of either (at most
+    ``max_prompts``)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -427,6 +442,9 @@ def completion_prompts(prompt) -> list:
         prompts = list(prompt)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise OpenAIError("prompt must not be empty", param="prompt", code="invalid_value")
+    if len(prompts) > max_prompts:
+        raise OpenAIError(f"prompt: at most {max_prompts} prompts in one request, got {len(prompts)}",
+                          param="prompt", code="invalid_value")
     return prompts
 
 
@@ -469,13 +487,14 @@ async def anext_or_none(stream):
         return None
 
 
-async def first_outputs(streams: list) -> list:
+async def first_outputs(streams: list, added) -> list:
     """Starts every stream at once, so the engine batches their prompts, and returns each one's first output (None
-    for a stream that ended without one). An error in any, or cancellation (client gone), ends them all."""
-    if len(streams) == 1:  # awaited in place: its add is counted before the next request's load check
-        return [await anext_or_none(streams[0])]
+    for a stream that ended without one). An error in any, or cancellation (client gone), ends them all. ``added()``
+    is called once every add has started, when the engine counts their sequences as waiting."""
     tasks = [asyncio.ensure_future(anext_or_none(s)) for s in streams]
     try:
+        await asyncio.sleep(0)  # each task runs to its first suspension, inside its add, which counts it by then
+        added()
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
             if task.done() and task.exception() is not None:
