@@ -80,9 +80,11 @@ class FrontDoor:
     def refuse(self, request: Request, path: str) -> OpenAIError | None:
         """Why the front door turns this request away, if it does (the body's size was checked before)."""
         config = self.config
-        protected = path.startswith(("/v1", "/debug")) or path in ("/tokenize", "/detokenize") or (
-            path == "/health" and config.protect_health) or (path == "/metrics" and config.protect_metrics)
-        if config.api_keys and protected:
+        # With keys, every route needs one but the chat page (it asks for the key), the liveness probe and the
+        # Prometheus scrape (as vLLM), each of the two unless its --protect-* flag is set.
+        open_to_all = path == "/" or (path == "/health" and not config.protect_health) or (
+            path == "/metrics" and not config.protect_metrics)
+        if config.api_keys and not open_to_all:
             auth = request.headers.get("authorization", "")
             key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
             if key not in config.api_keys:

@@ -154,7 +154,7 @@ def test_chat_streams_the_answer_with_its_speed_and_the_engine_view(page, serval
     expect(page.locator(".assistant .meta .ttft").first).to_have_text(page.locator("#ttft").inner_text())
 
     # The live view polls /engine/state: the KV cache's size, its use and the steps taken so far.
-    state = httpx.get(f"{serval_url}/engine/state").json()
+    state = httpx.get(f"{serval_url}/engine/state", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     expect(page.locator("#kv-total")).to_have_text(str(state["num_blocks"]))
     expect(page.locator("#kv-usage")).to_have_text(re.compile(r"^\d+\.\d%$"))
     page.wait_for_function("() => parseInt(document.getElementById('steps').textContent.replace(/,/g, '')) > 0")
@@ -237,7 +237,8 @@ def test_stop_aborts_the_stream_and_frees_the_engine(page, serval_url):
     expect(page.locator("#stop")).to_be_hidden()
     assert page.locator(".assistant .content").inner_text()  # what came before the stop stays
     deadline = time.monotonic() + 30
-    while httpx.get(f"{serval_url}/engine/state").json()["num_running"] and time.monotonic() < deadline:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    while httpx.get(f"{serval_url}/engine/state", headers=auth).json()["num_running"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert httpx.get(f"{serval_url}/engine/state").json()["num_running"] == 0, "the aborted request kept running"
+    assert httpx.get(f"{serval_url}/engine/state", headers=auth).json()["num_running"] == 0, "it ran on"
     assert not page.js_errors

@@ -175,7 +175,7 @@ def test_openai_client_with_wrong_key_gets_authentication_error(guarded):
 def test_health_and_metrics_open_without_protect_flags(guarded):
     assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{guarded.url}/metrics", timeout=10).status_code == 200
-    assert httpx.get(f"{guarded.url}/version", timeout=10).status_code == 200
+    assert httpx.get(f"{guarded.url}/version", timeout=10).status_code == 401  # the rest needs the key
 
 
 # -- 413: body too large ---------------------------------------------------------------------------------------------

@@ -4,8 +4,11 @@ keys. Through the official client, on a server in the configuration users get (n
 
 from __future__ import annotations
 
+import re
 import time
+import types
 
+import httpx
 import openai
 import pytest
 from serverproc import MODEL, Server, running
@@ -99,3 +102,33 @@ def test_the_same_request_id_from_two_keys_at_once_serves_both(two_keys):
     b = start(KEY_B, 8)
     assert finish(b) == ["length"]
     assert finish([first, *a]) == ["length"]
+
+
+# Open to a caller without a key on a keyed server: the chat page (it asks for the key), the liveness probe and the
+# Prometheus scrape (each of the last two unless its --protect-* flag is set). Every other route needs the key.
+OPEN_ROUTES = {"/", "/health", "/metrics"}
+
+
+def _app_routes() -> list[tuple[str, str]]:
+    """(method, path) of every route of the app, path parameters filled in."""
+    from serval.server.app import create_app
+    from serval.server.config import ServerConfig
+
+    app = create_app(types.SimpleNamespace(tokenizer=None), ServerConfig())  # the routes only: nothing is served
+    return [(method, re.sub(r"\{[^}]+\}", "x", route.path))
+            for route in app.routes for method in sorted(route.methods) if method != "HEAD"]
+
+
+def test_every_route_but_the_page_health_and_metrics_needs_the_key(two_keys):
+    routes = _app_routes()
+    assert len(routes) >= 17 and ("GET", "/engine/state") in routes and ("GET", "/docs") in routes
+    for method, path in routes:
+        r = httpx.request(method, f"{two_keys.url}{path}", timeout=30)
+        if path in OPEN_ROUTES:
+            assert r.status_code == 200, (method, path, r.status_code)
+        else:
+            assert r.status_code == 401, (method, path, r.status_code)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            keyed = httpx.request(method, f"{two_keys.url}{path}", timeout=30,
+                                  headers={"Authorization": f"Bearer {KEY_B}"})
+            assert keyed.status_code != 401, (method, path)
