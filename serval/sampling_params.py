@@ -46,6 +46,10 @@ class StructuredOutputsParams:
 # max_tokens when a request leaves it out: vLLM's SamplingParams default and OpenAI's documented one for
 # /v1/completions. (Chat leaves it None: up to the context, what OpenAI's chat API does.)
 DEFAULT_MAX_TOKENS = 16
+# Stop strings are matched against every new piece of text: a bound on them bounds that work (OpenAI allows 4, vLLM
+# sets none).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 2048  # their lengths added up
 
 
 def prompt_room(max_model_len: int, max_tokens: int | None) -> int:
@@ -123,6 +127,10 @@ class SamplingParams:
                "must be an object")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        _check(sum(map(len, self.stop)) <= MAX_STOP_CHARS, "stop",
+               f"takes at most {MAX_STOP_CHARS} characters in all, got {sum(map(len, self.stop))}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",

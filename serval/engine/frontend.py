@@ -8,6 +8,8 @@ LLMEngine, or in the server's process while the core steps in its own (engine/co
 
 from __future__ import annotations
 
+import functools
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -136,6 +138,13 @@ class InputProcessor:
         return params.max_tokens
 
 
+@functools.lru_cache(maxsize=1024)
+def _stop_pattern(stops: tuple[str, ...]) -> re.Pattern:
+    """One regular expression for a request's stop strings (compiled once per set): the leftmost match, the longest
+    string at that place."""
+    return re.compile("|".join(re.escape(stop) for stop in sorted(set(stops), key=len, reverse=True)))
+
+
 @dataclass
 class _Sample:
     """Output-side state of one sample (one core request)."""
@@ -256,19 +265,21 @@ class OutputProcessor:
         if sample.logprobs is not None and out.new_logprobs:
             sample.logprobs.extend(out.new_logprobs)
         if stops and out.new_token_ids:
+            # One pass over the new text (and the tail a stop string could begin in) for all the stop strings at
+            # once: the earliest one found ends the sample.
             window_start = max(0, previous_len - max(map(len, stops)) + 1)
-            for stop in stops:
-                at = sample.text.find(stop, window_start)
-                if at != -1:
-                    if before is not None:  # the output ends with that token, as one token a step would end it
-                        kept = num_tokens + _tokens_to_reach(before, out.new_token_ids, at + len(stop) - previous_len)
-                        del sample.token_ids[kept:]
-                        if sample.logprobs is not None:
-                            del sample.logprobs[num_logprobs + kept - num_tokens:]
-                    keep = at + len(stop) if sample.params.include_stop_str_in_output else at
-                    sample.text = sample.text[:keep]
-                    sample.finish_reason, sample.stop_reason = "stop", stop
-                    return out.finish_reason is None
+            found = _stop_pattern(tuple(stops)).search(sample.text, window_start)
+            if found is not None:
+                at, stop = found.start(), found.group()
+                if before is not None:  # the output ends with that token, as one token a step would end it
+                    kept = num_tokens + _tokens_to_reach(before, out.new_token_ids, at + len(stop) - previous_len)
+                    del sample.token_ids[kept:]
+                    if sample.logprobs is not None:
+                        del sample.logprobs[num_logprobs + kept - num_tokens:]
+                keep = at + len(stop) if sample.params.include_stop_str_in_output else at
+                sample.text = sample.text[:keep]
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                return out.finish_reason is None
         if out.finish_reason is not None:
             sample.text += sample.detokenizer.flush()  # bytes of a character the output cut in half
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason

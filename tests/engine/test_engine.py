@@ -201,6 +201,18 @@ def test_stop_string_cut_across_token_boundaries(make_llm):
     assert kept.text == full[: full.index("kyo") + 3]
 
 
+def test_the_earliest_stop_string_in_the_text_ends_it_whatever_their_order(make_llm):
+    """All stop strings are matched in one pass over the new text: the one that begins first cuts it, so the text
+    holds none of them (" Tokyo" is one token, in which "kyo" and "Tok" complete together)."""
+    llm = make_llm()
+    prompt = "The capital city of Korea is"
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].text
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop=["kyo", "zzz", "Tok"]),
+                       use_tqdm=False)[0]
+    assert out.text == full[: full.index("Tok")]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "Tok"
+
+
 def test_streamed_text_never_leaks_a_stop_string(make_llm):
     engine = make_llm().engine
     engine.add_request("s", "The capital city of Korea is", SamplingParams(temperature=0, max_tokens=30,

@@ -69,6 +69,12 @@ BAD_REQUESTS = {  # case: (path, body, the param the error names)
                                         "response_format"),
     "chat-response_format-no-type": ("/v1/chat/completions", {"messages": HI, "response_format": {}},
                                      "response_format.type"),
+    # Bounded work per token: at most 16 stop strings of 2048 characters in all (one request of 10,000 slowed
+    # every other stream).
+    "stop-too-many": ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    "chat-stop-too-many": ("/v1/chat/completions", {"messages": HI, "stop": [f"s{i}" for i in range(10_000)]}, "stop"),
+    "stop-too-long": ("/v1/completions", {"prompt": "hi", "stop": ["x" * 1025, "y" * 1024]}, "stop"),
+    "prompt-too-many": ("/v1/completions", {"prompt": ["a"] * 257, "max_tokens": 1}, "prompt"),
     "tokenize-nothing": ("/tokenize", {}, "prompt"),
     "detokenize-negative-id": ("/detokenize", {"tokens": [-1]}, "tokens"),
 }
