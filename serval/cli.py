@@ -274,6 +274,7 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
     from serval.engine.async_engine import AsyncEngine
     from serval.engine.core_process import CoreProcessClient
     from serval.server.app import create_app
+    from serval.server.connections import guarded_protocol
 
     tls = from_args(TLSConfig, args)
     tls.validate()  # before the model loads: a bad certificate fails in a second, with one line
@@ -296,6 +297,9 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
     print(f"serval: chat template: {engine.tokenizer.chat_template_source}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            access_log=False,  # serval.requests has a line per request already
+                                           http=guarded_protocol(server_config.request_read_timeout,
+                                                                 server_config.max_connections),
+                                           timeout_keep_alive=server_config.keep_alive_timeout,
                                            # a backstop: the drain has aborted what still ran by then
                                            timeout_graceful_shutdown=args.shutdown_timeout + ABORTED_ANSWER_S,
                                            **tls.uvicorn_kwargs()))

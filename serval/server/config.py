@@ -42,6 +42,11 @@ class ServerConfig:
     max_prompts_per_request: int = field(default=256, metadata=flag(
         "most prompts in one completions request (400 past it)"))
     max_body_bytes: int = field(default=1 << 20, metadata=flag("413 for a larger request body"))
+    # Connections (server/connections.py): as nginx and uvicorn bound them, so a client cannot hold sockets forever.
+    request_read_timeout: float = field(default=10.0, metadata=flag(
+        "seconds a request's head and body may take to arrive, from the connection or the previous answer"))
+    keep_alive_timeout: float = field(default=5.0, metadata=flag("seconds an idle keep-alive connection stays open"))
+    max_connections: int = field(default=1000, metadata=flag("open connections past which a new one gets 503"))
     rate_limit_rpm: int | None = field(default=None, metadata=flag(
         "requests per minute per key (default: no limit)"))
     rate_limit_tpm: int | None = field(default=None, metadata=flag("tokens per minute per key (default: no limit)"))
@@ -51,3 +56,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.served_model_name is None:
             self.served_model_name = DEFAULT_MODEL
+        for name in ("request_read_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        for name in ("max_waiting", "max_prompts_per_request", "max_connections"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)!r}")
