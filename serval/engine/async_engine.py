@@ -104,7 +104,7 @@ class AsyncEngine(EngineClient):
     # -- requests ------------------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, session_id: str | None = None,
-                          end_session: bool = False) -> RequestStream:
+                          end_session: bool = False, tenant: str = "") -> RequestStream:
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
@@ -112,8 +112,8 @@ class AsyncEngine(EngineClient):
         stream = RequestStream(asyncio.Queue(), loop)
         with self._pending_lock:
             self._num_pending_adds += params.n  # queued sequences, as the engine will count them
-        self._commands.put(("add", request_id, prompt, params, (priority, session_id, end_session), stream,
-                            accepted))
+        self._commands.put(("add", request_id, prompt, params, (priority, session_id, end_session, tenant),
+                            stream, accepted))
         self._wake.set()
         if self.error is not None:  # the loop died since the check above: nobody else will answer this add
             self._refuse_pending_adds()
@@ -189,11 +189,11 @@ class AsyncEngine(EngineClient):
     def _drain_commands(self) -> None:
         for command in self._queued_commands():
             if command[0] == "add":
-                _, request_id, prompt, params, (priority, session_id, end_session), stream, accepted = command
+                _, request_id, prompt, params, (priority, session_id, end_session, tenant), stream, accepted = command
                 try:
                     if request_id in self._streams:
                         raise ValueError(f"request id {request_id!r} is already in use")
-                    self.engine.add_request(request_id, prompt, params, priority, session_id, end_session)
+                    self.engine.add_request(request_id, prompt, params, priority, session_id, end_session, tenant)
                 except Exception as exc:
                     stream.loop.call_soon_threadsafe(settle, accepted, None, exc)
                     continue

@@ -70,10 +70,10 @@ class EngineClient:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, session_id: str | None = None,
-                          end_session: bool = False) -> RequestStream:
+                          end_session: bool = False, tenant: str = "") -> RequestStream:
         """Queues a request; raises ValueError for bad input and EngineDeadError when no engine runs.
         ``session_id``: the conversation it is a turn of (its KV is kept for the next turn unless
-        ``end_session``)."""
+        ``end_session``). ``tenant``: whose request (server/tenancy.py); tenants' waiting requests take turns."""
         raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
@@ -98,10 +98,10 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0, session_id: str | None = None,
-                       end_session: bool = False) -> AsyncIterator[RequestOutput]:
+                       end_session: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """Queues a request and yields its outputs until the final one. Raises ValueError (bad input) before the
         first output. Leaving the loop early (client gone, task cancelled) aborts the request."""
-        stream = await self.add_request(request_id, prompt, params, priority, session_id, end_session)
+        stream = await self.add_request(request_id, prompt, params, priority, session_id, end_session, tenant)
         try:
             while True:
                 item = await stream.queue.get()

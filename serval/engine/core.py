@@ -55,6 +55,7 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     session_id: str | None = None  # a conversation: its KV is kept for the next turn (kv_cache.py, sessions)
     keep_session: bool = True  # False: the conversation's last turn
+    tenant: str = ""  # whose request (a digest of its API key): the scheduler takes tenants' waiting requests in turn
 
 
 @dataclass
@@ -280,7 +281,8 @@ class EngineCore:
         request = Request(request_id, list(core_request.prompt_token_ids), core_request.params,
                           frozenset(core_request.eos_token_ids), core_request.max_tokens, core_request.priority,
                           group_id=core_request.group_id, arrival_time=core_request.arrival_time,
-                          session_id=core_request.session_id, keep_session=core_request.keep_session)
+                          session_id=core_request.session_id, keep_session=core_request.keep_session,
+                          tenant=core_request.tenant)
         if error is not None:
             self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
         elif core_request.params.structured_outputs is not None:

@@ -256,7 +256,7 @@ class CoreProcessClient(EngineClient):
     # -- requests ------------------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, session_id: str | None = None,
-                          end_session: bool = False) -> RequestStream:
+                          end_session: bool = False, tenant: str = "") -> RequestStream:
         if not self.is_alive:
             raise EngineDeadError(f"the engine core is not running: {self.error}" if self.error else
                                   "the engine core is not running")
@@ -267,7 +267,7 @@ class CoreProcessClient(EngineClient):
         self._num_preparing += params.n  # its sequences, as the core will count them
         try:
             prompt_text, core_requests, frame = await asyncio.to_thread(
-                self._prepare, request_id, prompt, params, priority, session_id, end_session)  # ValueError
+                self._prepare, request_id, prompt, params, priority, session_id, end_session, tenant)  # ValueError
         finally:
             self._num_preparing -= params.n
         stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
@@ -280,9 +280,9 @@ class CoreProcessClient(EngineClient):
         self._send_frame(frame)
         return stream
 
-    def _prepare(self, request_id, prompt, params, priority, session_id, end_session):
+    def _prepare(self, request_id, prompt, params, priority, session_id, end_session, tenant):
         prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
-                                                          end_session)
+                                                          end_session, tenant)
         if core_requests[0].params.structured_outputs is not None:
             with self._grammar_setup_lock:  # once, before the first grammar (the byte table takes a second)
                 if not self._grammar_sent:

@@ -69,14 +69,15 @@ class LLMEngine:
 
     # -- requests in -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, session_id: str | None = None, end_session: bool = False) -> None:
+                    priority: int = 0, session_id: str | None = None, end_session: bool = False,
+                    tenant: str = "") -> None:
         """Queues a request. ``prompt`` is text (tokenized here) or token ids. Raises ValueError on bad input.
         ``session_id``: a conversation whose KV is kept for its next turn when this request ends (unless
         ``end_session``: its last turn)."""
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, core_requests = self.inputs.process(request_id, prompt, params, priority, session_id,
-                                                         end_session)
+                                                         end_session, tenant)
         if core_requests[0].params.structured_outputs is not None:
             self.core.setup_structured_outputs(self.inputs.grammar_compiler())
         self.outputs.add(request_id, prompt_text, core_requests)

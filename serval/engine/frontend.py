@@ -43,7 +43,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                 priority: int = 0, session_id: str | None = None,
-                end_session: bool = False) -> tuple[str | None, list[EngineCoreRequest]]:
+                end_session: bool = False, tenant: str = "") -> tuple[str | None, list[EngineCoreRequest]]:
         """(the prompt's text, one core request per sample). Raises ValueError on bad input. With n > 1 only the
         first sample continues the session: one answer is the conversation's next turn. Thread-safe; it tokenizes
         and checks a grammar, so a server calls it off its event loop."""
@@ -79,7 +79,7 @@ class InputProcessor:
                 child_params = SamplingParams(**{**params.__dict__, **changes})
             requests.append(EngineCoreRequest(child_id, prompt_ids, child_params, self.eos_token_ids, max_tokens,
                                               priority, request_id if params.n > 1 else None, arrival,
-                                              session_id if index == 0 else None, not end_session))
+                                              session_id if index == 0 else None, not end_session, tenant))
         return prompt_text, requests
 
     def _check_kv_transfer(self, params: SamplingParams) -> None:

@@ -44,6 +44,7 @@ class Request:
     group_id: str | None = None  # the n > 1 siblings of one prompt share it
     session_id: str | None = None  # a conversation whose KV outlives the request (KVCacheManager.pin_session)
     keep_session: bool = True  # False: the conversation's last turn, its session ends with it
+    tenant: str = ""  # whose request: waiting requests of equal priority are taken a tenant at a time, in turn
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -64,6 +64,8 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: list[Request] = []
+        self._tenant_turns: dict[str, int] = {}  # tenant -> the number of its latest admission
+        self._num_admissions = 0
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -150,6 +152,8 @@ class Scheduler:
             if num_new == 0:
                 break
             self.waiting.remove(request)
+            self._tenant_turns[request.tenant] = self._num_admissions  # its turn is taken
+            self._num_admissions += 1
             if not resumes:
                 self.kv_cache.record_prefix_query(request, num_hit_tokens)
                 self.kv_cache.record_offload_hit(hit_blocks)
@@ -314,7 +318,10 @@ class Scheduler:
                       if not (self.kv_cache.enable_prefix_caching and r.group_id in leaders_prefilling)
                       # Its prompt's KV is still on the way from a prefill worker.
                       and not (r.remote_kv is not None and r.remote_kv.staging is None)]
-        return min(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
+        # Of equal priority, the tenant whose last admission is oldest goes first: tenants take turns, so one
+        # key's backlog never starves another's (with one tenant, this is arrival order).
+        return min(candidates, key=lambda r: (r.priority, self._tenant_turns.get(r.tenant, -1), r.arrival_time),
+                   default=None)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -244,10 +244,12 @@ class OpenAIServing:
         session_id = body.session_id or (body.user if chat else None)
         if len(prompts) != 1:
             session_id = None
-        elif session_id is not None:
-            session_id = scoped(tenant_of(request, self.config.api_keys), session_id)
+        tenant = tenant_of(request, self.config.api_keys)
+        if session_id is not None:
+            session_id = scoped(tenant, session_id)
         streams = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt, params,
-                                        priority=body.priority, session_id=session_id, end_session=body.end_session)
+                                        priority=body.priority, session_id=session_id, end_session=body.end_session,
+                                        tenant=tenant)
                    for i, (prompt, _) in enumerate(prompts)]
         firsts = await self._first_outputs(request, body, streams, chat)
         if firsts is None:  # gone before the first token: all are aborted

@@ -39,7 +39,7 @@ GRAMMAR_PARAMS = SamplingParams(temperature=0, max_tokens=12, logit_bias={49151:
                                 structured_outputs=StructuredOutputsParams(json={"type": "object"}),
                                 kv_transfer_params={"do_remote_decode": True})
 REQUEST = EngineCoreRequest("chat-1#0", [1, 2, 3], GRAMMAR_PARAMS, [2], 12, priority=3, group_id="chat-1",
-                            arrival_time=5.25, session_id="s1", keep_session=False)
+                            arrival_time=5.25, session_id="s1", keep_session=False, tenant="9f86d081")
 ENTRY = TokenLogprobs(42, -0.25, 1, {42: -0.25, 7: -1.5})
 OUTPUTS = EngineCoreOutputs(
     [EngineCoreOutput("a", [42, 7], [ENTRY, ENTRY], "stop", "}", 16, (1, [ENTRY]), 3.0, None,
@@ -99,7 +99,7 @@ def test_an_unknown_message_is_a_named_error():
     (msgpack.packb(["EndSession", "s", "extra"]), "EndSession needs 1 fields"),
     (msgpack.packb(["FinishRequests", ["a"], "no such status"]), "a malformed FinishRequests: ValueError"),
     (msgpack.packb(["CoreReady", [1, 2]]), "EngineCoreInfo needs 6 fields"),
-    (msgpack.packb(["AddRequests", "not a list"]), "EngineCoreRequest needs 10 fields"),
+    (msgpack.packb(["AddRequests", "not a list"]), "EngineCoreRequest needs 11 fields"),
 ])
 def test_a_malformed_frame_is_a_named_error(frame, match):
     with pytest.raises(MessageError, match=match):

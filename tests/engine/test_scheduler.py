@@ -4,6 +4,7 @@ The runner is mimicked: a request gets a sampled token only in the step that com
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from collections.abc import Callable
@@ -298,6 +299,21 @@ def test_lower_priority_value_is_admitted_first_then_arrival_order():
     for out in run_to_completion(sched):
         order += [r.request_id for r in out.scheduled if r.request_id not in order]
     assert order == ["urgent", "hi", "hi-later", "late-low"]
+
+
+def test_tenants_take_turns_among_waiting_requests_of_equal_priority():
+    """One key's backlog does not starve another's: A queued five before B's two arrived, yet B's first runs second
+    and its second right after A's next; priority still comes first."""
+    sched = make_scheduler(max_num_seqs=1)
+    for i in range(5):
+        sched.add_request(dataclasses.replace(make_request(f"a{i}", 3, max_tokens=2), tenant="A"))
+    for i in range(2):
+        sched.add_request(dataclasses.replace(make_request(f"b{i}", 3, max_tokens=2), tenant="B"))
+    sched.add_request(dataclasses.replace(make_request("a-urgent", 3, max_tokens=2, priority=-1), tenant="A"))
+    order = []
+    for out in run_to_completion(sched):
+        order += [r.request_id for r in out.scheduled if r.request_id not in order]
+    assert order == ["a-urgent", "b0", "a0", "b1", "a1", "a2", "a3", "a4"]
 
 
 @pytest.mark.parametrize("short_of", ["seats", "blocks"])

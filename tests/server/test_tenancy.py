@@ -5,6 +5,7 @@ keys. Through the official client, on a server in the configuration users get (n
 from __future__ import annotations
 
 import re
+import threading
 import time
 import types
 
@@ -24,6 +25,14 @@ def two_keys(tmp_path_factory):
     server = Server(["--api-key", KEY_A, "--api-key", KEY_B], tmp_path_factory.mktemp("tenancy") / "serve.log",
                     api_keys=[KEY_A, KEY_B], dtype=None)
     with running({"two_keys": server}):
+        yield server.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def one_seat_two_keys(tmp_path_factory):
+    server = Server(["--api-key", KEY_A, "--api-key", KEY_B, "--max-num-seqs", "1"],
+                    tmp_path_factory.mktemp("tenancy") / "one-seat.log", api_keys=[KEY_A, KEY_B], dtype=None)
+    with running({"one_seat": server}):
         yield server.wait_ready()
 
 
@@ -132,3 +141,33 @@ def test_every_route_but_the_page_health_and_metrics_needs_the_key(two_keys):
             keyed = httpx.request(method, f"{two_keys.url}{path}", timeout=30,
                                   headers={"Authorization": f"Bearer {KEY_B}"})
             assert keyed.status_code != 401, (method, path)
+
+
+def test_one_keys_backlog_does_not_starve_another_key(one_seat_two_keys):
+    """One sequence runs at a time. Key A queues six prompts in one request; key B's one prompt, sent after, runs
+    as soon as A's first is done (tenants take turns in the waiting queue), not after all six."""
+    server = one_seat_two_keys
+    backlog = {}
+
+    def key_a() -> None:
+        backlog["a"] = server.client(KEY_A).completions.create(
+            model=MODEL, prompt=[f"Story {i}: once upon a time" for i in range(6)], max_tokens=24,
+            extra_body={"ignore_eos": True})
+
+    a = threading.Thread(target=key_a, daemon=True)
+    a.start()
+
+    def num_waiting() -> int:
+        return httpx.get(f"{server.url}/engine/state", headers={"Authorization": f"Bearer {KEY_A}"},
+                         timeout=10).json()["num_waiting"]
+
+    deadline = time.monotonic() + 120
+    while (queued := num_waiting()) < 5 and time.monotonic() < deadline:  # A's first runs, five wait
+        time.sleep(0.05)
+    assert queued == 5
+    b = server.client(KEY_B).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24,
+                                                extra_body={"ignore_eos": True})
+    assert b.usage.completion_tokens == 24
+    assert a.is_alive(), "B's one prompt waited for all of A's"
+    a.join(300)
+    assert [c.finish_reason for c in backlog["a"].choices] == ["length"] * 6
