@@ -47,10 +47,19 @@ def wait_for(condition, timeout: float, interval: float = 0.2):
         time.sleep(interval)
 
 
+_ports_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, and never one handed out before in this test process. Another process may still
+    take it before the server binds it: Server.wait_ready then starts the server again on another."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_handed_out:
+            _ports_handed_out.add(port)
+            return port
 
 
 def streamed_chat(client, messages: list[dict], max_tokens: int) -> tuple[list, str, list[str]]:
@@ -98,8 +107,15 @@ class Server:
 
     def wait_ready(self, timeout: float = LOAD_TIMEOUT_S) -> Server:
         deadline = time.monotonic() + timeout
+        num_port_retries = 3
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # The port was free when chosen, and something took it before the server bound it: another one.
+                if "Address already in use" in self.log() and num_port_retries > 0:
+                    num_port_retries -= 1
+                    self.port = free_port()
+                    self.start()
+                    continue
                 raise RuntimeError(f"serval serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
                 if httpx.get(f"{self.url}/health", headers=self.headers, timeout=2).status_code == 200:
