@@ -162,9 +162,9 @@ def test_one_keys_backlog_does_not_starve_another_key(one_seat_two_keys):
                          timeout=10).json()["num_waiting"]
 
     deadline = time.monotonic() + 120
-    while (queued := num_waiting()) < 5 and time.monotonic() < deadline:  # A's first runs, five wait
+    while (queued := num_waiting()) < 5 and time.monotonic() < deadline:  # A queued
         time.sleep(0.05)
-    assert queued == 5
+    assert queued >= 5  # five, or all six before the first takes the seat
     b = server.client(KEY_B).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24,
                                                 extra_body={"ignore_eos": True})
     assert b.usage.completion_tokens == 24
