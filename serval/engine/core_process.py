@@ -375,3 +375,9 @@ class CoreProcessClient(EngineClient):
 
 if __name__ == "__main__":  # the core process: `python -m serval.engine.core_process`, settings on stdin
     run_engine_core(*pickle.loads(sys.stdin.buffer.read()))
+    # Its sockets are closed and its files written: the interpreter's teardown (the model's tensors freed one at a
+    # time, torch's exit handlers) only delays the server's exit, by 1 s measured on two quiet cores.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,8 +1,9 @@
 """Bounds on connections that uvicorn leaves open: a request must arrive whole (its head and its body) within
 ``request_read_timeout`` of the connection opening or of the previous answer, and past ``max_connections`` open
 connections a new one is answered 503 and closed. Idle keep-alive connections close after uvicorn's own
-``timeout_keep_alive``. Without these a client that sends a header line every few seconds (slowloris), or just opens
-sockets, holds them until the file-descriptor limit."""
+``timeout_keep_alive``. At shutdown, a connection whose request is still arriving is closed at once. Without these
+a client that sends a header line every few seconds (slowloris), or just opens sockets, holds them until the
+file-descriptor limit."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ class _ConnectionGuard:
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._arm_read_timer()
+
+    def shutdown(self) -> None:
+        # The server stops: a request whose body is still arriving has not started and never will (new work is
+        # refused). uvicorn's own shutdown would wait for its answer, up to the graceful timeout.
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and cycle.more_body:
+            self.transport.close()
+            return
+        super().shutdown()
 
     def connection_lost(self, exc) -> None:
         if self._read_timer is not None:

@@ -255,6 +255,36 @@ def test_sigterm_at_the_shutdown_timeout_aborts_each_stream_with_a_final_chunk(t
     assert_nothing_left(tree, dirs)
 
 
+def test_sigterm_exits_without_waiting_for_requests_still_arriving(tmp_path):
+    """A request whose body is still arriving, one whose head is, and an idle keep-alive connection do not hold
+    the exit: with a 30 s drain and a 120 s read limit, the server ends seconds after its last stream. (It used to
+    wait for them until uvicorn's graceful timeout, 35 s here: the half-sent body kept it.)"""
+    server = start(tmp_path, "arriving", "--shutdown-timeout", "30", "--request-read-timeout", "120").wait_ready()
+    tree, dirs = descendants(server.proc.pid), ipc_dirs(server.proc.pid)
+    half_body = socket.create_connection(("127.0.0.1", server.port))
+    half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    half_head = socket.create_connection(("127.0.0.1", server.port))
+    half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    idle = socket.create_connection(("127.0.0.1", server.port))
+    idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+    body = {**LONG, "max_tokens": 16, "prompt": "A short story:", "stream": True}
+    done = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        next(lines)  # the stream runs
+        server.proc.send_signal(signal.SIGTERM)
+        done += [line for line in lines if line == "data: [DONE]"]
+    assert done, "the running stream did not finish"  # it finishes whole: the drain has 30 s
+    assert server.proc.wait(GONE_WITHIN_S) == 0, server.log()[-3000:]
+    for sock in (half_body, half_head, idle):
+        sock.settimeout(5)
+        assert sock.recv(4096) == b""  # closed by the server, not left for the kernel to reset
+        sock.close()
+    assert_nothing_left(tree, dirs)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 @pytest.mark.parametrize("phase", ["start-up", "idle", "load"])
 def test_no_process_or_folder_outlives_the_server(tmp_path, phase, sig):
