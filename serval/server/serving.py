@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serval.chat import build_chat_prompt
 from serval.engine.client import EngineClient, EngineDeadError
@@ -276,9 +276,11 @@ class OpenAIServing:
         if not await unless_disconnected(request, collect()):  # aborted (merged's streams end): one line says so
             log_aborted(log, finals)
             return Response(status_code=499)  # nobody reads it: the status logged for a client that left
-        result = full_response(shape, finals)
+        # Off the event loop: an echoed prompt's logprobs or n samples' top logprobs are megabytes of JSON, and
+        # rendering them took 1.5 s in which no other stream moved (FastAPI would also re-encode a returned dict).
+        result = await asyncio.to_thread(full_response, shape, finals)
         log_usage(log, result["usage"])
-        return result
+        return await asyncio.to_thread(JSONResponse, result)
 
     def _admit(self, request: Request, prompts: list, params: SamplingParams) -> None:
         """Load shedding and rate limits: an OpenAIError (503, 429) when this request must wait."""
@@ -410,8 +412,11 @@ class OpenAIServing:
             if shape.chat:
                 yield renderer.role_chunk()
             async for prompt_index, output in self._observe(merged, renderer.choices, shape.params.n, started, log):
+                # A prompt's first chunk echoes it, with its tokens' logprobs when asked: megabytes, off the loop.
+                heavy = shape.echo and shape.params.logprobs is not None and prompt_index not in latest
                 latest[prompt_index] = output
-                chunk = renderer.add(prompt_index, output)
+                chunk = (await asyncio.to_thread(renderer.add, prompt_index, output) if heavy
+                         else renderer.add(prompt_index, output))
                 if chunk is not None:
                     yield chunk
             counts = renderer.usage()

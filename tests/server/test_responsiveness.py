@@ -4,6 +4,7 @@ the event loop and off the step loop, and oversized grammars are refused with a 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -210,3 +211,92 @@ def test_a_client_that_leaves_a_many_prompt_stream_aborts_every_prompt(server):
     assert wait_for(lambda: idle(server), timeout=60), httpx.get(f"{server.url}/engine/state", timeout=10).json()
     r = server.client().completions.create(model=MODEL, prompt="Afterwards,", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
+
+
+# -- rendering big answers ------------------------------------------------------------------------------------------
+RENDER_GATE_HOOK = """\
+import os, pathlib, time
+if os.environ.get("SERVAL_TEST_RENDER_GATE"):
+    gate = pathlib.Path(os.environ["SERVAL_TEST_RENDER_GATE"])
+    import serval.server.render as render
+    import serval.server.serving as serving
+
+    def gated(function):
+        def wrapper(*args, **kwargs):
+            try:
+                (gate / "armed").unlink()  # only the first render once armed waits
+            except FileNotFoundError:
+                return function(*args, **kwargs)
+            (gate / "rendering").touch()
+            while not (gate / "open").exists():
+                time.sleep(0.02)
+            return function(*args, **kwargs)
+        return wrapper
+
+    serving.full_response = gated(serving.full_response)  # a whole answer
+    render.prompt_logprobs = gated(render.prompt_logprobs)  # a stream's echoed prompt with its logprobs
+"""
+
+
+@pytest.fixture(scope="module")
+def gated_server(tmp_path_factory):
+    """A server whose first render of an answer once ``gate/armed`` exists waits until ``gate/open`` does (a
+    sitecustomize hook): while it waits, the server must answer other requests, which it cannot if the render holds
+    its event loop."""
+    folder = tmp_path_factory.mktemp("serval-render-gate")
+    (folder / "hook").mkdir()
+    (folder / "hook" / "sitecustomize.py").write_text(RENDER_GATE_HOOK)
+    gate = folder / "gate"
+    gate.mkdir()
+    s = Server([], folder / "serve.log")
+    path = os.pathsep.join(p for p in (str(folder / "hook"), os.environ.get("PYTHONPATH", "")) if p)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", path)
+        patch.setenv("SERVAL_TEST_RENDER_GATE", str(gate))
+        s.start()
+    try:
+        yield s.wait_ready(), gate
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("request_body", [
+    {"url": "/v1/chat/completions", "n": 16, "logprobs": True, "top_logprobs": 20,
+     "messages": [{"role": "user", "content": "Tell me a story."}]},
+    {"url": "/v1/completions", "prompt": "word " * 2000, "echo": True, "logprobs": 20, "stream": True},
+], ids=["chat-n16-top-logprobs-20", "streamed-echo-logprobs-20"])
+def test_other_requests_are_answered_while_a_big_answer_renders(gated_server, request_body):
+    """The answer of n samples' top logprobs, or of an echoed prompt's logprobs, is megabytes of JSON: rendered
+    on the event loop it stood every other stream still (1.5 s at n=16, 256 tokens, measured). Off the loop, a
+    chat is answered while it renders."""
+    server, gate = gated_server
+    (gate / "open").unlink(missing_ok=True)
+    (gate / "rendering").unlink(missing_ok=True)
+    (gate / "armed").touch()
+    url, body = request_body["url"], {k: v for k, v in request_body.items() if k != "url"}
+    big: list = []
+
+    def send() -> None:
+        with httpx.stream("POST", f"{server.url}{url}", timeout=300,
+                          json={"model": MODEL, "max_tokens": 16, **body}) as response:
+            big.append((response.status_code, response.read()))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        assert wait_for(lambda: (gate / "rendering").exists(), timeout=120)
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=HEALTH_DEADLINE_S, json=chat_body())
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4
+        assert sender.is_alive()  # still held at the gate: the chat was answered during the render
+    finally:
+        (gate / "open").touch()
+        sender.join(timeout=120)
+    status, content = big[0]
+    assert status == 200, content[:500]
+    if body.get("stream"):
+        assert content.rstrip().endswith(b"data: [DONE]")
+        first = json.loads(content.split(b"\n\n")[0].removeprefix(b"data: "))
+        assert len(first["choices"][0]["logprobs"]["top_logprobs"]) > 2000
+    else:
+        choices = json.loads(content)["choices"]
+        assert len(choices) == 16 and all(len(c["logprobs"]["content"][0]["top_logprobs"]) == 20 for c in choices)
