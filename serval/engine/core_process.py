@@ -31,7 +31,14 @@ import zmq
 
 from serval.config import EngineConfig
 from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
-from serval.engine.core import EngineCore, EngineCoreInfo, EngineCoreOutputs, EngineCoreStats
+from serval.engine.core import (
+    STRUCTURED_OUTPUTS_MODULE,
+    EngineCore,
+    EngineCoreInfo,
+    EngineCoreOutputs,
+    EngineCoreStats,
+    import_in_background,
+)
 from serval.engine.frontend import InputProcessor, OutputProcessor
 from serval.engine.messages import (
     AddRequests,
@@ -185,6 +192,7 @@ class CoreProcessClient(EngineClient):
         self.max_model_len, self.vocab_size, self.load_time = info.max_model_len, info.vocab_size, info.load_time
         self.kv_transfer_address = info.kv_transfer_address
         self._inputs = InputProcessor(config, self.tokenizer, info)
+        import_in_background(STRUCTURED_OUTPUTS_MODULE)  # the front end checks grammars with it
         self._outputs = OutputProcessor(self.tokenizer)
         self._stats = EngineCoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
         self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
