@@ -22,7 +22,7 @@ from serval.server.protocol import (
     now,
 )
 from serval.server.responses import ResponsesRequest
-from serval.server.serving import OpenAIServing
+from serval.server.serving import OpenAIServing, json_answer
 
 STATIC = Path(__file__).parent / "static"
 
@@ -92,11 +92,11 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     # -- generation --------------------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await serving.completions(body, request)
+        return await json_answer(await serving.completions(body, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, request)
+        return await json_answer(await serving.chat(body, request))
 
     @app.delete("/v1/sessions/{session_id}")
     async def end_session(session_id: str, request: Request):
@@ -105,7 +105,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        return await serving.responses(body, request)
+        return await json_answer(await serving.responses(body, request))
 
     @app.api_route("/v1/responses/{response_id}", methods=READ_METHODS)
     async def get_response(response_id: str, request: Request):

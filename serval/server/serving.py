@@ -277,10 +277,10 @@ class OpenAIServing:
             log_aborted(log, finals)
             return Response(status_code=499)  # nobody reads it: the status logged for a client that left
         # Off the event loop: an echoed prompt's logprobs or n samples' top logprobs are megabytes of JSON, and
-        # rendering them took 1.5 s in which no other stream moved (FastAPI would also re-encode a returned dict).
+        # rendering them took 1.5 s in which no other stream moved (the route encodes it off the loop too: json_answer).
         result = await asyncio.to_thread(full_response, shape, finals)
         log_usage(log, result["usage"])
-        return await asyncio.to_thread(JSONResponse, result)
+        return result
 
     def _admit(self, request: Request, prompts: list, params: SamplingParams) -> None:
         """Load shedding and rate limits: an OpenAIError (503, 429) when this request must wait."""
@@ -436,6 +436,12 @@ class OpenAIServing:
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"  # outside the try: a client gone by now was logged as served, not again as aborted
+
+
+async def json_answer(result: dict | Response) -> Response:
+    """An endpoint's answer as a response, a dict JSON-encoded on a worker thread: FastAPI would encode it on the
+    event loop (and walk it twice, jsonable_encoder first), megabytes for logprobs."""
+    return result if isinstance(result, Response) else await asyncio.to_thread(JSONResponse, result)
 
 
 def completion_prompts(prompt, max_prompts: int) -> list:
