@@ -271,8 +271,6 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
     """Loads the engine (appended to ``engines``) and serves on ``listener`` until a signal or the engine's death."""
     import uvicorn
 
-    from serval.engine.async_engine import AsyncEngine
-    from serval.engine.core_process import CoreProcessClient
     from serval.server.app import create_app
     from serval.server.connections import guarded_protocol
 
@@ -285,7 +283,11 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
     logging.getLogger("serval.requests").setLevel(logging.WARNING if args.disable_log_requests
                                                   else min(logging.INFO, root_level))
     print(f"serval: loading {server_config.served_model_name} ...", file=sys.stderr, flush=True)
-    engine = (AsyncEngine if args.engine_in_process else CoreProcessClient).from_config(config)
+    if args.engine_in_process:
+        from serval.engine.async_engine import AsyncEngine as client
+    else:  # the server's process imports neither the engine core nor torch
+        from serval.engine.core_client import CoreProcessClient as client
+    engine = client.from_config(config)
     engines.append(engine)
     engine.start()
     app = create_app(engine, server_config)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serval.layers.sampler import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of the raw model distribution at one position (before penalties, temperature and filters)."""
+
+    token_id: int
+    logprob: float  # of the sampled token
+    rank: int  # 1 = most likely
+    top: dict[int, float]  # top-N token id -> logprob, most likely first (N = params.logprobs; empty when 0)
 
 
 @dataclass

@@ -12,12 +12,25 @@ GENERATION_CONFIG_DEFAULT = "auto"
 
 
 @dataclass
+class ToolCallsGrammar:
+    """Tool calls as a grammar (a required tool choice, or a named function): one block between ``start`` and
+    ``end`` holding a JSON call ``{"name": ..., "arguments": ...}`` of one of ``functions`` (each ``{"name": ...,
+    "parameters": <its JSON schema>}``), whose arguments follow its schema; several blocks, one a line, when
+    ``repeat``. The engine writes the grammar (the server's process has no grammar library)."""
+
+    functions: list[dict]
+    start: str
+    end: str
+    repeat: bool = False
+
+
+@dataclass
 class StructuredOutputsParams:
-    """A grammar the output must follow: exactly one of the fields (vLLM's names).
+    """A grammar the output must follow: exactly one of the fields (vLLM's names, and tool_calls).
 
     ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON object; ``regex``; ``choice``: one of
-    these strings; ``grammar``: an EBNF grammar with a ``root`` rule. Compiled and enforced by the engine
-    (engine/structured_output.py); compile errors are ValueErrors.
+    these strings; ``grammar``: an EBNF grammar with a ``root`` rule; ``tool_calls``: a chat's tool calls. Compiled
+    and enforced by the engine core (engine/structured_output.py); compile errors are ValueErrors.
     """
 
     json: dict | str | None = None
@@ -25,22 +38,34 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    tool_calls: ToolCallsGrammar | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if isinstance(self.tool_calls, dict):
+            self.tool_calls = ToolCallsGrammar(**self.tool_calls)
+        given = [name for name in ("json", "regex", "choice", "grammar", "tool_calls")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         _check(len(given) == 1, "structured_outputs",
-               f"must set exactly one of json, json_object, regex, choice, grammar; got {given or 'none'}")
+               f"must set exactly one of json, json_object, regex, choice, grammar, tool_calls; got {given or 'none'}")
         _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json",
                "must be a JSON schema (an object, or its JSON text)")
         _check(self.regex is None or isinstance(self.regex, str), "structured_outputs.regex", "must be a string")
         _check(self.grammar is None or isinstance(self.grammar, str), "structured_outputs.grammar",
                "must be a string")
+        _check(self.tool_calls is None or isinstance(self.tool_calls, ToolCallsGrammar),
+               "structured_outputs.tool_calls", "must be a ToolCallsGrammar")
         if self.choice is not None:
             _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
                    and all(isinstance(c, str) and c for c in self.choice), "structured_outputs.choice",
                    "must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: what an error about this grammar names."""
+        return next(name for name in ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
+                    if getattr(self, name) not in (None, False))
 
 
 # max_tokens when a request leaves it out: vLLM's SamplingParams default and OpenAI's documented one for

@@ -6,7 +6,8 @@ final text, tokens and finish)."""
 from __future__ import annotations
 
 from serval import LLM
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
+from serval.engine.messages import EngineCoreRequest
 from serval.engine.request import RequestStatus
 from serval.sampling_params import SamplingParams
 

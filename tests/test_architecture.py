@@ -8,6 +8,8 @@ import argparse
 import ast
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,7 +148,7 @@ def test_tensors_stay_where_the_architecture_document_says():
 
 
 def _message_classes(direction: str) -> list[str]:
-    """The class names engine/messages.py lists in COMMANDS or REPLIES."""
+    """The class names engine/messages.py lists in COMMANDS, REPLIES or PAYLOADS."""
     tree = ast.parse((REPO / "serval" / "engine" / "messages.py").read_text())
     value = next(n.value for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == direction)
     return [element.id for element in value.elts]
@@ -163,17 +165,32 @@ def _match_cases(path: Path, functions: set[str]) -> set[str]:
 def test_the_architecture_document_names_every_message_between_front_end_and_core():
     commands, replies = _message_classes("COMMANDS"), _message_classes("REPLIES")
     assert {"AddRequests", "FinishRequests", "EngineCoreOutputs"} <= set(commands + replies)
-    # Every dataclass messages.py defines is one of the two directions.
+    # Every dataclass messages.py defines is a message of one of the two directions, or what they carry.
     tree = ast.parse((REPO / "serval" / "engine" / "messages.py").read_text())
     defined = [n.name for n in tree.body if isinstance(n, ast.ClassDef)
                and any(getattr(d, "id", None) == "dataclass" for d in n.decorator_list)]
-    assert [name for name in defined if name not in commands + replies] == []
+    assert [name for name in defined if name not in commands + replies + _message_classes("PAYLOADS")] == []
     text = ARCHITECTURE.read_text()
     assert [name for name in commands + replies if f"`{name}" not in text] == []
     # The core's loop has a case for every command; the front end's start and output thread one for every reply.
-    core_process = REPO / "serval" / "engine" / "core_process.py"
-    assert sorted(set(commands) - _match_cases(core_process, {"_core_loop"})) == []
-    assert sorted(set(replies) - _match_cases(core_process, {"_wait_ready", "_read_outputs"})) == []
+    engine = REPO / "serval" / "engine"
+    assert sorted(set(commands) - _match_cases(engine / "core_process.py", {"_core_loop"})) == []
+    assert sorted(set(replies) - _match_cases(engine / "core_client.py", {"_wait_ready", "_read_outputs"})) == []
+
+
+def test_the_server_and_front_end_modules_import_neither_torch_nor_the_engine_core():
+    """What `serval serve` imports for its default engine (a core process): no torch, no engine core, no xgrammar
+    (which imports torch); the core process has them. (EngineConfig still settles its device and dtype with torch
+    when it is built, in the server's process too.) Through a real server: tests/server/test_responsiveness.py::
+    test_the_server_process_has_no_grammar_library_and_its_core_loads_it_before_the_first_grammar."""
+    script = ("import sys\n"
+              "import serval.cli, serval.server.app, serval.engine.core_client\n"
+              "from serval.cli import build_parser\n"
+              "build_parser()\n"
+              "heavy = ('torch', 'xgrammar', 'serval.engine.core', 'serval.layers', 'serval.model.loader')\n"
+              "print(sorted(m for m in heavy if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_readme_and_docs_link_only_inside_the_repository():

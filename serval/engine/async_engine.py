@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 from serval.config import EngineConfig
 from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
-from serval.engine.core import EngineCoreStats
 from serval.engine.engine import LLMEngine
+from serval.engine.messages import EngineCoreStats
 from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """EngineClient: the one interface the server (and later a router) uses to reach an engine.
 
 Two implementations: AsyncEngine (engine/async_engine.py) steps an LLMEngine on a thread of this process;
-CoreProcessClient (engine/core_process.py) keeps the front end here and the EngineCore in its own process. Both
+CoreProcessClient (engine/core_client.py) keeps the front end here and the EngineCore in its own process. Both
 stream RequestOutputs into one asyncio queue per request; this base class owns those streams.
 """
 
@@ -12,7 +12,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from serval.engine.core import EngineCoreStats
+from serval.engine.messages import EngineCoreStats
 from serval.model.sampling_defaults import SamplingDefaults
 from serval.outputs import RequestOutput
 from serval.sampling_params import SamplingParams

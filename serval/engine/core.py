@@ -3,18 +3,16 @@
 It knows nothing of text: requests come in as token ids with resolved limits, and every step hands back, for all
 requests at once, the new token ids, their logprobs and the finish reasons. The front end (engine/frontend.py)
 tokenizes, detokenizes, checks stop strings and builds outputs. The same core runs inside LLMEngine (offline,
-tests) and in its own process for `serve` (engine/core_process.py); the messages below are what crosses.
+tests) and in its own process for `serve` (engine/core_process.py); what crosses is engine/messages.py's.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from serval.config import EngineConfig
@@ -23,17 +21,22 @@ from serval.engine.kv_cache import KVCacheManager
 from serval.engine.kv_offload import BlockStore, OffloadIndex
 from serval.engine.kv_transfer import KVConnector, ZmqKVConnector, prompt_hash
 from serval.engine.memory_profile import num_kv_blocks
+from serval.engine.messages import (
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreStats,
+)
 from serval.engine.request import RemoteKV, Request, RequestStatus
 from serval.engine.runner import LaunchedRun, ModelRunner, ModelRunnerOutput, kv_cache_block_bytes
 from serval.engine.scheduler import Scheduler, SchedulerOutput
 from serval.engine.spec_decode import NgramProposer
 from serval.engine.workers import start_ranks
 from serval.layers.linear import use_activation_quantization, use_dot_products
-from serval.layers.sampler import TokenLogprobs
 from serval.model.llama import use_cpu_layers
 from serval.model.loader import has_4bit_blocks, load_model
 from serval.model.registry import resolve_model_path
-from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -41,123 +44,6 @@ logger = logging.getLogger(__name__)
 PROMPT_CHUNK_TIMING_TOKENS = 32
 # With nothing to run but grammars compiling, a step waits this long for one (rather than spin) and returns.
 GRAMMAR_WAIT_S = 0.05
-
-
-@dataclass
-class EngineCoreRequest:
-    """A request as the core takes it: already tokenized and validated, one per sample (n fans out before)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: list[int]
-    max_tokens: int  # resolved against the context window
-    priority: int = 0
-    group_id: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    session_id: str | None = None  # a conversation: its KV is kept for the next turn (kv_cache.py, sessions)
-    keep_session: bool = True  # False: the conversation's last turn
-    tenant: str = ""  # whose request (a digest of its API key): the scheduler takes tenants' waiting requests in turn
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step did for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id that ended it
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    # Prompt logprobs computed this step: (index of the first prompt token scored, one entry per token).
-    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
-    first_scheduled_time: float | None = None
-    error: str | None = None
-    kv_transfer_params: dict | None = None  # a prefill worker's finished request: where its KV is held
-
-
-@dataclass
-class EngineCoreStats:
-    """Counters and gauges of the core, sent with every step's outputs (the live view, metrics, load shedding)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_scheduled_tokens: int = 0  # tokens run through the model (prompt chunks, recompute, decodes)
-    num_generated_tokens: int = 0
-    num_finished_requests: int = 0
-    num_received_requests: int = 0  # adds taken; the front end subtracts it from the adds it sent
-    # Conversation sessions: requests that found their session held, the prompt tokens they found cached, and
-    # the sessions and blocks held now.
-    session_requests: int = 0
-    session_hit_tokens: int = 0
-    num_sessions: int = 0
-    session_blocks: int = 0
-    # The KV cache's second tier (zeros without one): preemptions that swapped out, blocks copied each way, prompt
-    # tokens found there, and its blocks now (cached, swapped out, all).
-    num_swaps: int = 0
-    offload_saved_blocks: int = 0
-    offload_loaded_blocks: int = 0
-    offload_hit_tokens: int = 0
-    offload_cached_blocks: int = 0
-    offload_swapped_blocks: int = 0
-    offload_blocks: int = 0
-    # Speculative decoding: steps that checked a request's guesses, guesses checked, guesses accepted, and how
-    # often the guess at each position (1st, 2nd, ...) was accepted.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_position: list[int] = field(default_factory=list)
-    last_batch_size: int = 0
-    last_batch_tokens: int = 0
-    # Disaggregated prefill/decode (engine/kv_transfer.py): blocks held for decode workers now, blocks and bytes
-    # sent and received, holds that expired unfetched, fetches that fell back to computing the prompt here.
-    kv_held_blocks: int = 0
-    kv_sent_blocks: int = 0
-    kv_sent_early_blocks: int = 0  # of those, sent while their prompt's prefill still computed
-    kv_sent_bytes: int = 0
-    kv_received_blocks: int = 0
-    kv_received_bytes: int = 0
-    kv_expired_holds: int = 0
-    kv_failed_fetches: int = 0
-    kv_fetches: int = 0
-    kv_fetch_seconds: float = 0.0
-
-
-@dataclass
-class EngineCoreOutputs:
-    outputs: list[EngineCoreOutput]
-    stats: EngineCoreStats
-
-
-@dataclass
-class EngineCoreInfo:
-    """What a front end needs to know of the core it talks to (sent once, when the core is ready)."""
-
-    model_path: str
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    load_time: float
-    kv_transfer_address: str | None = None  # a prefill worker's KV server, where decode workers fetch its blocks
-
-
-# Grammars' module: xgrammar takes 0.7 s to import (measured), on the step loop a stall of every stream at the first
-# request with a grammar. Imported on a thread once the model is loaded instead (during the load it would compete
-# with it: start-up took 1 s longer).
-STRUCTURED_OUTPUTS_MODULE = "serval.engine.structured_output"
-
-
-def import_in_background(module: str) -> None:
-    """Imports ``module`` on a daemon thread, most likely done by the time a request needs it."""
-    threading.Thread(target=importlib.import_module, args=(module,), name="serval-import", daemon=True).start()
 
 
 class EngineCore:
@@ -201,14 +87,14 @@ class EngineCore:
         if self.runner.draft is not None or self.group is not None:  # they follow the forwards one at a time
             self.scheduler.max_decode_steps = 1
         self.stats.spec_accepted_per_position = [0] * config.speculative.num_speculative_tokens
-        self.structured = None  # StructuredOutputManager, once a front end sets it up (setup_structured_outputs)
+        self.structured = None  # StructuredOutputManager, once a grammar needs it (_structured_outputs)
+        self._structured_lock = threading.Lock()  # prepare_structured_outputs makes it on a thread
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar compiles: not scheduled yet
         self._requests: dict[str, Request] = {}
         self._unreported: set[str] = set()  # requests whose first scheduling the front end has not heard of yet
         self._pending: list[EngineCoreOutput] = []  # outputs of requests that ended outside a step
         self._launched: LaunchedRun | None = None  # a run queued by async scheduling, read by the next step
         self.info.load_time = time.perf_counter() - start
-        import_in_background(STRUCTURED_OUTPUTS_MODULE)
 
     def _decode_buckets(self, max_model_len: int) -> DecodeBuckets | None:
         """Padded decode buckets (captured in CUDA graphs) on a GPU, unless --enforce-eager; model-parallel ranks run
@@ -274,12 +160,23 @@ class EngineCore:
         self.offload_store = None
 
     # -- requests in -------------------------------------------------------------------------------------------
-    def setup_structured_outputs(self, compiler) -> None:
-        """Readies grammar-constrained requests with a front end's GrammarCompiler (the core has no tokenizer), sent
-        once a request asks for a grammar."""
-        if self.structured is None:
-            from serval.engine.structured_output import StructuredOutputManager
-            self.structured = StructuredOutputManager(compiler, self.config.structured_outputs.compile_timeout_s)
+    def prepare_structured_outputs(self) -> None:
+        """Imports xgrammar and builds the grammar compiler on a thread now (the server's core, once loaded), not
+        when the first request with a grammar comes: the import alone took 0.7 s, and on the step loop it stood
+        every stream still."""
+        threading.Thread(target=lambda: self._structured_outputs().prepare(), name="serval-grammar-setup",
+                         daemon=True).start()
+
+    def _structured_outputs(self):
+        """The StructuredOutputManager, made at the first call (xgrammar is imported then)."""
+        with self._structured_lock:
+            if self.structured is None:
+                from serval.engine.structured_output import GrammarCompiler, StructuredOutputManager
+
+                model_path, vocab_size = self.info.model_path, self.info.vocab_size
+                self.structured = StructuredOutputManager(lambda: GrammarCompiler.for_model(model_path, vocab_size),
+                                                          vocab_size, self.config.structured_outputs.compile_timeout_s)
+            return self.structured
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request. A duplicate id or a grammar that does not compile fails that request alone (an error
@@ -290,8 +187,6 @@ class EngineCore:
         error = None
         if request_id in self._requests or request_id in self._grammar_waiting:
             error = f"request id {request_id!r} is already in use"
-        elif core_request.params.structured_outputs is not None and self.structured is None:
-            error = "structured outputs are not set up in this engine core"
         request = Request(request_id, list(core_request.prompt_token_ids), core_request.params,
                           frozenset(core_request.eos_token_ids), core_request.max_tokens, core_request.priority,
                           group_id=core_request.group_id, arrival_time=core_request.arrival_time,
@@ -301,7 +196,7 @@ class EngineCore:
             self._pending.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
         elif core_request.params.structured_outputs is not None:
             self._grammar_waiting[request_id] = request
-            self.structured.submit(request_id, core_request.params.structured_outputs)
+            self._structured_outputs().submit(request_id, core_request.params.structured_outputs)
         else:
             self._schedule(request)
 

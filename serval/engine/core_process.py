@@ -1,72 +1,45 @@
-"""The EngineCore in its own process, and CoreProcessClient: the front end that talks to it over ZeroMQ.
+"""The EngineCore in its own process (`python -m serval.engine.core_process`, started by engine/core_client.py).
 
-Why a process: the server's HTTP/SSE loop, tokenizing and detokenizing then never share a GIL with the step
-loop. The front end (this process) binds two ipc:// sockets in a private folder, removed as soon as the core has
-connected both (CoreConnected): it PUSHes adds and finishes to the core, and PULLs each step's outputs (token ids,
-logprobs, finish reasons, the core's counters) back. The messages, one dataclass per kind, and their msgpack frames
-are in engine/messages.py.
-
-The core process exits when told to, when its loop dies (after saying why), or when its parent is gone. The
-front end notices a core that exits for any reason (a kill included) within a poll interval and fails every
-open stream with EngineDeadError: nothing waits on a dead core.
+It connects two ipc:// sockets the front end bound: it PULLs adds and finishes, and PUSHes each step's outputs (token
+ids, logprobs, finish reasons, the core's counters) back; the messages, one dataclass per kind, and their msgpack
+frames are in engine/messages.py. It exits when told to, when its loop dies (after saying why), or when its parent
+is gone.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
 import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import traceback
-from pathlib import Path
 
 import zmq
 
 from serval.config import EngineConfig
-from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
-from serval.engine.core import (
-    STRUCTURED_OUTPUTS_MODULE,
-    EngineCore,
-    EngineCoreInfo,
-    EngineCoreOutputs,
-    EngineCoreStats,
-    import_in_background,
-)
-from serval.engine.frontend import InputProcessor, OutputProcessor
+from serval.engine.core import EngineCore
 from serval.engine.messages import (
+    POLL_MS,
     AddRequests,
     CoreConnected,
     CoreDead,
     CoreFailed,
     CoreReady,
     EndSession,
+    EngineCoreOutputs,
     FinishRequests,
     KVStateQuery,
     KVStateReply,
     MessageError,
-    SetupGrammar,
     Shutdown,
     decode,
     encode,
 )
-from serval.engine.request import RequestStatus
 from serval.lifetime import end_with_parent
-from serval.model.registry import resolve_model_path
-from serval.model.sampling_defaults import resolve_sampling_defaults
-from serval.sampling_params import SamplingParams
-from serval.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-POLL_MS = 200  # how often an idle side checks that the other is still there
-
 
 # -- the core's process --------------------------------------------------------------------------------------------
 def run_engine_core(config: EngineConfig, model_path: str, input_address: str, output_address: str,
@@ -92,6 +65,7 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
         results.close(linger=5000)
         return
     results.send(encode(CoreReady(core.info)))
+    core.prepare_structured_outputs()
     try:
         _core_loop(core, commands, results, parent_pid)
         core.shutdown()
@@ -128,9 +102,6 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
                     case AddRequests(requests):
                         for request in requests:
                             core.add_request(request)
-                    case SetupGrammar(tokenizer_info):
-                        from serval.engine.structured_output import GrammarCompiler
-                        core.setup_structured_outputs(GrammarCompiler.from_json(tokenizer_info))
                     case FinishRequests(request_ids, status):
                         core.finish_requests(request_ids, status)
                     case EndSession(session_id):
@@ -147,238 +118,6 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
             results.send(encode(core.step()))
         else:  # the commands emptied the core (aborts, stops): no step follows to carry the freed blocks' counters
             results.send(encode(EngineCoreOutputs([], core.snapshot())))
-
-
-# -- the front end's side ------------------------------------------------------------------------------------------
-class CoreProcessClient(EngineClient):
-    """The front end in this process (tokenize, detokenize, stop strings, outputs), the core in another."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        """Starts the core process and returns once it has loaded the model (raises RuntimeError if it fails)."""
-        super().__init__()
-        self.config = config
-        self.context_policy = config.context_policy
-        model_path = resolve_model_path(config.model)
-        self.sampling_defaults = resolve_sampling_defaults(config.model, model_path, config.generation_config,
-                                                           config.override_generation_config)
-        self.tokenizer = Tokenizer.load(model_path)
-        self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe: adds, aborts and stops share it
-        self._lock = threading.Lock()  # the output processor: the output thread and the callers' aborts
-        self._kv_state_waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self.process: subprocess.Popen | None = None
-        self._zmq = zmq.Context()
-        self._commands = self._zmq.socket(zmq.PUSH)
-        self._results = self._zmq.socket(zmq.PULL)
-        self._ipc_dir = tempfile.mkdtemp(prefix="serval-core-")
-        try:  # whatever stops the start (a failed load, a SIGTERM while loading): the core killed, the folder removed
-            self._commands.bind(f"ipc://{self._ipc_dir}/commands")
-            self._results.bind(f"ipc://{self._ipc_dir}/results")
-            # A fresh interpreter (no inherited threads or OpenMP pools, and unlike multiprocessing's spawn it never
-            # re-runs the caller's __main__); the settings go over its stdin.
-            # The child imports this very serval (a checkout run without installing it, a worktree beside another).
-            package_root = str(Path(__file__).resolve().parents[2])
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-                p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
-            self.process = subprocess.Popen([sys.executable, "-m", "serval.engine.core_process"],
-                                            stdin=subprocess.PIPE, env=env)
-            self.process.stdin.write(pickle.dumps((config, model_path, f"ipc://{self._ipc_dir}/commands",
-                                                   f"ipc://{self._ipc_dir}/results", os.getpid())))
-            self.process.stdin.close()
-            info = self._wait_ready()
-        except BaseException:
-            self._close(kill=True)
-            raise
-        self.info = info
-        self.max_model_len, self.vocab_size, self.load_time = info.max_model_len, info.vocab_size, info.load_time
-        self.kv_transfer_address = info.kv_transfer_address
-        self._inputs = InputProcessor(config, self.tokenizer, info)
-        import_in_background(STRUCTURED_OUTPUTS_MODULE)  # the front end checks grammars with it
-        self._outputs = OutputProcessor(self.tokenizer)
-        self._stats = EngineCoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
-        self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
-        self._grammar_sent = False  # the grammar compiler's tokenizer table, sent before the first grammar
-        self._grammar_setup_lock = threading.Lock()
-        self._num_preparing = 0  # sequences of adds being tokenized and checked (on the event loop's thread only)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read_outputs, name="serval-core-outputs", daemon=True)
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> CoreProcessClient:
-        return cls(config)
-
-    def _wait_ready(self) -> EngineCoreInfo:
-        while True:
-            if self._results.poll(POLL_MS):
-                match decode(self._results.recv()):
-                    case CoreConnected():
-                        self._remove_ipc_dir()
-                    case CoreReady(info):
-                        return info
-                    case CoreFailed(reason):
-                        raise RuntimeError(f"the engine core failed to load: {reason}")
-                    case other:
-                        raise MessageError(f"the engine core sent {type(other).__name__} before it was ready")
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the engine core process exited with code {self.process.returncode} while "
-                                   "loading")
-
-    def _remove_ipc_dir(self) -> None:
-        """Removes the sockets' folder once the core's commands socket is connected too (its results socket is: it
-        sent CoreConnected). Open connections need no path, so from here on nothing can leave the folder behind,
-        however the two processes end (a SIGKILL to both included)."""
-        while not self._commands.poll(POLL_MS, zmq.POLLOUT):  # writable: the core's end is attached
-            if self.process.poll() is not None:
-                return  # the caller hears of the exit and closes
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-    # -- lifecycle -----------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self.process.poll() is None:
-            self._send(Shutdown())
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        self._close(kill=True)
-
-    def _close(self, kill: bool) -> None:
-        if kill and self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(5)
-        with self._send_lock:
-            self._commands.close(linger=0)
-        if not (hasattr(self, "_thread") and self._thread.is_alive()):
-            self._results.close(linger=0)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-    @property
-    def is_alive(self) -> bool:
-        return self.error is None and self.process.poll() is None and self._thread.is_alive()
-
-    # -- requests ------------------------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, session_id: str | None = None,
-                          end_session: bool = False, tenant: str = "") -> RequestStream:
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine core is not running: {self.error}" if self.error else
-                                  "the engine core is not running")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        # Tokenizing a long prompt and checking a grammar take a while: off the event loop. Counted as waiting
-        # meanwhile, or a burst would all pass the server's load check before any of them was sent.
-        self._num_preparing += params.n  # its sequences, as the core will count them
-        try:
-            prompt_text, core_requests, frame = await asyncio.to_thread(
-                self._prepare, request_id, prompt, params, priority, session_id, end_session, tenant)  # ValueError
-        finally:
-            self._num_preparing -= params.n
-        stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
-        with self._lock:
-            if self.error is not None:  # the core died since the check above, and its streams were failed already
-                raise EngineDeadError(f"the engine core is not running: {self.error}")
-            self._outputs.add(request_id, prompt_text, core_requests)
-            self._streams[request_id] = stream
-            self._num_sent += len(core_requests)
-        self._send_frame(frame)
-        return stream
-
-    def _prepare(self, request_id, prompt, params, priority, session_id, end_session, tenant):
-        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
-                                                          end_session, tenant)
-        if core_requests[0].params.structured_outputs is not None:
-            with self._grammar_setup_lock:  # once, before the first grammar (the byte table takes a second)
-                if not self._grammar_sent:
-                    self._send(SetupGrammar(self._inputs.grammar_compiler().to_json()))
-                    self._grammar_sent = True
-        try:  # before anything is registered: a request that cannot cross to the core leaves no trace
-            frame = encode(AddRequests(core_requests))
-        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer past 64 bits, a lone surrogate
-            raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
-        return prompt_text, core_requests, frame
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            output, running = self._outputs.abort(request_id)
-        if output is None:
-            return
-        if running:
-            self._send(FinishRequests(running, RequestStatus.FINISHED_ABORTED))
-        self._deliver(request_id, output, True)
-
-    def end_session(self, session_id: str) -> None:
-        self._send(EndSession(session_id))
-
-    async def kv_state(self) -> dict:
-        if not self.is_alive:
-            raise EngineDeadError("the engine core is not running")
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future = loop.create_future()
-        token = os.urandom(8).hex()
-        with self._lock:
-            self._kv_state_waiters[token] = (loop, answer)
-        try:
-            self._send(KVStateQuery(token))
-            return await asyncio.wait_for(answer, KV_STATE_TIMEOUT_S)
-        finally:
-            with self._lock:
-                self._kv_state_waiters.pop(token, None)
-
-    def snapshot(self) -> EngineCoreStats:
-        stats = self._stats
-        pending = max(0, self._num_sent - stats.num_received_requests)  # sent, not yet taken: waiting too
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending + self._num_preparing)
-
-    def _send(self, message) -> None:
-        self._send_frame(encode(message))
-
-    def _send_frame(self, frame: bytes) -> None:
-        with self._send_lock:
-            if not self._commands.closed:
-                self._commands.send(frame)
-
-    # -- the output thread ---------------------------------------------------------------------------------------
-    def _read_outputs(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if not self._results.poll(POLL_MS):
-                    if self.process.poll() is not None:
-                        raise EngineDeadError(f"the engine core process exited with code {self.process.returncode}")
-                    continue
-                match decode(self._results.recv()):  # MessageError: every open stream hears it (below)
-                    case EngineCoreOutputs() as core_outputs:
-                        self._take_outputs(core_outputs)
-                    case KVStateReply(token, state):
-                        with self._lock:
-                            waiter = self._kv_state_waiters.pop(token, None)
-                        if waiter is not None:
-                            waiter[0].call_soon_threadsafe(settle, waiter[1], state)
-                    case CoreDead(reason):
-                        raise EngineDeadError(f"engine core loop died: {reason}")
-                    case other:
-                        raise MessageError(f"the front end takes no {type(other).__name__} from a running core")
-        except BaseException as exc:  # noqa: BLE001 - every open stream hears it; nothing hangs
-            if not self._stop.is_set():
-                logger.error("engine core is gone: %s", exc)
-                with self._lock:  # a request added from now on is refused; those added before are failed here
-                    self.error = exc
-                self._fail_all(exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc)))
-        finally:
-            self._results.close(linger=0)
-
-    def _take_outputs(self, core_outputs: EngineCoreOutputs) -> None:
-        with self._lock:
-            outputs, ended_here = self._outputs.process(core_outputs.outputs)
-            self._stats = core_outputs.stats
-        if ended_here:  # stop strings (and output failures) end the core's requests too
-            self._send(FinishRequests(ended_here, RequestStatus.FINISHED_STOPPED))
-        for output in outputs:
-            self._deliver(output.request_id, output, output.finished)
 
 
 if __name__ == "__main__":  # the core process: `python -m serval.engine.core_process`, settings on stdin

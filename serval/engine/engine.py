@@ -11,8 +11,9 @@ import logging
 import time
 
 from serval.config import EngineConfig
-from serval.engine.core import EngineCore, EngineCoreOutput, EngineCoreStats
+from serval.engine.core import EngineCore
 from serval.engine.frontend import InputProcessor, OutputProcessor
+from serval.engine.messages import EngineCoreOutput, EngineCoreStats
 from serval.engine.request import RequestStatus
 from serval.model.registry import resolve_model_path
 from serval.model.sampling_defaults import resolve_sampling_defaults
@@ -78,8 +79,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, core_requests = self.inputs.process(request_id, prompt, params, priority, session_id,
                                                          end_session, tenant)
-        if core_requests[0].params.structured_outputs is not None:
-            self.core.setup_structured_outputs(self.inputs.grammar_compiler())
+        if core_requests[0].params.structured_outputs is not None:  # in this process: refused now, not at compile
+            from serval.engine.structured_output import check_grammar_syntax
+            check_grammar_syntax(core_requests[0].params.structured_outputs)
         self.outputs.add(request_id, prompt_text, core_requests)
         for core_request in core_requests:
             self.core.add_request(core_request)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 
 from serval.config import EngineConfig
-from serval.engine.core import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
-from serval.layers.sampler import TokenLogprobs
-from serval.outputs import CompletionOutput, RequestOutput
+from serval.engine.grammar_limits import check_grammar_size
+from serval.engine.messages import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
+from serval.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from serval.sampling_params import SamplingParams, prompt_room
 from serval.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -29,17 +28,6 @@ class InputProcessor:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.eos_token_ids = sorted(tokenizer.eos_token_ids)
-        self._grammar_compiler = None
-        self._grammar_lock = threading.Lock()  # process() may run on several threads (the server's)
-
-    def grammar_compiler(self):
-        """The GrammarCompiler for this tokenizer, built when a request first asks for a grammar (xgrammar and the
-        tokenizer's byte table cost a second or more)."""
-        with self._grammar_lock:
-            if self._grammar_compiler is None:
-                from serval.engine.structured_output import GrammarCompiler, tokenizer_info
-                self._grammar_compiler = GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size))
-            return self._grammar_compiler
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                 priority: int = 0, session_id: str | None = None,
@@ -62,9 +50,8 @@ class InputProcessor:
             raise ValueError(f"min_tokens={params.min_tokens} is more than the {max_tokens} tokens this request may "
                              "generate")
         self._check_kv_transfer(params)
-        if params.structured_outputs is not None:  # a bad or oversized grammar is the caller's error
-            from serval.engine.structured_output import check_grammar
-            check_grammar(params.structured_outputs, self.config.structured_outputs)
+        if params.structured_outputs is not None:  # an oversized grammar is the caller's error (the core compiles)
+            check_grammar_size(params.structured_outputs, self.config.structured_outputs)
         arrival = time.monotonic()
         requests = []
         for index in range(params.n):

@@ -1,4 +1,6 @@
-"""The messages between the engine's front end and its core process (engine/core_process.py): one dataclass per kind.
+"""The messages between the engine's front end (engine/core_client.py) and its core process (engine/core_process.py):
+one dataclass per kind, and the values they carry (EngineCoreRequest, EngineCoreOutput(s), EngineCoreStats,
+EngineCoreInfo). Neither torch nor the core is imported here: the server's process imports this module.
 
 Commands go from the front end to the core, replies come back. On the wire a message is one msgpack array, its class
 name then its fields in the order the class declares them; a nested dataclass (an EngineCoreRequest, its
@@ -13,15 +15,127 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
+import time
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 
-from serval.engine.core import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
 from serval.engine.request import RequestStatus
+from serval.outputs import TokenLogprobs
+from serval.sampling_params import SamplingParams
+
+
+# -- what crosses: requests in, outputs and counters back ----------------------------------------------------------
+@dataclass
+class EngineCoreRequest:
+    """A request as the core takes it: already tokenized and validated, one per sample (n fans out before)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int  # resolved against the context window
+    priority: int = 0
+    group_id: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    session_id: str | None = None  # a conversation: its KV is kept for the next turn (kv_cache.py, sessions)
+    keep_session: bool = True  # False: the conversation's last turn
+    tenant: str = ""  # whose request (a digest of its API key): the scheduler takes tenants' waiting requests in turn
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # Prompt logprobs computed this step: (index of the first prompt token scored, one entry per token).
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    first_scheduled_time: float | None = None
+    error: str | None = None
+    kv_transfer_params: dict | None = None  # a prefill worker's finished request: where its KV is held
+
+
+@dataclass
+class EngineCoreStats:
+    """Counters and gauges of the core, sent with every step's outputs (the live view, metrics, load shedding)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0  # tokens run through the model (prompt chunks, recompute, decodes)
+    num_generated_tokens: int = 0
+    num_finished_requests: int = 0
+    num_received_requests: int = 0  # adds taken; the front end subtracts it from the adds it sent
+    # Conversation sessions: requests that found their session held, the prompt tokens they found cached, and
+    # the sessions and blocks held now.
+    session_requests: int = 0
+    session_hit_tokens: int = 0
+    num_sessions: int = 0
+    session_blocks: int = 0
+    # The KV cache's second tier (zeros without one): preemptions that swapped out, blocks copied each way, prompt
+    # tokens found there, and its blocks now (cached, swapped out, all).
+    num_swaps: int = 0
+    offload_saved_blocks: int = 0
+    offload_loaded_blocks: int = 0
+    offload_hit_tokens: int = 0
+    offload_cached_blocks: int = 0
+    offload_swapped_blocks: int = 0
+    offload_blocks: int = 0
+    # Speculative decoding: steps that checked a request's guesses, guesses checked, guesses accepted, and how
+    # often the guess at each position (1st, 2nd, ...) was accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    last_batch_size: int = 0
+    last_batch_tokens: int = 0
+    # Disaggregated prefill/decode (engine/kv_transfer.py): blocks held for decode workers now, blocks and bytes
+    # sent and received, holds that expired unfetched, fetches that fell back to computing the prompt here.
+    kv_held_blocks: int = 0
+    kv_sent_blocks: int = 0
+    kv_sent_early_blocks: int = 0  # of those, sent while their prompt's prefill still computed
+    kv_sent_bytes: int = 0
+    kv_received_blocks: int = 0
+    kv_received_bytes: int = 0
+    kv_expired_holds: int = 0
+    kv_failed_fetches: int = 0
+    kv_fetches: int = 0
+    kv_fetch_seconds: float = 0.0
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: EngineCoreStats
+
+
+@dataclass
+class EngineCoreInfo:
+    """What a front end needs to know of the core it talks to (sent once, when the core is ready)."""
+
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    load_time: float
+    kv_transfer_address: str | None = None  # a prefill worker's KV server, where decode workers fetch its blocks
+
+
+POLL_MS = 200  # how often an idle side checks that the other is still there
 
 
 class MessageError(ValueError):
@@ -49,13 +163,6 @@ class EndSession:
     """Let go of a conversation's kept KV."""
 
     session_id: str
-
-
-@dataclass
-class SetupGrammar:
-    """The grammar compiler's tokenizer table (xgrammar's JSON), sent once before the first constrained request."""
-
-    tokenizer_info: str
 
 
 @dataclass
@@ -103,10 +210,12 @@ class CoreDead:
     reason: str
 
 
-# EngineCoreOutputs (engine/core.py), a step's outputs and the core's counters, crosses as it is.
-COMMANDS: tuple[type, ...] = (AddRequests, FinishRequests, EndSession, SetupGrammar, KVStateQuery, Shutdown)
+# EngineCoreOutputs (above), a step's outputs and the core's counters, crosses as it is.
+COMMANDS: tuple[type, ...] = (AddRequests, FinishRequests, EndSession, KVStateQuery, Shutdown)
 REPLIES: tuple[type, ...] = (CoreConnected, CoreReady, CoreFailed, EngineCoreOutputs, KVStateReply, CoreDead)
 MESSAGES: tuple[type, ...] = COMMANDS + REPLIES
+# What the messages carry (EngineCoreOutputs too, a reply itself).
+PAYLOADS: tuple[type, ...] = (EngineCoreRequest, EngineCoreOutput, EngineCoreStats, EngineCoreInfo)
 
 # -- the codec -----------------------------------------------------------------------------------------------------
 # A value's codec is (to_wire, from_wire), built once per type from its annotation; None where msgpack carries the

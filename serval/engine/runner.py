@@ -20,12 +20,12 @@ from serval.layers.attention import AttentionMetadata, ScheduledSequence, new_kv
 from serval.layers.sampler import (
     Sampler,
     SamplingRow,
-    TokenLogprobs,
     greedy_token_tensor,
     logprob_tensors,
     takes_argmax_only,
     token_logprobs,
 )
+from serval.outputs import TokenLogprobs
 from serval.sampling_params import SamplingParams
 
 # Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long

@@ -3,13 +3,14 @@
 xgrammar was measured against llguidance on this tokenizer (benchmarks/README.md): compile 4-5 ms per schema
 against 1.2-1.4 ms, but a mask per token in 19 us (p50) against 343 us, and masks are paid every step.
 
-A grammar is compiled once, in the core, on a compile thread: the front end only checks its size against
-StructuredOutputConfig and parses it (milliseconds, no token masks), so a bad schema or regex is refused before the
-request is queued; the core keeps the request out of the scheduler until its grammar is compiled, and steps the
-other requests meanwhile. A compiled grammar cannot cross to the core's process instead: serialized, 1,000
-optional JSON properties took 356 MB. The core keeps one matcher per request, advanced by every token the request
-keeps. Each step it fills one bitmask row per position the request samples (several when it checks guesses); the
-sampler applies the whole batch's mask at once.
+A grammar is parsed and compiled here, in the core, on a compile thread: the front end only checks its size
+(grammar_limits.py; the server's process imports no xgrammar, which imports torch), so an oversized grammar is
+refused before the request is queued and one that does not compile fails alone (the server answers 400 naming its
+field either way). The core keeps the request out of the scheduler until its grammar is compiled, and steps the
+other requests meanwhile. The compiler's tokenizer table is built here from the model's own tokenizer, on a compile
+thread too. The core keeps one matcher per request, advanced by every token the request keeps. Each step it fills
+one bitmask row per position the request samples (several when it checks guesses); the sampler applies the whole
+batch's mask at once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
@@ -28,7 +30,7 @@ import torch
 import xgrammar as xgr
 
 from serval.config import StructuredOutputConfig
-from serval.sampling_params import StructuredOutputsParams
+from serval.sampling_params import StructuredOutputsParams, ToolCallsGrammar
 from serval.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,12 +57,9 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
 
     @classmethod
-    def from_json(cls, info_json: str) -> GrammarCompiler:
-        """A compiler for the TokenizerInfo a front end serialized (the core process has no tokenizer)."""
-        return cls(xgr.TokenizerInfo.deserialize_json(info_json))
-
-    def to_json(self) -> str:
-        return self.info.serialize_json()
+    def for_model(cls, model_path: str, vocab_size: int) -> GrammarCompiler:
+        """A compiler for the model's own tokenizer (about a second: the tokenizer, then every token's bytes)."""
+        return cls(tokenizer_info(Tokenizer.load(model_path), vocab_size))
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """Raises ValueError naming what is wrong with the schema, regex or grammar."""
@@ -77,70 +76,42 @@ class GrammarCompiler:
             if spec.choice is not None:
                 alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
                 return self._compiler.compile_grammar(f"root ::= {alternatives}")
+            if spec.tool_calls is not None:
+                return self._compiler.compile_grammar(tool_calls_ebnf(spec.tool_calls))
             return self._compiler.compile_grammar(spec.grammar)
-        except RuntimeError as exc:  # xgrammar's C++ errors: keep the message, drop its source location
-            raise ValueError(f"invalid structured output {spec_kind(spec)}: {_clean(str(exc))}") from None
+        except (RuntimeError, ValueError) as exc:  # xgrammar's C++ errors: keep the message, drop its source location
+            raise ValueError(f"invalid structured output {spec.kind}: {_clean(str(exc))}") from None
 
 
-def spec_kind(spec: StructuredOutputsParams) -> str:
-    return next(name for name in ("json", "json_object", "regex", "choice", "grammar")
-                if getattr(spec, name) not in (None, False))
-
-
-def check_grammar(spec: StructuredOutputsParams, limits: StructuredOutputConfig) -> None:
-    """Refuses a grammar past the size limits, or one that does not parse (ValueError naming what is wrong). Cheap:
-    sizes and a parse, no token masks (the core compiles the grammar)."""
-    kind = spec_kind(spec)
-
-    def refuse(what: str) -> ValueError:
-        return ValueError(f"invalid structured output {kind}: {what}")
-
+def check_grammar_syntax(spec: StructuredOutputsParams) -> None:
+    """Refuses a grammar that does not parse (ValueError naming what is wrong), in milliseconds: no token masks.
+    For engines in the caller's process (LLMEngine), which then refuse it at once, as the compile would later."""
     try:
         if spec.json is not None:
             text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            if len(text.encode("utf-8", "surrogatepass")) > limits.max_schema_bytes:
-                raise refuse(f"the schema is {len(text)} characters; the limit is {limits.max_schema_bytes} bytes")
-            try:
-                schema = json.loads(text) if isinstance(spec.json, str) else spec.json
-            except (ValueError, RecursionError):
-                schema = None  # xgrammar's parse below says what is wrong
-            members = _schema_members(schema)
-            if members > limits.max_schema_members:
-                raise refuse(f"the schema has {members} properties, enum values and anyOf/oneOf/allOf branches; "
-                             f"the limit is {limits.max_schema_members}")
             xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True)
         elif spec.regex is not None:
-            if len(spec.regex) > limits.max_regex_chars:
-                raise refuse(f"the regex is {len(spec.regex)} characters; the limit is {limits.max_regex_chars}")
             xgr.Grammar.from_regex(spec.regex)
-        elif spec.choice is not None:
-            if len(spec.choice) > limits.max_choices:
-                raise refuse(f"{len(spec.choice)} choices; the limit is {limits.max_choices}")
-            chars = sum(map(len, spec.choice))
-            if chars > limits.max_choice_chars:
-                raise refuse(f"the choices are {chars} characters together; the limit is {limits.max_choice_chars}")
         elif spec.grammar is not None:
-            if len(spec.grammar) > limits.max_grammar_chars:
-                raise refuse(f"the grammar is {len(spec.grammar)} characters; the limit is "
-                             f"{limits.max_grammar_chars}")
             xgr.Grammar.from_ebnf(spec.grammar)
-    except RuntimeError as exc:
-        raise refuse(_clean(str(exc))) from None
+        elif spec.tool_calls is not None:
+            tool_calls_ebnf(spec.tool_calls)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"invalid structured output {spec.kind}: {_clean(str(exc))}") from None
 
 
-def _schema_members(schema) -> int:
-    """Properties, enum values and anyOf/oneOf/allOf branches in the whole schema (what its grammar grows with)."""
-    count, stack = 0, [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for key in ("properties", "enum", "anyOf", "oneOf", "allOf"):
-                if isinstance(node.get(key), (dict, list)):
-                    count += len(node[key])
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return count
+def tool_calls_ebnf(tool_calls: ToolCallsGrammar) -> str:
+    """The EBNF of one call block (several, one a line, when ``repeat``): the start tag, a JSON call of one of the
+    functions whose arguments follow its parameters schema, the end tag."""
+    cases = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                 "arguments": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"]} for f in tool_calls.functions]
+    rules = json_schema_ebnf({"anyOf": cases})
+    more = ' ("\\n" serval_tool_call)*' if tool_calls.repeat else ""
+    start, end = json.dumps(tool_calls.start + "\n"), json.dumps("\n" + tool_calls.end)
+    rules += (f"\nserval_tool_calls ::= serval_tool_call{more}\n"
+              f"serval_tool_call ::= {start} root {end}\n")
+    return with_root(rules, "serval_tool_calls")
 
 
 def json_schema_ebnf(schema: dict) -> str:
@@ -179,17 +150,29 @@ class StructuredOutputManager:
     """The core's matchers, one per constrained request, and the bitmasks they give each step. Grammars compile on
     compile threads (xgrammar releases the GIL), never on the step loop: submit(), then take_compiled() each step."""
 
-    def __init__(self, compiler: GrammarCompiler, compile_timeout_s: float = StructuredOutputConfig.compile_timeout_s
-                 ) -> None:
-        self.compiler = compiler
-        self.vocab_size = compiler.vocab_size
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler], vocab_size: int,
+                 compile_timeout_s: float = StructuredOutputConfig.compile_timeout_s) -> None:
+        self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
+        self._make_compiler = make_compiler
+        self._compiler: GrammarCompiler | None = None  # built by the first compile thread that needs it
+        self._compiler_lock = threading.Lock()
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
         self._compiling: dict[str, _Compile] = {}
-        self._jobs: queue.SimpleQueue[_Compile] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Compile | None] = queue.SimpleQueue()
         # Daemon threads: a compile cannot be interrupted, and one must never keep the process from exiting.
         for index in range(COMPILE_THREADS):
             threading.Thread(target=self._compile_jobs, name=f"serval-grammar-{index}", daemon=True).start()
+
+    def _get_compiler(self) -> GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
+            return self._compiler
+
+    def prepare(self) -> None:
+        """Builds the compiler on a compile thread now, rather than when the first grammar comes."""
+        self._jobs.put(None)
 
     def _compile_jobs(self) -> None:
         try:
@@ -198,11 +181,15 @@ class StructuredOutputManager:
             pass
         while True:
             job = self._jobs.get()
+            if job is None:  # prepare()
+                self._get_compiler()
+                continue
             if not job.future.set_running_or_notify_cancel():
                 continue  # its request ended while it waited
-            job.started = time.monotonic()
             try:
-                job.future.set_result(xgr.GrammarMatcher(self.compiler.compile(job.spec)))
+                compiler = self._get_compiler()  # the time limit counts from here: the first build is not the grammar's
+                job.started = time.monotonic()
+                job.future.set_result(xgr.GrammarMatcher(compiler.compile(job.spec)))
             except BaseException as exc:  # noqa: BLE001 - the request's error, read by take_compiled
                 job.future.set_exception(exc)
 
@@ -228,7 +215,7 @@ class StructuredOutputManager:
                 del self._compiling[request_id]  # its thread runs on to the end; the result is dropped
                 logger.warning("request %s: its grammar took longer than %.0f s to compile; failed", request_id,
                                self.compile_timeout_s)
-                failed[request_id] = (f"invalid structured output {spec_kind(job.spec)}: the grammar took longer "
+                failed[request_id] = (f"invalid structured output {job.spec.kind}: the grammar took longer "
                                       f"than {self.compile_timeout_s:g} s to compile (the server's limit); "
                                       "simplify it")
         return ready, failed
@@ -238,10 +225,6 @@ class StructuredOutputManager:
         futures = [job.future for job in self._compiling.values()]
         if futures:
             wait(futures, timeout, return_when=FIRST_COMPLETED)
-
-    @property
-    def num_compiling(self) -> int:
-        return len(self._compiling)
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

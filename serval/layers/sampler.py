@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from serval.layers import cpu_kernels
+from serval.outputs import TokenLogprobs
 from serval.sampling_params import SamplingParams
 
 
@@ -28,16 +29,6 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # the request's own generator (on the logits' device) when it has a seed
     blocked_token_ids: list[int]  # forbidden this step, e.g. eos and stop ids while below min_tokens
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of the raw model distribution at one position (before penalties, temperature and filters)."""
-
-    token_id: int
-    logprob: float  # of the sampled token
-    rank: int  # 1 = most likely
-    top: dict[int, float]  # top-N token id -> logprob, most likely first (N = params.logprobs; empty when 0)
 
 
 @dataclass

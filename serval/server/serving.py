@@ -336,7 +336,9 @@ class OpenAIServing:
             param = "max_tokens" if "max_tokens" in message else ("messages" if chat else "prompt")
             param = next((f for f in ("min_tokens", "stop_token_ids", "priority", "kv_transfer_params")
                           if message.startswith(f)), param)
-            if message.startswith("invalid structured output"):
+            if message.startswith("invalid structured output tool_calls"):  # tool_choice's grammar
+                param = "tools"
+            elif message.startswith("invalid structured output"):
                 param = constraint_field(body)
             code = "context_length_exceeded" if "context" in message else "invalid_value"
             raise OpenAIError(message, param=param, code=code) from exc

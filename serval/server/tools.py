@@ -14,7 +14,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from serval.sampling_params import StructuredOutputsParams
+from serval.sampling_params import StructuredOutputsParams, ToolCallsGrammar
 from serval.server.protocol import NamedToolChoice
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -130,18 +130,11 @@ def _call_block(function: dict) -> str:
 # -- the grammar of a required or named choice ------------------------------------------------------------------
 def tool_call_grammar(tools: list[dict], choice: str | dict, parallel: bool) -> StructuredOutputsParams:
     """One call block (several, with parallel_tool_calls, unless a function is named) whose JSON is a call of
-    one of the functions with arguments that follow its parameters schema."""
-    from serval.engine.structured_output import json_schema_ebnf, with_root
-
-    functions = [t["function"] for t in tools if isinstance(choice, str) or t["function"]["name"] == choice["name"]]
-    cases = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"]} for f in functions]
-    rules = json_schema_ebnf({"anyOf": cases})
-    repeat = ' ("\\n" serval_tool_call)*' if parallel and isinstance(choice, str) else ""
-    rules += (f"\nserval_tool_calls ::= serval_tool_call{repeat}\n"
-              f'serval_tool_call ::= "{CALL_START}\\n" root "\\n{CALL_END}"\n')
-    return StructuredOutputsParams(grammar=with_root(rules, "serval_tool_calls"))
+    one of the functions with arguments that follow its parameters schema (the engine core writes the grammar)."""
+    functions = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters") or {"type": "object"}}
+                 for t in tools if isinstance(choice, str) or t["function"]["name"] == choice["name"]]
+    return StructuredOutputsParams(tool_calls=ToolCallsGrammar(functions, CALL_START, CALL_END,
+                                                               repeat=parallel and isinstance(choice, str)))
 
 
 # -- out of the text -------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from tiny_models import tiny_llama
 
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
+from serval.engine.messages import EngineCoreRequest
 from serval.engine.request import RequestStatus
 from serval.model.loader import load_model
 

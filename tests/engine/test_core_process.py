@@ -18,12 +18,19 @@ from real_model import requires_model
 import serval
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig
-from serval.engine import core_process
+from serval.engine import core_client
 from serval.engine.client import EngineDeadError
-from serval.engine.core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
-from serval.engine.core_process import CoreProcessClient
-from serval.engine.messages import AddRequests, decode, encode
-from serval.layers.sampler import TokenLogprobs
+from serval.engine.core_client import CoreProcessClient
+from serval.engine.messages import (
+    AddRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreStats,
+    decode,
+    encode,
+)
+from serval.outputs import TokenLogprobs
 from serval.sampling_params import StructuredOutputsParams
 
 NUM_BLOCKS = 64
@@ -130,8 +137,8 @@ def test_a_request_the_core_cannot_take_is_refused_before_it_is_counted(client):
 @pytest.mark.slow
 @requires_model
 def test_every_command_crosses_to_the_core_process(client):
-    """SetupGrammar before a constrained request, a session's turn, KVStateQuery and EndSession, each through the
-    process boundary (engine/messages.py) and acted on by the core."""
+    """A constrained request (the core builds its grammar compiler from the model's tokenizer), a session's turn,
+    KVStateQuery and EndSession, each through the process boundary (engine/messages.py) and acted on by the core."""
     async def scenario():
         choice = SamplingParams(temperature=0, max_tokens=8,
                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
@@ -193,7 +200,7 @@ import asyncio, sys
 import serval
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig
-from serval.engine.core_process import CoreProcessClient
+from serval.engine.core_client import CoreProcessClient
 
 client = CoreProcessClient.from_config(EngineConfig(max_model_len=4096, cache=CacheConfig(num_blocks=300)))
 client.start()
@@ -258,8 +265,8 @@ def test_a_core_that_cannot_load_is_an_error_naming_the_cause(monkeypatch):
     """The core process loads the model, then finds no room for a KV cache: the caller gets the core's own
     error, and the process is gone."""
     started = []
-    real_popen = core_process.subprocess.Popen
-    monkeypatch.setattr(core_process.subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k))
+    real_popen = core_client.subprocess.Popen
+    monkeypatch.setattr(core_client.subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k))
                         or started[-1])
     with pytest.raises(RuntimeError, match="failed to load: ValueError: .*fewer than 2 blocks"):
         CoreProcessClient.from_config(EngineConfig(cache=CacheConfig(kv_cache_memory=1e-6)))

@@ -9,8 +9,9 @@ from real_model import requires_model
 
 from serval import LLM, SamplingParams
 from serval.config import CacheConfig, EngineConfig, KVTransferConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
 from serval.engine.engine import LLMEngine
+from serval.engine.messages import EngineCoreRequest
 from serval.model.registry import resolve_model_path
 
 pytestmark = [pytest.mark.gpu, requires_model,

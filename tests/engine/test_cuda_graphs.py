@@ -15,8 +15,9 @@ from tiny_models import tiny_llama
 from serval import SamplingParams
 from serval.cli import _engine_config, build_parser
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
 from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, bucket_sizes, model_bucket_sizes
+from serval.engine.messages import EngineCoreRequest
 from serval.engine.runner import ModelRunner, seeded_generator
 from serval.layers.attention import ScheduledSequence
 from serval.layers.attention.torch_reference import TorchReferenceBackend

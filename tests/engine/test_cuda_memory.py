@@ -11,7 +11,8 @@ import torch
 from real_model import MODEL_PATH, requires_model
 
 from serval.config import CacheConfig, EngineConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
+from serval.engine.messages import EngineCoreRequest
 from serval.engine.runner import kv_cache_block_bytes
 from serval.sampling_params import SamplingParams
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from serval.config import EngineConfig, KVTransferConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
+from serval.engine.messages import EngineCoreRequest
 from serval.model.registry import resolve_model_path
 from serval.sampling_params import SamplingParams
 from serval.tokenizer import Tokenizer

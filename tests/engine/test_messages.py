@@ -12,9 +12,8 @@ import pytest
 import zmq
 
 from serval import SamplingParams
-from serval.engine import core_process, messages
+from serval.engine import core_client, core_process, messages
 from serval.engine.client import EngineClient
-from serval.engine.core import EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from serval.engine.messages import (
     AddRequests,
     CoreConnected,
@@ -22,17 +21,21 @@ from serval.engine.messages import (
     CoreFailed,
     CoreReady,
     EndSession,
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreStats,
     FinishRequests,
     KVStateQuery,
     KVStateReply,
     MessageError,
-    SetupGrammar,
     Shutdown,
     decode,
     encode,
 )
 from serval.engine.request import RequestStatus
-from serval.layers.sampler import TokenLogprobs
+from serval.outputs import TokenLogprobs
 from serval.sampling_params import StructuredOutputsParams
 
 GRAMMAR_PARAMS = SamplingParams(temperature=0, max_tokens=12, logit_bias={49151: 2.5}, stop=["}"],
@@ -50,7 +53,6 @@ EXAMPLES = {
     AddRequests: AddRequests([REQUEST, EngineCoreRequest("r", [9], SamplingParams(), [0], 16)]),
     FinishRequests: FinishRequests(["a#0", "a#1"], RequestStatus.FINISHED_ABORTED),
     EndSession: EndSession("s1"),
-    SetupGrammar: SetupGrammar('{"vocab_type": 1}'),
     KVStateQuery: KVStateQuery("0a1b"),
     Shutdown: Shutdown(),
     CoreConnected: CoreConnected(),
@@ -138,9 +140,6 @@ class FakeCore:
     def end_session(self, session_id) -> None:
         self.calls.append(("end_session", session_id))
 
-    def setup_structured_outputs(self, compiler) -> None:
-        self.calls.append(("setup_structured_outputs", compiler))
-
 
 @pytest.fixture
 def sockets():
@@ -184,17 +183,15 @@ def _replies(read_result) -> list:
     return found
 
 
-def test_the_core_loop_hands_each_command_to_its_handler(sockets, monkeypatch):
+def test_the_core_loop_hands_each_command_to_its_handler(sockets):
     send_command, commands, results, read_result = sockets
-    monkeypatch.setattr("serval.engine.structured_output.GrammarCompiler.from_json", lambda table: f"compiler:{table}")
     core = FakeCore()
-    for message in (EXAMPLES[AddRequests], EXAMPLES[SetupGrammar], EXAMPLES[FinishRequests], EndSession("s1"),
+    for message in (EXAMPLES[AddRequests], EXAMPLES[FinishRequests], EndSession("s1"),
                     KVStateQuery("t1"), Shutdown(), EndSession("after the shutdown")):
         send_command.send(encode(message))
     assert _run_core_loop(core, commands, results) is None
     added = EXAMPLES[AddRequests].requests
     assert core.calls == [("add_request", added[0]), ("add_request", added[1]),
-                          ("setup_structured_outputs", 'compiler:{"vocab_type": 1}'),
                           ("finish_requests", ["a#0", "a#1"], RequestStatus.FINISHED_ABORTED),
                           ("end_session", "s1")]
     assert KVStateReply("t1", {"blocks": 8}) in _replies(read_result)
@@ -230,7 +227,7 @@ class _Running:
 def test_the_output_thread_fails_every_stream_naming_a_message_it_cannot_take(sockets, frame, match):
     """The output thread's loop, on a client without a process: a bad reply ends it with the error, the engine dead."""
     _, _, results, read_result = sockets
-    client = core_process.CoreProcessClient.__new__(core_process.CoreProcessClient)
+    client = core_client.CoreProcessClient.__new__(core_client.CoreProcessClient)
     EngineClient.__init__(client)
     client._stop, client._lock, client._results, client.process = threading.Event(), threading.Lock(), read_result, \
         _Running()

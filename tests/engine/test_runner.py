@@ -9,7 +9,8 @@ from tiny_models import tiny_llama
 
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SpeculativeConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
+from serval.engine.messages import EngineCoreRequest
 from serval.engine.request import Request
 from serval.engine.runner import ModelRunner
 from serval.engine.scheduler import SchedulerOutput

@@ -15,8 +15,9 @@ from tiny_models import full_logits, tiny_llama
 
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
 from serval.engine.kv_cache import KVCacheManager
+from serval.engine.messages import EngineCoreRequest
 from serval.engine.request import Request, RequestStatus
 from serval.engine.scheduler import Scheduler
 from serval.engine.spec_decode import NgramProposer, accept

@@ -15,7 +15,7 @@ from real_model import requires_model
 
 from serval import SamplingParams
 from serval.config import EngineConfig
-from serval.engine.core import EngineCoreRequest
+from serval.engine.messages import EngineCoreRequest
 from serval.layers import sampler as sampler_module
 from serval.layers.sampler import Sampler, SamplingRow, apply_token_bitmask
 from serval.sampling_params import StructuredOutputsParams
@@ -154,9 +154,8 @@ def test_constrained_and_free_requests_share_a_batch_without_changing_each_other
 def test_guesses_the_grammar_refuses_are_never_proposed(engines):
     _, spec = engines
     core = spec.engine.core
-    core.setup_structured_outputs(spec.engine.inputs.grammar_compiler())
     tokenizer = spec.engine.tokenizer
-    core.structured.submit("probe", StructuredOutputsParams(regex=r"ab+c"))  # compiles on a compile thread
+    core._structured_outputs().submit("probe", StructuredOutputsParams(regex=r"ab+c"))  # on a compile thread
     core.structured.wait_compiled(timeout=60)
     assert core.structured.take_compiled() == (["probe"], {})
     a, b, c, x = (tokenizer.encode(t, add_special_tokens=False) for t in ("a", "b", "c", "x"))

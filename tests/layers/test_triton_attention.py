@@ -14,7 +14,8 @@ from tiny_models import SeqStep, new_runner, run_step, tiny_llama
 
 from serval import SamplingParams
 from serval.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from serval.engine.core import EngineCore, EngineCoreRequest
+from serval.engine.core import EngineCore
+from serval.engine.messages import EngineCoreRequest
 from serval.layers.attention import ScheduledSequence, select_backend, triton_paged
 from serval.layers.attention.torch_reference import TorchReferenceBackend
 from serval.layers.attention.triton_paged import TritonPagedBackend
