@@ -1,8 +1,8 @@
 """AsyncEngine: the EngineClient that steps an LLMEngine (front end and core) on one thread of this process.
 
-Only the engine thread touches the LLMEngine. Callers talk to it through a command queue (add, abort) and
-get outputs through one asyncio queue per request. The model's matmuls release the GIL, so the event loop
-(HTTP, JSON, SSE) keeps running while a step computes.
+Only the engine thread touches the LLMEngine. Callers talk to it through a queue of commands (plain dataclasses:
+add, abort, end a session, read the KV state) and get outputs through one asyncio queue per request. The model's
+matmuls release the GIL, so the event loop (HTTP, JSON, SSE) keeps running while a step computes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from serval.config import EngineConfig
 from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
@@ -23,6 +24,39 @@ from serval.engine.messages import EngineCoreStats
 from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+# -- the commands the engine thread takes ----------------------------------------------------------------------------
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    session_id: str | None
+    end_session: bool
+    tenant: str
+    stream: RequestStream
+    accepted: asyncio.Future  # settled once the engine took the request, or with its ValueError
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _EndSession:
+    session_id: str
+
+
+@dataclass
+class _KVState:
+    loop: asyncio.AbstractEventLoop
+    answer: asyncio.Future
+
+
+_Command = _Add | _Abort | _EndSession | _KVState
 
 
 class AsyncEngine(EngineClient):
@@ -36,7 +70,7 @@ class AsyncEngine(EngineClient):
         self.kv_transfer_address = engine.core.info.kv_transfer_address
         self.context_policy = engine.config.context_policy
         self.load_time = engine.load_time
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         # Adds sent to the engine thread that it has not taken yet: they are waiting too, or a burst arriving
         # within one step would all see an empty queue and slip past load shedding.
@@ -112,8 +146,8 @@ class AsyncEngine(EngineClient):
         stream = RequestStream(asyncio.Queue(), loop)
         with self._pending_lock:
             self._num_pending_adds += params.n  # queued sequences, as the engine will count them
-        self._commands.put(("add", request_id, prompt, params, (priority, session_id, end_session, tenant),
-                            stream, accepted))
+        self._commands.put(_Add(request_id, prompt, params, priority, session_id, end_session, tenant, stream,
+                                accepted))
         self._wake.set()
         if self.error is not None:  # the loop died since the check above: nobody else will answer this add
             self._refuse_pending_adds()
@@ -125,11 +159,11 @@ class AsyncEngine(EngineClient):
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
         self._wake.set()
 
     def end_session(self, session_id: str) -> None:
-        self._commands.put(("end_session", session_id))
+        self._commands.put(_EndSession(session_id))
         self._wake.set()
 
     async def kv_state(self) -> dict:
@@ -137,7 +171,7 @@ class AsyncEngine(EngineClient):
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         answer: asyncio.Future = loop.create_future()
-        self._commands.put(("kv_state", loop, answer))
+        self._commands.put(_KVState(loop, answer))
         self._wake.set()
         return await asyncio.wait_for(answer, KV_STATE_TIMEOUT_S)
 
@@ -170,15 +204,14 @@ class AsyncEngine(EngineClient):
     def _refuse_pending_adds(self) -> None:
         """Once the loop has died: each add still queued hears EngineDeadError (callable from any thread)."""
         for command in self._queued_commands():
-            if command[0] == "add":
-                params, stream, accepted = command[3], command[5], command[6]
+            if isinstance(command, _Add):
                 with self._pending_lock:
-                    self._num_pending_adds -= params.n
+                    self._num_pending_adds -= command.params.n
                 error = EngineDeadError("the engine loop is not running")
                 with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-                    stream.loop.call_soon_threadsafe(settle, accepted, None, error)
+                    command.stream.loop.call_soon_threadsafe(settle, command.accepted, None, error)
 
-    def _queued_commands(self) -> Iterator[tuple]:
+    def _queued_commands(self) -> Iterator[_Command]:
         """The commands queued so far, each taken off the queue as it is yielded."""
         while True:
             try:
@@ -188,25 +221,29 @@ class AsyncEngine(EngineClient):
 
     def _drain_commands(self) -> None:
         for command in self._queued_commands():
-            if command[0] == "add":
-                _, request_id, prompt, params, (priority, session_id, end_session, tenant), stream, accepted = command
-                try:
+            match command:
+                case _Add():
+                    self._take(command)
+                case _Abort(request_id):
                     if request_id in self._streams:
-                        raise ValueError(f"request id {request_id!r} is already in use")
-                    self.engine.add_request(request_id, prompt, params, priority, session_id, end_session, tenant)
-                except Exception as exc:
-                    stream.loop.call_soon_threadsafe(settle, accepted, None, exc)
-                    continue
-                finally:
-                    with self._pending_lock:
-                        self._num_pending_adds -= params.n
-                self._streams[request_id] = stream
-                stream.loop.call_soon_threadsafe(settle, accepted, None)
-            elif command[0] == "abort":
-                if command[1] in self._streams:
-                    self.engine.abort_request(command[1])
-            elif command[0] == "end_session":
-                self.engine.end_session(command[1])
-            elif command[0] == "kv_state":
-                _, loop, answer = command
-                loop.call_soon_threadsafe(settle, answer, self.engine.kv_state())
+                        self.engine.abort_request(request_id)
+                case _EndSession(session_id):
+                    self.engine.end_session(session_id)
+                case _KVState(loop, answer):
+                    loop.call_soon_threadsafe(settle, answer, self.engine.kv_state())
+
+    def _take(self, add: _Add) -> None:
+        """Hands an add to the engine; its caller hears the engine's ValueError, or that it was taken."""
+        try:
+            if add.request_id in self._streams:
+                raise ValueError(f"request id {add.request_id!r} is already in use")
+            self.engine.add_request(add.request_id, add.prompt, add.params, add.priority, add.session_id,
+                                    add.end_session, add.tenant)
+        except Exception as exc:
+            add.stream.loop.call_soon_threadsafe(settle, add.accepted, None, exc)
+            return
+        finally:
+            with self._pending_lock:
+                self._num_pending_adds -= add.params.n
+        self._streams[add.request_id] = add.stream
+        add.stream.loop.call_soon_threadsafe(settle, add.accepted, None)
