@@ -22,11 +22,10 @@ from serval.layers.sampler import (
     SamplingRow,
     greedy_token_tensor,
     logprob_tensors,
-    takes_argmax_only,
     token_logprobs,
 )
 from serval.outputs import TokenLogprobs
-from serval.sampling_params import SamplingParams
+from serval.sampling_params import SamplingParams, takes_argmax_only
 
 # Prompt logprobs take the logits of a chunk's positions this many float32 elements at a time (64 MiB), so a long
 # chunk never holds a [chunk, vocab] tensor whole.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from serval.config import SchedulerConfig
 from serval.engine.kv_cache import ComputedBlocks, KVCacheManager
 from serval.engine.request import Request, RequestStatus
-from serval.layers.sampler import samples_without_the_host
+from serval.sampling_params import samples_without_the_host
 
 
 @dataclass

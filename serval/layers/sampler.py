@@ -79,19 +79,6 @@ class Sampler:
         return tokens
 
 
-def takes_argmax_only(params: SamplingParams) -> bool:
-    """Whether a row of ``params`` is sampled by its logits' argmax and nothing else: greedy, with no logprobs, logit
-    bias or penalty (its blocked ids are the caller's to rule out: ``greedy_tokens`` takes none)."""
-    return params.greedy and params.logprobs is None and not params.logit_bias and samples_without_the_host(params)
-
-
-def samples_without_the_host(params: SamplingParams) -> bool:
-    """Whether a row of ``params`` draws its token from its logits alone (and its seed at its position), so that a
-    run of forwards can feed each token to the next forward on the device: no penalty over the output so far (its
-    blocked ids are the caller's to rule out; its logprobs, if asked for, come from the same logits)."""
-    return params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
-
-
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The tokens the sampler gives rows that ``takes_argmax_only`` with nothing blocked, with no per-row work on the
     host: one argmax over the float32 logits, as ``Sampler`` takes it, and one copy back."""

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from serval.layers.sampler import Sampler, SamplingRow, apply_penalties, greedy_tokens, takes_argmax_only
-from serval.sampling_params import SamplingParams
+from serval.layers.sampler import Sampler, SamplingRow, apply_penalties, greedy_tokens
+from serval.sampling_params import SamplingParams, takes_argmax_only
 
 sampler = Sampler()
 
