@@ -103,8 +103,7 @@ def check_grammar_syntax(spec: StructuredOutputsParams) -> None:
 def tool_calls_ebnf(tool_calls: ToolCallsGrammar) -> str:
     """The EBNF of one call block (several, one a line, when ``repeat``): the start tag, a JSON call of one of the
     functions whose arguments follow its parameters schema, the end tag."""
-    cases = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or {"type": "object"}},
+    cases = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
               "required": ["name", "arguments"]} for f in tool_calls.functions]
     rules = json_schema_ebnf({"anyOf": cases})
     more = ' ("\\n" serval_tool_call)*' if tool_calls.repeat else ""
@@ -181,8 +180,11 @@ class StructuredOutputManager:
             pass
         while True:
             job = self._jobs.get()
-            if job is None:  # prepare()
-                self._get_compiler()
+            if job is None:  # prepare(): a failure here is the first grammar's to report, not this thread's end
+                try:
+                    self._get_compiler()
+                except Exception:  # noqa: BLE001 - logged; the next job builds it again and fails its request
+                    logger.exception("the grammar compiler could not be built")
                 continue
             if not job.future.set_running_or_notify_cancel():
                 continue  # its request ended while it waited

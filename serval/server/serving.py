@@ -91,10 +91,8 @@ class OpenAIServing:
             if params.structured_outputs is not None:
                 raise OpenAIError(f"tool_choice {body.tool_choice!r} and {constraint_field(body)} both constrain "
                                   "the output; give one", param="tool_choice", code="invalid_value")
-            try:
-                grammar = tool_call_grammar(tools, tool_choice, body.parallel_tool_calls)
-            except ValueError as exc:
-                raise OpenAIError(f"tools: {exc}", param="tools", code="invalid_value") from exc
+            # A schema that does not compile comes back from the core as a 400 naming tools (_first_outputs).
+            grammar = tool_call_grammar(tools, tool_choice, body.parallel_tool_calls)
             params = dataclasses.replace(params, structured_outputs=grammar)
         return await self.serve(request, body, [(ids, None)], params, chat=True, echo=False, tools=tools is not None)
 
