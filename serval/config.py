@@ -5,8 +5,9 @@ the flag's, and its help is the flag's help."""
 
 from __future__ import annotations
 
+import copy
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,20 +56,29 @@ def device_kind(device: str) -> str:
 
 class DeviceDefaults:
     """A config some of whose defaults belong to the device (``device_defaults``): a field left None takes the
-    CPU's value when the config is built (alone, it runs on a CPU), and the engine's device's once EngineConfig knows
-    the device (``use_device_defaults``). A value given at construction always stays."""
+    CPU's value when the config is built (alone, it runs on a CPU), and another device's in the copy that
+    ``for_device`` makes (EngineConfig.settled). A value given at construction always stays."""
 
-    _device_defaulted: tuple[str, ...] | None = None  # the fields left None at construction (not a dataclass field)
+    _device_defaulted: tuple[str, ...] = ()  # the fields left None at construction (not a dataclass field)
 
     def device_defaults(self, kind: str) -> dict[str, Any]:
         raise NotImplementedError
 
-    def use_device_defaults(self, device: str) -> None:
-        defaults = self.device_defaults(device_kind(device))
-        if self._device_defaulted is None:
-            self._device_defaulted = tuple(name for name in defaults if getattr(self, name) is None)
+    def _take_cpu_defaults(self) -> None:
+        """At construction: the fields left None take the CPU's values, and are remembered."""
+        defaults = self.device_defaults("cpu")
+        self._device_defaulted = tuple(name for name in defaults if getattr(self, name) is None)
         for name in self._device_defaulted:
             setattr(self, name, defaults[name])
+
+    def for_device(self, device: str):
+        """A copy whose fields left None at construction have ``device``'s defaults (a GPU's may be None: decided
+        later, as the KV cache's size is by profiling)."""
+        defaults = self.device_defaults(device_kind(device))
+        settled = copy.copy(self)
+        for name in self._device_defaulted:
+            setattr(settled, name, defaults[name])
+        return settled
 
 
 @dataclass
@@ -178,7 +188,7 @@ class CacheConfig(DeviceDefaults):
         return {"kv_cache_memory": CPU_KV_CACHE_GIB if kind == "cpu" else None}  # None: profiled
 
     def __post_init__(self) -> None:
-        self.use_device_defaults("cpu")
+        self._take_cpu_defaults()
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"CacheConfig.kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_CHOICES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -212,9 +222,9 @@ def default_token_budget() -> int:
     Measured through the server on the mixed workload (benchmarks/README.md): with AVX-512 a budget of 128 gave an ITL
     p99 of 235 ms (304 at 192, 372 at 256) for 11% more wall time than 256; held to AVX2 (8-lane float32 FMAs, half
     the arithmetic rate) 128 gave 310 ms, 112 269 ms and 96 246 ms at the same wall time (58-59 s)."""
-    import torch
+    from serval.platform_info import cpu_capability
 
-    return 128 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 96
+    return 128 if cpu_capability() == "AVX512" else 96
 
 
 # A GPU's step costs about the same from 1 to hundreds of rows (it reads the weights once), so it takes vLLM's limits.
@@ -278,7 +288,7 @@ class SchedulerConfig(DeviceDefaults):
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"SchedulerConfig.preemption_mode must be one of {list(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
-        self.use_device_defaults("cpu")
+        self._take_cpu_defaults()
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError("SchedulerConfig.max_num_batched_tokens must be a positive integer, "
                              f"got {self.max_num_batched_tokens!r}")
@@ -335,7 +345,7 @@ class SpeculativeConfig(DeviceDefaults):
         return {"max_batch_size": CUDA_SPECULATIVE_MAX_BATCH_SIZE if kind == "cuda" else CPU_SPECULATIVE_MAX_BATCH_SIZE}
 
     def __post_init__(self) -> None:
-        self.use_device_defaults("cpu")
+        self._take_cpu_defaults()
         if self.method is not None and (not isinstance(self.method, str) or not self.method or self.method == "none"):
             raise ValueError("SpeculativeConfig.method must be None, 'ngram', 'self-layers:N' or a draft model, "
                              f"got {self.method!r}")
@@ -439,10 +449,10 @@ class EngineConfig:
     model: str | None = field(default=None, metadata=flag(  # None: the embedded default model
         "embedded model name, .gguf file or HF directory (default: the embedded model that `serval models` marks "
         "as the default)"))
-    dtype: str = field(default="auto", metadata=flag(  # "auto" is resolved at construction: auto_dtype(device)
+    dtype: str = field(default="auto", metadata=flag(  # "auto": auto_dtype(device), in settled()
         "weights, activations and KV cache; auto: bfloat16 where the CPU (or GPU) computes in it natively, else "
         "float32 (float16 on a GPU)", choices=DTYPE_CHOICES))
-    # "auto" is resolved at construction: cuda when torch sees a GPU, else cpu. The sub-configs' fields left None
+    # "auto" is resolved by settled(): cuda when torch sees a GPU, else cpu. The sub-configs' fields left None
     # then take the device's defaults (DeviceDefaults).
     device: str = field(default="auto", metadata=flag("cpu, cuda[:N], or auto: cuda when torch sees a GPU, else cpu"))
     max_model_len: int | None = field(default=None, metadata=flag(
@@ -518,6 +528,7 @@ class EngineConfig:
     # The CUDA-graph decode path's padding and persistent buffers on a CPU too, without capture: how the CPU suite
     # covers that path (no flag: a CPU step gains nothing from it).
     pad_decode_on_cpu: bool = False
+    _settled = False  # made by settled() (not a dataclass field: a copy made by replace() is settled again)
 
     def __post_init__(self) -> None:
         if not isinstance(self.generation_config, str) or not self.generation_config:
@@ -544,15 +555,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device in ("cpu", "auto") or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        import torch
-
-        self.device = resolve_device(self.device)
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("EngineConfig.device is 'cuda' but torch sees no CUDA device")
-        for config in (self.cache, self.scheduler, self.speculative):
-            config.use_device_defaults(self.device)
-        if self.dtype == "auto":
-            self.dtype = auto_dtype(self.device)
         if self.context_policy not in CONTEXT_POLICIES:
             raise ValueError("EngineConfig.context_policy must be 'error' or 'sliding_window', "
                              f"got {self.context_policy!r}")
@@ -571,6 +573,24 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
 
+    def settled(self) -> EngineConfig:
+        """This config with what it leaves to the hardware decided, as a new config: the device ("auto": cuda when
+        torch sees a GPU, else cpu), the dtype ("auto": auto_dtype) and the sub-configs' fields left None (the
+        device's defaults). The engine core settles the config it runs (EngineCore), in the process that imports
+        torch: a server's process never does, and learns what it needs of the result from EngineCoreInfo."""
+        if self._settled:
+            return self
+        import torch
+
+        device = resolve_device(self.device)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("EngineConfig.device is 'cuda' but torch sees no CUDA device")
+        settled = replace(self, device=device, dtype=auto_dtype(device) if self.dtype == "auto" else self.dtype,
+                          cache=self.cache.for_device(device), scheduler=self.scheduler.for_device(device),
+                          speculative=self.speculative.for_device(device))
+        settled._settled = True
+        return settled
+
     @property
     def world_size(self) -> int:
         """Processes the model is split over."""
@@ -578,9 +598,10 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The settled dtype's torch dtype (what the engine will compute in)."""
         import torch
 
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.settled().dtype)
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:

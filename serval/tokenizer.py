@@ -8,6 +8,9 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -256,13 +259,24 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def _load_hf_tokenizer(directory: Path, gguf_file: str | None = None) -> Any:
-    from transformers import AutoTokenizer
+    """The tokenizer of a directory (or of a GGUF file in it). The class its tokenizer_config.json names is built
+    directly, as AutoTokenizer would build it: AutoTokenizer imports transformers' model configs, which import
+    torch, and a server's process has no torch (tests/test_architecture.py)."""
+    import transformers
 
     kwargs: dict[str, Any] = {"local_files_only": True}
+    tokenizer_class = None
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
+    else:
+        config_file = directory / "tokenizer_config.json"
+        name = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+        tokenizer_class = getattr(transformers, name, None) if isinstance(name, str) else None
     with _quiet_transformers():
-        hf = AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        if tokenizer_class is None:
+            hf = transformers.AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        else:
+            hf = tokenizer_class.from_pretrained(str(directory), **kwargs)
     if getattr(hf, "backend_tokenizer", None) is None:
         raise ValueError(f"no fast (tokenizers) tokenizer could be built for {str(directory)!r}")
     return hf
@@ -275,8 +289,11 @@ def _load_gguf_tokenizer(path: Path, header: GGUFContents) -> Any:
     2 cores); reading the saved tokenizer back takes a fraction of that. The cache entry is named by a digest of the
     header's key/value bytes and the transformers and tokenizers versions: a file with other metadata or another
     library converts again, and the same metadata (a copy of a file, a test's model written again) shares one
-    entry. It is written under a temporary name and renamed, so a reader never sees half of one. Where the cache
-    folder cannot be written, the tokenizer is converted each time."""
+    entry. It is written under a temporary name and renamed, so a reader never sees half of one.
+
+    The conversion runs in a child process (transformers' GGUF reader imports torch, which a server's process never
+    does) that writes the entry; where the cache folder cannot be written, it writes to a temporary folder, read
+    once and removed, each time."""
     import tokenizers
     import transformers
 
@@ -284,16 +301,33 @@ def _load_gguf_tokenizer(path: Path, header: GGUFContents) -> Any:
     entry = cache_directory() / "tokenizers" / hashlib.sha256(identity.encode()).hexdigest()[:16]
     if (entry / "tokenizer.json").is_file():
         return _load_hf_tokenizer(entry)
-    hf = _load_hf_tokenizer(path.parent, gguf_file=path.name)
-    partial = entry.with_name(f"{entry.name}.partial-{os.getpid()}")
     try:
-        hf.save_pretrained(str(partial))
-        partial.replace(entry)
-    except OSError as exc:  # unwritable, or another process renamed its copy there first
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"{entry.name}.partial-", dir=entry.parent))
+    except OSError as exc:
+        logger.info("%s: the converted tokenizer is not cached (%s)", path.name, exc)
+        partial = Path(tempfile.mkdtemp(prefix="serval-tokenizer-"))
+    try:
+        _convert_in_a_child(path, partial)
+        try:
+            partial.replace(entry)
+            return _load_hf_tokenizer(entry)
+        except OSError:  # unwritable, or another process renamed its copy there first
+            return _load_hf_tokenizer(entry if (entry / "tokenizer.json").is_file() else partial)
+    finally:
         shutil.rmtree(partial, ignore_errors=True)
-        if not (entry / "tokenizer.json").is_file():
-            logger.info("%s: the converted tokenizer is not cached (%s)", path.name, exc)
-    return hf
+
+
+def _convert_in_a_child(path: Path, out: Path) -> None:
+    """Converts the GGUF file's tokenizer and saves it in ``out``, in a fresh interpreter of this very serval."""
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    code = ("import sys; from pathlib import Path; from serval.tokenizer import _load_hf_tokenizer; "
+            "path = Path(sys.argv[1]); "
+            "_load_hf_tokenizer(path.parent, gguf_file=path.name).save_pretrained(sys.argv[2])")
+    done = subprocess.run([sys.executable, "-c", code, str(path), str(out)], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"{path.name}: its tokenizer could not be converted: {done.stderr.strip()[-2000:]}")
 
 
 def _hf_dir_chat_template(directory: Path, hf: Any) -> str:

@@ -179,14 +179,17 @@ def test_the_architecture_document_names_every_message_between_front_end_and_cor
 
 
 def test_the_server_and_front_end_modules_import_neither_torch_nor_the_engine_core():
-    """What `serval serve` imports for its default engine (a core process): no torch, no engine core, no xgrammar
-    (which imports torch); the core process has them. (EngineConfig still settles its device and dtype with torch
-    when it is built, in the server's process too.) Through a real server: tests/server/test_responsiveness.py::
-    test_the_server_process_has_no_grammar_library_and_its_core_loads_it_before_the_first_grammar."""
+    """What `serval serve` imports for its default engine (a core process), with its config built from the flags
+    and the model's tokenizer loaded: no torch, no engine core, no xgrammar (which imports torch); the core process
+    has them (it settles the config: EngineConfig.settled). Through a real server: tests/server/
+    test_responsiveness.py::test_the_server_process_has_no_torch_nor_grammar_library_and_its_core_loads_them."""
     script = ("import sys\n"
               "import serval.cli, serval.server.app, serval.engine.core_client\n"
-              "from serval.cli import build_parser\n"
-              "build_parser()\n"
+              "from serval.cli import _engine_config, build_parser\n"
+              "from serval.model.registry import resolve_model_path\n"
+              "from serval.tokenizer import Tokenizer\n"
+              "config = _engine_config(build_parser().parse_args(['serve']))\n"
+              "Tokenizer.load(resolve_model_path(config.model))\n"
               "heavy = ('torch', 'xgrammar', 'serval.engine.core', 'serval.layers', 'serval.model.loader')\n"
               "print(sorted(m for m in heavy if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)

@@ -359,29 +359,29 @@ def test_device_auto_is_the_default_flag_and_picks_the_devices_defaults(monkeypa
         assert build_parser().parse_args(verb).device == "auto", verb
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
     for argv in (["serve"], ["serve", "--device", "auto"]):
-        engine = _engine_config(build_parser().parse_args(argv))
+        engine = _engine_config(build_parser().parse_args(argv)).settled()
         assert (engine.device, engine.scheduler.max_num_seqs, engine.cache.kv_cache_memory) == ("cpu", 64, 1.0)
         assert engine.scheduler.async_output_processing is False
     help_text = " ".join(_verb_parsers()["serve"].format_help().split())
     assert "(default: 64 on CPU, 256 on CUDA)" in help_text and "; 8192 on CUDA)" in help_text
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, without touching a GPU
-    engine = _engine_config(build_parser().parse_args(["serve", "--device", "auto", "--dtype", "float32"]))
+    engine = _engine_config(build_parser().parse_args(["serve", "--device", "auto", "--dtype", "float32"])).settled()
     assert (engine.device, engine.scheduler.max_num_batched_tokens, engine.scheduler.max_num_seqs) == (
         "cuda", 8192, 256)
     assert (engine.cache.kv_cache_memory, engine.cache.gpu_memory_utilization) == (None, 0.9)  # profiled on the GPU
     assert engine.scheduler.async_output_processing is True
     for switch, value in (("--no-async-output-processing", False), ("--async-output-processing", True)):
-        parsed = _engine_config(build_parser().parse_args(["serve", "--dtype", "float32", switch]))
+        parsed = _engine_config(build_parser().parse_args(["serve", "--dtype", "float32", switch])).settled()
         assert parsed.scheduler.async_output_processing is value, switch
     engine = _engine_config(build_parser().parse_args(
         ["serve", "--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "300",
-         "--kv-cache-memory", "3", "--gpu-memory-utilization", "0.5", "--speculative-max-batch-size", "2"]))
+         "--kv-cache-memory", "3", "--gpu-memory-utilization", "0.5", "--speculative-max-batch-size", "2"])).settled()
     assert (engine.device, engine.scheduler.max_num_batched_tokens, engine.scheduler.max_num_seqs) == (
         "cuda", 300, 8)  # flags given win over the device's defaults
     assert (engine.cache.kv_cache_memory, engine.cache.gpu_memory_utilization,
             engine.speculative.max_batch_size) == (3.0, 0.5, 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    engine = _engine_config(build_parser().parse_args(["serve", "--async-output-processing"]))
+    engine = _engine_config(build_parser().parse_args(["serve", "--async-output-processing"])).settled()
     assert (engine.device, engine.scheduler.async_output_processing) == ("cpu", True)  # given: kept on a CPU too
 
 

@@ -22,19 +22,20 @@ from serval.config import (
     auto_dtype,
     default_token_budget,
 )
+from serval.platform_info import cpu_capability
 
 
 def test_auto_dtype_follows_native_bf16_support():
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert auto_dtype("cpu") == ("bfloat16" if native_bf16 else "float32")
-    config = EngineConfig()  # the default is auto, resolved at construction
+    config = EngineConfig().settled()  # the default is auto, resolved when the config is settled
     assert config.dtype == auto_dtype("cpu")
     assert config.torch_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
 
 
 def test_an_explicit_dtype_is_kept():
     assert EngineConfig(dtype="float32").torch_dtype == torch.float32
-    assert EngineConfig(dtype="bfloat16").dtype == "bfloat16"
+    assert EngineConfig(dtype="bfloat16").settled().dtype == "bfloat16"
 
 
 def test_a_bad_dtype_names_the_field():
@@ -44,6 +45,7 @@ def test_a_bad_dtype_names_the_field():
 
 def test_the_default_token_budget_follows_the_cpu_and_an_explicit_one_is_kept():
     expected = 128 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 96
+    assert cpu_capability() == torch.backends.cpu.get_cpu_capability()  # read without torch, the same answer
     assert SchedulerConfig().max_num_batched_tokens == expected
     assert SchedulerConfig(max_num_batched_tokens=None).max_num_batched_tokens == expected
     assert SchedulerConfig(max_num_batched_tokens=200).max_num_batched_tokens == 200
@@ -80,7 +82,7 @@ def test_a_second_tier_and_the_preemption_mode_are_checked(build, field):
 
 def test_device_auto_is_the_default_and_resolves_to_the_cpu_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this suite's machines, on any machine
-    for config in (EngineConfig(), EngineConfig(device="auto")):
+    for config in (EngineConfig().settled(), EngineConfig(device="auto").settled()):
         assert config.device == "cpu"
         assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (
             default_token_budget(), CPU_MAX_NUM_SEQS)
@@ -92,12 +94,12 @@ def test_device_auto_is_the_default_and_resolves_to_the_cpu_without_a_gpu(monkey
 
 def test_device_auto_picks_cuda_when_torch_sees_a_gpu_and_takes_the_gpus_defaults(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing is built on the (absent) GPU here
-    config = EngineConfig(device="auto", dtype="float32")
+    config = EngineConfig(device="auto", dtype="float32").settled()
     assert config.device == "cuda"
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (8192, 256)
     assert config.cache.kv_cache_memory is None  # sized by profiling (engine/memory_profile.py)
     assert config.speculative.max_batch_size == CUDA_SPECULATIVE_MAX_BATCH_SIZE
-    assert EngineConfig(device="cuda:1", dtype="float32").scheduler.max_num_seqs == 256
+    assert EngineConfig(device="cuda:1", dtype="float32").settled().scheduler.max_num_seqs == 256
 
 
 def test_values_given_win_over_the_devices_defaults(monkeypatch):
@@ -105,13 +107,15 @@ def test_values_given_win_over_the_devices_defaults(monkeypatch):
     scheduler, cache = SchedulerConfig(max_num_seqs=32), CacheConfig(kv_cache_memory=2.0)
     speculative = SpeculativeConfig(max_batch_size=2)
     assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (default_token_budget(), 32)  # alone: CPU's
-    config = EngineConfig(device="cuda", dtype="float32", scheduler=scheduler, cache=cache, speculative=speculative)
+    config = EngineConfig(device="cuda", dtype="float32", scheduler=scheduler, cache=cache,
+                          speculative=speculative).settled()
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (8192, 32)
     assert (config.cache.kv_cache_memory, config.speculative.max_batch_size) == (2.0, 2)
     # The same configs in a CPU engine after a GPU one: the fields left unset take the CPU's defaults again.
-    config = EngineConfig(device="cpu", scheduler=scheduler, cache=cache, speculative=speculative)
+    config = EngineConfig(device="cpu", scheduler=scheduler, cache=cache, speculative=speculative).settled()
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (default_token_budget(), 32)
-    explicit = EngineConfig(device="cuda", dtype="float32", scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    explicit = EngineConfig(device="cuda", dtype="float32",
+                            scheduler=SchedulerConfig(max_num_batched_tokens=512)).settled()
     assert (explicit.scheduler.max_num_batched_tokens, explicit.scheduler.max_num_seqs) == (512, 256)
 
 

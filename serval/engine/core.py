@@ -50,7 +50,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_path: str, model=None) -> None:
         """Loads the model at ``model_path`` (or reuses an already loaded ``model`` of the same dtype and device)."""
         start = time.perf_counter()
-        self.config = config
+        self.config = config = config.settled()  # the device, the dtype and their defaults decided here
         # Model parallelism: this process is rank 0 (schedules, samples); the other ranks follow its steps.
         if model is not None and config.world_size > 1:
             raise ValueError("a loaded model cannot be split over ranks: let the engine load it")
@@ -82,6 +82,7 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.speculative = config.speculative
         self.info = EngineCoreInfo(str(model_path), max_model_len, model_config.vocab_size, num_blocks, 0.0,
+                                   config.scheduler.max_num_batched_tokens,
                                    self.kv_transfer.address if self.kv_transfer is not None else None)
         self.proposer = self._make_proposer(config)
         if self.runner.draft is not None or self.group is not None:  # they follow the forwards one at a time

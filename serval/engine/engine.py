@@ -36,6 +36,7 @@ class LLMEngine:
                                                            config.override_generation_config)
         self.tokenizer = tokenizer or Tokenizer.load(path)
         self.core = EngineCore(config, path, model)
+        self.config = config = self.core.config  # settled: its device, dtype and their defaults decided
         info = self.core.info
         self.max_model_len = info.max_model_len
         self.inputs = InputProcessor(config, self.tokenizer, info)

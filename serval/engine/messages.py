@@ -132,6 +132,7 @@ class EngineCoreInfo:
     vocab_size: int
     num_blocks: int
     load_time: float
+    max_num_batched_tokens: int  # the settled step budget (it is the device's default where none was given)
     kv_transfer_address: str | None = None  # a prefill worker's KV server, where decode workers fetch its blocks
 
 

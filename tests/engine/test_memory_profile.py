@@ -54,11 +54,12 @@ def test_the_profiles_steps_are_the_whole_budget_in_one_chunk_and_over_max_num_s
 
 def test_the_profiling_forward_runs_through_the_runner_on_the_cpu(smollm):
     model, _ = smollm("float32")
-    config = EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_num_batched_tokens=70, max_num_seqs=8))
+    config = EngineConfig(dtype="float32",
+                          scheduler=SchedulerConfig(max_num_batched_tokens=70, max_num_seqs=8)).settled()
     # The chunk of 70 tokens needs 5 blocks of 16; 8 sequences of 8 or 9 tokens need 8: the larger is allocated.
     assert profile_forward(config, model) == 8 * kv_cache_block_bytes(model.config, 16, torch.float32)
-    capped = EngineConfig(dtype="float32", max_model_len=40, scheduler=SchedulerConfig(max_num_batched_tokens=512,
-                                                                                        max_num_seqs=1))
+    capped = EngineConfig(dtype="float32", max_model_len=40,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=1)).settled()
     assert profile_forward(capped, model) == 3 * kv_cache_block_bytes(model.config, 16, torch.float32)
 
 
@@ -81,7 +82,8 @@ def test_the_profile_counts_the_peak_less_its_temporary_cache_and_what_torch_doe
         return 60 * GIB, 80 * GIB  # 20 GiB used: 8 of tensors, 12 of context, other processes, held reserve
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    config = EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    config = EngineConfig(dtype="float32",
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4)).settled()
     temporary = profile_forward(config, model)
     total, in_use = memory_profile.profile_cuda_memory(config, model)
     assert (total, in_use) == (80 * GIB, 12 * GIB + 10 * GIB - temporary)
@@ -108,7 +110,8 @@ def test_a_profile_that_runs_out_of_gpu_memory_names_the_step_limits(smollm, mon
     for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda *args: None)
     monkeypatch.setattr(memory_profile, "profile_forward", out_of_memory)
-    config = EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256))
+    config = EngineConfig(dtype="float32",
+                          scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)).settled()
     with pytest.raises(ValueError, match=r"\(8192 tokens, 256 sequences\) ran out of GPU memory: lower "
                                          "--max-num-batched-tokens or --max-num-seqs"):
         memory_profile.profile_cuda_memory(config, smollm("float32")[0])

@@ -56,7 +56,7 @@ EXAMPLES = {
     KVStateQuery: KVStateQuery("0a1b"),
     Shutdown: Shutdown(),
     CoreConnected: CoreConnected(),
-    CoreReady: CoreReady(EngineCoreInfo("/m.gguf", 2048, 49152, 300, 1.5, "tcp://127.0.0.1:5600")),
+    CoreReady: CoreReady(EngineCoreInfo("/m.gguf", 2048, 49152, 300, 1.5, 128, "tcp://127.0.0.1:5600")),
     CoreFailed: CoreFailed("ValueError: fewer than 2 blocks"),
     EngineCoreOutputs: OUTPUTS,
     KVStateReply: KVStateReply("0a1b", {"blocks": {"free": 3}, "sessions": [{"id": "s1", "blocks": [1, 2]}]}),
@@ -100,7 +100,7 @@ def test_an_unknown_message_is_a_named_error():
     (msgpack.packb(["EndSession"]), "EndSession needs 1 fields"),
     (msgpack.packb(["EndSession", "s", "extra"]), "EndSession needs 1 fields"),
     (msgpack.packb(["FinishRequests", ["a"], "no such status"]), "a malformed FinishRequests: ValueError"),
-    (msgpack.packb(["CoreReady", [1, 2]]), "EngineCoreInfo needs 6 fields"),
+    (msgpack.packb(["CoreReady", [1, 2]]), "EngineCoreInfo needs 7 fields"),
     (msgpack.packb(["AddRequests", "not a list"]), "EngineCoreRequest needs 11 fields"),
 ])
 def test_a_malformed_frame_is_a_named_error(frame, match):

@@ -186,8 +186,7 @@ def test_preemption_and_prefix_hits_keep_the_tokens(tiny):
 def test_the_device_chooses_the_default():
     config = SchedulerConfig()
     assert config.num_scheduler_steps == 1
-    config.use_device_defaults("cuda")
-    assert config.num_scheduler_steps > 1
+    assert config.for_device("cuda").num_scheduler_steps > 1
     assert SchedulerConfig(num_scheduler_steps=3).num_scheduler_steps == 3
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         SchedulerConfig(num_scheduler_steps=0)

@@ -265,8 +265,9 @@ def loaded_libraries(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
-def test_the_server_process_has_no_grammar_library_and_its_core_loads_it_before_the_first_grammar(gated_server):
-    """The server's process imports no xgrammar (its front end only checks a grammar's size; the core parses and
+def test_the_server_process_has_no_torch_nor_grammar_library_and_its_core_loads_them(gated_server):
+    """The server's process maps no torch (the core settles the config and runs the model; the server builds the
+    tokenizer without it) and imports no xgrammar (its front end only checks a grammar's size; the core parses and
     compiles it); its engine core imports xgrammar on a thread once the model is loaded: on the step loop at the
     first request with a grammar, the import (0.7 s) stood another stream still for 0.96 s (measured). Grammars, a
     required tool call and scored prompts then work. (This module's own server: no request with a grammar has
@@ -292,6 +293,7 @@ def test_the_server_process_has_no_grammar_library_and_its_core_loads_it_before_
                         json={"model": MODEL, "prompt": "One two three", "echo": True, "logprobs": 2, "max_tokens": 1})
     assert scored.status_code == 200
     assert "libxgrammar" not in loaded_libraries(server.proc.pid)
+    assert "libtorch" not in loaded_libraries(server.proc.pid) and "libtorch_cpu" in loaded_libraries(core)
 
 
 @pytest.mark.parametrize("request_body", [
