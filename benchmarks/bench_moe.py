@@ -30,12 +30,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from serval.config import EngineConfig, ModelConfig  # noqa: E402
+from serval.config import EngineConfig  # noqa: E402
 from serval.engine.request import Request  # noqa: E402
 from serval.engine.runner import ModelRunner  # noqa: E402
 from serval.engine.scheduler import SchedulerOutput  # noqa: E402
 from serval.layers.linear import lay_out_for_cpu_kernels, probe_row_padding  # noqa: E402
 from serval.layers.moe import Experts  # noqa: E402
+from serval.model.config import ModelConfig  # noqa: E402
 from serval.model.llama import LlamaForCausalLM  # noqa: E402
 from serval.platform_info import describe_hardware  # noqa: E402
 from serval.sampling_params import SamplingParams  # noqa: E402

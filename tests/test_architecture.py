@@ -320,3 +320,40 @@ def test_a_prompts_room_is_computed_in_one_function():
                 callers.append((f"{path.name}::{function.name}", "prompt_room" in names))
     assert subtractions == []
     assert len(callers) >= 3 and [name for name, uses in callers if not uses] == []
+
+
+# vLLM v1's EngineCore.step is about 25 lines: schedule, execute, update. Serval's was 107 (issue 50).
+MAX_CORE_STEP_LINES = 25
+
+
+def test_the_engine_core_step_stays_short_and_reads_as_schedule_execute_update():
+    """EngineCore.step calls its phases and nothing else of its own; the model, its loading and the KV cache's size
+    are the Worker's (engine/worker.py), so the core imports no loader."""
+    core = REPO / "serval" / "engine" / "core.py"
+    step, lines = next((node, lines) for node, lines in _functions(core) if node.name == "step")
+    assert lines <= MAX_CORE_STEP_LINES
+    calls = sorted((node.lineno, node.func.attr) for node in ast.walk(step)
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr.startswith("_"))
+    assert [name for _, name in calls] == ["_outputs_between_steps", "_schedule_step", "_execute", "_update"]
+    assert not {"serval.model.loader", "serval.engine.memory_profile", "serval.engine.workers"} & set(_imports(core))
+
+
+def test_one_place_decides_multi_step_runs():
+    """The worker states once what it runs in a row (Worker.max_decode_steps); the scheduler alone makes each step's
+    plan of forwards in a row (SchedulerOutput.num_decode_steps); the runner only executes it. (It was decided in
+    five places, with an override from the core.)"""
+    deciders, limiters = set(), set()
+    for path in sorted((REPO / "serval").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            attributes = {t.attr for t in targets if isinstance(t, ast.Attribute)}
+            if isinstance(node, ast.Call):
+                attributes |= {k.arg for k in node.keywords}
+            if "num_decode_steps" in attributes:
+                deciders.add(path.name)
+            if "max_decode_steps" in attributes:
+                limiters.add(path.name)
+    assert deciders == {"scheduler.py"}
+    assert limiters == {"scheduler.py", "worker.py"}  # the worker states it, the scheduler keeps it

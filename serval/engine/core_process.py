@@ -65,7 +65,7 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
         results.close(linger=5000)
         return
     results.send(encode(CoreReady(core.info)))
-    core.prepare_structured_outputs()
+    core.grammars.prepare()
     try:
         _core_loop(core, commands, results, parent_pid)
         core.shutdown()

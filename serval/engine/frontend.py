@@ -27,7 +27,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
-        self.max_num_batched_tokens = info.max_num_batched_tokens  # settled by the core (the device's default)
+        self.info = info  # its max_num_batched_tokens: settled by the core (the device's default)
         self.eos_token_ids = sorted(tokenizer.eos_token_ids)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
@@ -112,9 +112,9 @@ class InputProcessor:
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         limit = self.max_model_len
         scheduler = self.config.scheduler
-        if not scheduler.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
+        if not scheduler.enable_chunked_prefill and num_prompt_tokens > self.info.max_num_batched_tokens:
             raise ValueError(f"prompt is {num_prompt_tokens} tokens, more than max_num_batched_tokens="
-                             f"{self.max_num_batched_tokens}, and chunked prefill is off")
+                             f"{self.info.max_num_batched_tokens}, and chunked prefill is off")
         # A prompt may fill the whole context only when nothing is generated after it (max_tokens 0).
         if num_prompt_tokens > prompt_room(limit, 0 if params.max_tokens == 0 else None):
             raise ValueError(f"prompt is {num_prompt_tokens} tokens; this model's context is {limit} tokens")

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serval.config import ModelConfig
 from serval.distributed import ParallelGroup
 from serval.engine.cuda_graphs import DecodeBuckets, DecodeGraphs, copy_to_host
 from serval.engine.request import Request
@@ -24,6 +23,7 @@ from serval.layers.sampler import (
     logprob_tensors,
     token_logprobs,
 )
+from serval.model.config import ModelConfig
 from serval.outputs import TokenLogprobs
 from serval.sampling_params import SamplingParams, takes_argmax_only
 
@@ -166,7 +166,7 @@ class ModelRunner:
         result = ModelRunnerOutput()
         self._while_device_runs = while_device_runs
         if out.num_decode_steps > 1:
-            self._decode_in_a_row(out, result)
+            self._execute_decode_run(out, result)
             return result
         steps = [inputs for inputs in map(self.prepare_inputs, self._micro_batches(out)) if inputs is not None]
         if not steps:
@@ -245,7 +245,7 @@ class ModelRunner:
                 result.logprobs[request.request_id] = logprobs[first: first + len(kept)]
             first += len(guesses) + 1
 
-    def _decode_in_a_row(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    def _execute_decode_run(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Multi-step decoding (``out.num_decode_steps`` forwards of decodes only, each row's token drawn from its
         logits alone): each forward's tokens are the next one's inputs without leaving the device, and the host reads
         them all once, at the end. Each forward is the plain decode step of the same rows (its bucket's graph, or

@@ -60,7 +60,9 @@ class PreemptionCosts:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_decode_steps: int | None = None) -> None:
+        """``max_decode_steps``: the forwards of decodes the worker runs in a row (Worker.max_decode_steps); None:
+        the config's num_scheduler_steps."""
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: list[Request] = []
@@ -71,9 +73,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions that swapped the request's KV out instead of dropping it
         self.costs = PreemptionCosts()
-        # Forwards a decode-only step may run in a row: the config's, or 1 where the core's runner cannot (a draft
-        # model mirrors each forward, model-parallel ranks follow each one).
-        self.max_decode_steps = config.num_scheduler_steps
+        # The one place that decides multi-step runs (the plan of each step: _plan_decode_run, schedule_next_run)
+        # within what the worker stated it runs in a row.
+        self.max_decode_steps = config.num_scheduler_steps if max_decode_steps is None else max_decode_steps
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -171,10 +173,10 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         if self.max_decode_steps > 1 and not out.preempted:
-            self._decode_in_a_row(out)
+            self._plan_decode_run(out)
         return out
 
-    def _decode_in_a_row(self, out: SchedulerOutput) -> None:
+    def _plan_decode_run(self, out: SchedulerOutput) -> None:
         """Makes a step of decodes only (every request past its prompt, with no guesses, no grammar and a token drawn
         from its logits alone: greedy or sampled, with logprobs if asked, without penalties) run several forwards in
         a row, as many as every request still may take tokens and has KV room for without preempting anyone;

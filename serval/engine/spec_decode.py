@@ -59,3 +59,53 @@ def accept(proposed: list[int], sampled: list[int]) -> list[int]:
             return kept
     kept.append(sampled[len(proposed)])
     return kept
+
+
+class Speculator:
+    """Speculative decoding's part of the engine's step, one object: after a step, guesses for the running requests
+    (while the batch is small enough for guesses to pay); in the next, the counts of the guesses accepted."""
+
+    def __init__(self, config: SpeculativeConfig, proposer, stats) -> None:
+        self.config = config
+        self.proposer = proposer  # NgramProposer or draft_proposer.DraftProposer
+        self.stats = stats  # the core's EngineCoreStats
+
+    def pays(self, num_running: int) -> bool:
+        """Whether guesses are made at this many running requests (SpeculativeConfig.max_batch_size)."""
+        return num_running <= self.config.max_batch_size
+
+    def propose(self, running, kv_cache, max_model_len: int, before_draft_writes, valid_prefix) -> None:
+        """Sets the guesses of every running request past its prompt. ``before_draft_writes``: called once the
+        guessed positions' slots are allocated, before a draft model writes them; ``valid_prefix(request_id,
+        guesses)``: the first of the guesses that the request's grammar (if any) allows."""
+        if not self.pays(len(running)):
+            return
+        requests, rooms = [], []
+        for request in running:
+            if request.num_computed_tokens != request.num_tokens - 1 or request.max_tokens == 0:
+                continue  # still computing its prompt (or recomputing after a preemption)
+            room = min(self.config.num_speculative_tokens,
+                       request.max_tokens - len(request.output_token_ids) - 1,  # the step adds one more token
+                       max_model_len - request.num_tokens)  # every guess takes a KV slot
+            # A draft model writes the guessed positions' KV: their slots (the next step's anyway) come first.
+            if room > 0 and (not self.proposer.needs_slots or kv_cache.allocate_slots(request, 1 + room)):
+                requests.append(request)
+                rooms.append(room)
+        if not requests:
+            return
+        before_draft_writes()  # the slots' allocation may have evicted blocks to save before a draft writes them
+        for request, guesses in zip(requests, self.proposer.propose_requests(requests, rooms)):
+            request.spec_token_ids = valid_prefix(request.request_id, guesses) if guesses else guesses
+
+    def count_accepted(self, spec_token_ids: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
+        stats = self.stats
+        for request_id, guesses in spec_token_ids.items():
+            kept = sampled.get(request_id)
+            if kept is None:
+                continue  # failed or aborted while the step ran
+            accepted = len(kept) - 1
+            stats.spec_num_drafts += 1
+            stats.spec_num_draft_tokens += len(guesses)
+            stats.spec_num_accepted_tokens += accepted
+            for position in range(accepted):
+                stats.spec_accepted_per_position[position] += 1

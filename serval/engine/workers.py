@@ -22,10 +22,8 @@ import torch
 from serval.config import EngineConfig
 from serval.distributed import ParallelGroup, free_init_method, init_group
 from serval.engine.runner import ModelRunner
-from serval.layers.linear import use_activation_quantization, use_dot_products
 from serval.lifetime import ending_with_parent
-from serval.model.llama import use_cpu_layers
-from serval.model.loader import load_model
+from serval.model.loader import build_model
 from serval.model.registry import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -99,11 +97,7 @@ def run_worker(rank: int, world_size: int, init_method: str, device: str, model_
         group.close()
         raise RuntimeError(f"rank {rank}: {model_path} is {model_identity(model_path)} (name, bytes); rank 0 "
                            f"serves {identity}: every rank needs the same model file")
-    model = load_model(Path(model_path), config.torch_dtype, group.device, config.quantization, group,
-                       config.enable_expert_parallel)
-    use_activation_quantization(model, config.activation_quantization)
-    use_dot_products(model, config.block_dot_products)
-    use_cpu_layers(model, not config.enforce_eager)
+    model = build_model(Path(model_path), config, group)
     num_blocks = group.broadcast()  # rank 0 sizes the cache (the scheduler's blocks are every rank's)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, config.kv_cache_torch_dtype, group.device,
                          group)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serval.config import ModelConfig
 from serval.layers.activation import exact_gelu_lanes, gelu_tanh_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.attention.cpu_kernel import CpuKernelMetadata
 from serval.layers.linear import BlockQuantLinear, Linear
 from serval.layers.norm import GemmaRMSNorm, exact_sum_lanes
 from serval.layers.rotary import RotaryEmbedding, RotaryStep
+from serval.model.config import ModelConfig
 from serval.model.llama import LlamaForCausalLM, LlamaMLP
 
 

@@ -16,9 +16,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from serval.config import ModelConfig
 from serval.gguf_reader import GGUFContents
 from serval.layers.linear import BlockWeight
+from serval.model.config import ModelConfig
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K"}

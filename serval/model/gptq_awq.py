@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from serval.config import ModelConfig
 from serval.layers.linear import BLOCK_SIZE, BlockQuantLinear, BlockWeight
+from serval.model.config import ModelConfig
 from serval.model.llama import LlamaForCausalLM, split_fused_weights
 from serval.model.parallel import TensorParallelShard
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from serval.config import ModelConfig
+from serval.model.config import ModelConfig
 from serval.model.gguf_file import ARCHITECTURES as GGUF_ARCHITECTURES
 
 # config.json's ``architectures`` (or, without it, ``model_type``) → family.

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from serval.config import ModelConfig
 from serval.layers.activation import silu_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.attention.cpu_kernel import CpuKernelMetadata
@@ -23,6 +22,7 @@ from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
 from serval.layers.moe import SparseMoE
 from serval.layers.norm import RMSNorm
 from serval.layers.rotary import RotaryEmbedding, RotaryStep
+from serval.model.config import ModelConfig
 
 
 def split_fused_weights(weights: Iterable[tuple[str, torch.Tensor | BlockWeight]],

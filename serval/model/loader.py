@@ -10,15 +10,22 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
+from serval.config import EngineConfig
 from serval.distributed import ParallelGroup
 from serval.layers import cpu_kernels
-from serval.layers.linear import lay_out_for_cpu_kernels, probe_row_padding, quantize_linears
+from serval.layers.linear import (
+    lay_out_for_cpu_kernels,
+    probe_row_padding,
+    quantize_linears,
+    use_activation_quantization,
+    use_dot_products,
+)
 from serval.model.gemma3 import Gemma3ForCausalLM
 from serval.model.gguf_file import BLOCK_FORMATS, GGUFModelFile
 from serval.model.gptq_awq import METHODS as CHECKPOINT_METHODS
 from serval.model.gptq_awq import read_weight_quantization, use_checkpoint_blocks
 from serval.model.hf_config import read_hf_config
-from serval.model.llama import LlamaForCausalLM, split_fused_weights
+from serval.model.llama import LlamaForCausalLM, split_fused_weights, use_cpu_layers
 from serval.model.parallel import PipelineStage, TensorParallelShard
 
 logger = logging.getLogger(__name__)
@@ -27,6 +34,23 @@ logger = logging.getLogger(__name__)
 _MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                   "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "gemma2": Gemma3ForCausalLM,
                   "gemma3": Gemma3ForCausalLM, "mixtral": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM}
+
+
+def build_model(path: Path, config: EngineConfig, group: ParallelGroup | None = None, quantization: str | None = None,
+                expert_parallel: bool | None = None, loaded: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The one recipe for a model the engine runs (the target, a draft, every model-parallel rank's shard): loaded
+    as ``config`` (settled) says, ``quantization`` and ``expert_parallel`` where they differ from it (a draft), on
+    ``group``'s device when given (or ``loaded`` already, by the caller), then prepared for the runner: the CPU
+    block kernel's activation quantization and dot products, and the one-call CPU layers. The dot products chosen
+    ("auto" measured; what KV blocks computed by the model depend on) are its ``dot_products``."""
+    model = loaded if loaded is not None else load_model(
+        path, config.torch_dtype, group.device if group is not None else config.device,
+        config.quantization if quantization is None else quantization, group,
+        config.enable_expert_parallel if expert_parallel is None else expert_parallel)
+    use_activation_quantization(model, config.activation_quantization)
+    model.dot_products = use_dot_products(model, config.block_dot_products)
+    use_cpu_layers(model, not config.enforce_eager)
+    return model
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu", quantization: str = "auto",

@@ -26,10 +26,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from serval.config import ModelConfig
 from serval.distributed import ParallelGroup, partition
 from serval.layers.linear import BlockWeight
 from serval.layers.moe import SparseMoE
+from serval.model.config import ModelConfig
 
 WeightLike = torch.Tensor | BlockWeight
 

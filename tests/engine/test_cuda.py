@@ -45,7 +45,7 @@ def test_two_gpus_over_nccl_answer_as_one(split):
     one = LLM(dtype="float32", device="cuda").generate(PROMPTS, params, use_tqdm=False)
     llm = LLM.from_engine(LLMEngine(EngineConfig(dtype="float32", device="cuda", **split)))
     try:
-        assert llm.engine.core.group.device.type == "cuda"
+        assert llm.engine.core.worker.group.device.type == "cuda"
         two = llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
         llm.engine.shutdown()

@@ -284,7 +284,7 @@ def test_sampled_output_distribution_with_speculation_is_the_targets(tmp_path):
         second[b] += p
     guess = second.most_common(1)[0][0]  # the likeliest second token: guesses get accepted and rejected
     core = EngineCore(config, tmp_path, model)
-    core.proposer = FixedGuess(guess)
+    core.speculator.proposer = FixedGuess(guess)
     torch.manual_seed(0)  # unseeded requests draw from the global generator: a fixed run, not a flaky one
     params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, ignore_eos=True)
     samples: dict[str, list[int]] = {}
@@ -319,7 +319,7 @@ def test_seeded_sampling_is_reproducible_and_fixed_by_seed_and_position(tmp_path
             method="ngram" if speculative else None, num_speculative_tokens=3, max_batch_size=64))
         core = EngineCore(config, tmp_path, model)
         if speculative:
-            core.proposer = FixedGuess(7)
+            core.speculator.proposer = FixedGuess(7)
         for seed in batch:
             core.add_request(EngineCoreRequest(f"{seed}", [5, 6, 7], SamplingParams(
                 temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True), [], 12))

@@ -155,26 +155,27 @@ def test_guesses_the_grammar_refuses_are_never_proposed(engines):
     _, spec = engines
     core = spec.engine.core
     tokenizer = spec.engine.tokenizer
-    core._structured_outputs().submit("probe", StructuredOutputsParams(regex=r"ab+c"))  # on a compile thread
-    core.structured.wait_compiled(timeout=60)
-    assert core.structured.take_compiled() == (["probe"], {})
+    core.grammars.manager().submit("probe", StructuredOutputsParams(regex=r"ab+c"))  # on a compile thread
+    core.grammars.structured.wait_compiled(timeout=60)
+    assert core.grammars.structured.take_compiled() == (["probe"], {})
     a, b, c, x = (tokenizer.encode(t, add_special_tokens=False) for t in ("a", "b", "c", "x"))
-    assert core.structured.valid_prefix("probe", a + b + b + c) == a + b + b + c
-    assert core.structured.valid_prefix("probe", a + b + x + c) == a + b
-    assert core.structured.valid_prefix("probe", x) == []
-    masks, errors = core.structured.bitmasks({"probe": a + b})  # a row per position: before a, after a, after ab
+    assert core.grammars.structured.valid_prefix("probe", a + b + b + c) == a + b + b + c
+    assert core.grammars.structured.valid_prefix("probe", a + b + x + c) == a + b
+    assert core.grammars.structured.valid_prefix("probe", x) == []
+    # A row per position: before a, after a, after ab.
+    masks, errors = core.grammars.structured.bitmasks({"probe": a + b})
     assert errors == {}
     allowed = [{t for t in range(64, 128) if masks["probe"][row, t // 32] >> (t % 32) & 1} for row in range(3)]
     assert a[0] in allowed[0] and b[0] not in allowed[0]
     assert b[0] in allowed[1] and c[0] not in allowed[1]
     assert c[0] in allowed[2] and b[0] in allowed[2]
-    assert core.structured.valid_prefix("probe", a + b + b + c) == a + b + b + c  # the matcher was rolled back
+    assert core.grammars.structured.valid_prefix("probe", a + b + b + c) == a + b + b + c  # the matcher was rolled back
     eos = sorted(tokenizer.eos_token_ids)[0]
-    guesses = core.structured.valid_prefix("probe", a + b + c + [eos] + a)  # nothing follows the stop token
+    guesses = core.grammars.structured.valid_prefix("probe", a + b + c + [eos] + a)  # nothing follows the stop token
     assert guesses == a + b + c + [eos]
-    masks, errors = core.structured.bitmasks({"probe": guesses})  # the row after the stop token is not filled
+    masks, errors = core.grammars.structured.bitmasks({"probe": guesses})  # the row after the stop token is not filled
     assert errors == {} and masks["probe"].shape[0] == len(guesses) + 1 and bool((masks["probe"][-1] == -1).all())
-    core.structured.remove("probe")
+    core.grammars.structured.remove("probe")
 
 
 @pytest.mark.slow
@@ -229,7 +230,7 @@ def test_a_grammar_compiles_off_the_step_loop_and_one_past_the_time_limit_fails_
         choice=["yes"])))  # sets up the compiler
     while engine.has_unfinished_requests():
         engine.step()
-    monkeypatch.setattr(engine.core.structured, "compile_timeout_s", 0.05)
+    monkeypatch.setattr(engine.core.grammars.structured, "compile_timeout_s", 0.05)
     schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(1_500)}}
     engine.add_request("slow", "Hello", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
         json=schema)))

@@ -222,8 +222,8 @@ def test_gemma_layers_take_the_kernels_on_the_cpu_and_give_the_pytorch_lines_bit
     lines for them instead (every other kernel the same) it gives the same logits bit for bit."""
     from tiny_models import full_logits
 
-    from serval.config import ModelConfig
     from serval.layers import activation, norm
+    from serval.model.config import ModelConfig
     from serval.model.gemma3 import Gemma3ForCausalLM
 
     config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,

@@ -198,7 +198,7 @@ def test_on_cuda_a_smollm2_decode_step_runs_fewer_kernels(monkeypatch, batch):
 
 def _smollm2_stack(device):
     """SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads of 64, SwiGLU 1536), random bf16 weights."""
-    from serval.config import ModelConfig
+    from serval.model.config import ModelConfig
     from serval.model.llama import LlamaForCausalLM
 
     config = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
