@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serval.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from serval.tokenizer import Tokenizer
-
-
-class ContextLengthError(ValueError):
-    """The prompt does not fit in the model's context window."""
 
 
 @dataclass
@@ -22,13 +19,15 @@ def build_chat_prompt(tokenizer: Tokenizer, messages: list[dict], max_prompt_tok
     """Renders ``messages`` with the model's chat template.
 
     ``policy="error"`` rejects a chat longer than ``max_prompt_tokens``; ``"sliding_window"`` keeps the system
-    prompt and the most recent messages, dropping the oldest turns until it fits."""
+    prompt and the most recent messages, dropping the oldest turns until it fits. A chat that does not fit is a
+    RequestError naming ``messages`` (code context_length_exceeded)."""
     ids = tokenizer.apply_chat_template(messages, tools=tools)
     if len(ids) <= max_prompt_tokens:
         return ChatPrompt(ids)
     if policy != "sliding_window":
-        raise ContextLengthError(f"the chat is {len(ids)} tokens, more than the {max_prompt_tokens} the context "
-                                 "window leaves for the prompt (the sliding_window context policy drops old turns)")
+        raise RequestError("messages", f"the chat is {len(ids)} tokens, more than the {max_prompt_tokens} the "
+                           "context window leaves for the prompt (the sliding_window context policy drops old turns)",
+                           CONTEXT_LENGTH_EXCEEDED)
     system = [m for m in messages[:1] if m.get("role") == "system"]
     history = messages[len(system):]
     # How many of the oldest turns to drop: at least one, never the last message, and a chat should open with
@@ -45,6 +44,6 @@ def build_chat_prompt(tokenizer: Tokenizer, messages: list[dict], max_prompt_tok
         else:
             low = middle + 1
     if best is None:
-        raise ContextLengthError(f"the last message alone does not fit in the {max_prompt_tokens} prompt tokens "
-                                 "the context window leaves")
+        raise RequestError("messages", f"the last message alone does not fit in the {max_prompt_tokens} prompt "
+                           "tokens the context window leaves", CONTEXT_LENGTH_EXCEEDED)
     return best

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from serval.errors import RequestError
+
 # The fields a model may bring its own defaults for (generation_config.json, GGUF general.sampling.*), as vLLM
 # reads them; a request's explicit value wins over the model's, the model's over SamplingParams' (OpenAI's).
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -30,7 +32,8 @@ class StructuredOutputsParams:
 
     ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON object; ``regex``; ``choice``: one of
     these strings; ``grammar``: an EBNF grammar with a ``root`` rule; ``tool_calls``: a chat's tool calls. Compiled
-    and enforced by the engine core (engine/structured_output.py); compile errors are ValueErrors.
+    and enforced by the engine core (engine/structured_output.py); compile errors are RequestErrors
+    (errors.grammar_error).
     """
 
     json: dict | str | None = None
@@ -118,7 +121,7 @@ class SamplingParams:
     kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.structured_outputs, dict):  # as it crosses to the core process
+        if isinstance(self.structured_outputs, dict):  # given as its fields (JSON)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams")
@@ -207,7 +210,7 @@ def _is_number(x: object) -> bool:
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {message}")
+        raise RequestError(name, f"SamplingParams.{name} {message}")
 
 
 def takes_argmax_only(params: SamplingParams) -> bool:

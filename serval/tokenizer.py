@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from serval.config import cache_directory
+from serval.errors import RequestError
 from serval.gguf_reader import GGUFContents
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,8 @@ class Tokenizer:
         """The chat rendered to text by the model's chat template (special tokens as text); ``tools`` go to a
         template that renders them."""
         if not self.chat_template:
-            raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
+            raise RequestError("messages", "this model has no chat template; send a plain prompt instead of chat "
+                               "messages")
         _check_messages(messages)
         from jinja2 import TemplateError
 
@@ -139,13 +141,13 @@ class Tokenizer:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate ...")
-            raise ValueError(f"chat template rejected the messages: {e}") from e
+            raise RequestError("messages", f"chat template rejected the messages: {e}") from e
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat, ready to be a prompt.
 
-        Raises ``ValueError`` if the model has no chat template or a message is malformed.
+        Raises RequestError (``messages``) if the model has no chat template or a message is malformed.
         """
         # The template writes special tokens (BOS, <|im_start|>) itself, so add none here.
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
@@ -231,15 +233,16 @@ class IncrementalDetokenizer:
 
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+        raise RequestError("messages", "messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(m).__name__}")
+            raise RequestError("messages", f"messages[{i}] must be an object with 'role' and 'content', got "
+                               f"{type(m).__name__}")
         for key in ("role", "content"):
             if key not in m:
-                raise ValueError(f"messages[{i}] is missing {key!r}")
+                raise RequestError("messages", f"messages[{i}] is missing {key!r}")
             if not isinstance(m[key], str):
-                raise ValueError(f"messages[{i}].{key} must be a string, got {type(m[key]).__name__}")
+                raise RequestError("messages", f"messages[{i}].{key} must be a string, got {type(m[key]).__name__}")
 
 
 @contextmanager

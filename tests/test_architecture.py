@@ -304,6 +304,53 @@ def test_max_tokens_has_one_default_literal_and_one_bound():
                 assert "MaxTokens" in annotation or "ge=0" in annotation, f"{name}:{node.lineno} {annotation}"
 
 
+def test_temperature_and_top_p_have_one_http_bound():
+    # As MaxTokens: the chat, completions and Responses schemas take OpenAI's ranges from one type each.
+    types = {"temperature": "Temperature", "top_p": "TopP"}
+    found = []
+    for name in ("protocol.py", "responses.py"):
+        for node in ast.walk(ast.parse((REPO / "serval" / "server" / name).read_text())):
+            if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in types:
+                found.append(f"{name}:{node.lineno} {ast.unparse(node.annotation)} = {ast.unparse(node.value)}")
+                assert ast.unparse(node.annotation) == f"{types[node.target.id]} | None", found[-1]
+                assert ast.unparse(node.value) == "None", found[-1]  # no Field(ge=...) beside the type
+    assert len(found) == 4, found
+
+
+def _reads_the_message(expr: ast.AST, exc: str, derived: set[str]) -> bool:
+    """Whether ``expr`` uses the text of the exception named ``exc`` (``str(exc)``, ``exc.args``, ``exc.message``)
+    or a name computed from it."""
+    return any(ast.unparse(node) in (f"str({exc})", f"{exc}.args", f"{exc}.message")
+               or (isinstance(node, ast.Name) and node.id in derived) for node in ast.walk(expr))
+
+
+def test_an_error_is_named_by_its_type_never_by_its_text():
+    """Errors are typed (serval/errors.py: a RequestError is raised where its check is, with the field and the code):
+    where the server turns a caught exception into an error, what it names comes from the exception's type and fields,
+    never from its message (a message that mentions max_tokens or the context names neither)."""
+    offenders = []
+    for path in sorted((REPO / "serval" / "server").glob("*.py")):
+        for handler in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(handler, ast.ExceptHandler) or handler.name is None:
+                continue
+            assigns = [n for n in ast.walk(handler) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value]
+            derived: set[str] = set()
+            for _ in assigns:  # to a fixed point: a name computed from one computed from the message
+                for node in assigns:
+                    if _reads_the_message(node.value, handler.name, derived):
+                        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                        derived |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            for call in ast.walk(handler):
+                if not (isinstance(call, ast.Call) and ast.unparse(call.func) in ("OpenAIError", "RequestError")):
+                    continue
+                message_at = 0 if ast.unparse(call.func) == "OpenAIError" else 1
+                naming = [a for i, a in enumerate(call.args) if i != message_at]
+                naming += [k.value for k in call.keywords if k.arg != "message"]
+                if any(_reads_the_message(a, handler.name, derived) for a in naming):
+                    offenders.append(f"{path.name}:{call.lineno} {ast.unparse(call)[:100]}")
+    assert offenders == []
+
+
 def test_a_prompts_room_is_computed_in_one_function():
     # prompt_room (sampling_params.py) is the one place that subtracts max_tokens from the context; whatever builds a
     # chat prompt or checks a prompt against max_tokens calls it.

@@ -7,7 +7,8 @@ import random
 import pytest
 from real_model import MODEL_PATH, requires_model
 
-from serval.chat import ContextLengthError, build_chat_prompt
+from serval.chat import build_chat_prompt
+from serval.errors import RequestError
 from serval.tokenizer import Tokenizer
 
 pytestmark = [requires_model, pytest.mark.slow]
@@ -37,7 +38,7 @@ def test_a_chat_that_fits_is_kept_whole(tokenizer):
 def test_too_long_a_chat_is_an_error_by_default(tokenizer):
     messages = _history(10)
     full = len(tokenizer.apply_chat_template(messages))
-    with pytest.raises(ContextLengthError, match=f"{full} tokens"):
+    with pytest.raises(RequestError, match=f"{full} tokens"):
         build_chat_prompt(tokenizer, messages, full - 1)
 
 
@@ -56,7 +57,7 @@ def test_sliding_window_keeps_system_prompt_and_latest_turns(tokenizer):
 
 
 def test_sliding_window_fails_when_the_last_message_alone_does_not_fit(tokenizer):
-    with pytest.raises(ContextLengthError, match="last message"):
+    with pytest.raises(RequestError, match="last message"):
         build_chat_prompt(tokenizer, _history(3), 10, policy="sliding_window")
 
 
@@ -94,7 +95,7 @@ def test_sliding_window_finds_the_same_turns_as_dropping_one_at_a_time_in_a_few_
         expected = _drop_one_at_a_time(_CountingTokenizer(), messages, limit)
         try:
             dropped = build_chat_prompt(_CountingTokenizer(), messages, limit, "sliding_window").num_dropped_messages
-        except ContextLengthError:
+        except RequestError:
             dropped = None
         assert dropped == expected, (messages, limit)
     # 2,501 short messages (the case, 156 s when every dropped turn was a render): a dozen renders.

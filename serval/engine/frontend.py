@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from serval.config import EngineConfig
 from serval.engine.grammar_limits import check_grammar_size
 from serval.engine.messages import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
+from serval.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from serval.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from serval.sampling_params import SamplingParams, prompt_room
 from serval.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -33,23 +34,27 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                 priority: int = 0, session_id: str | None = None,
                 end_session: bool = False, tenant: str = "") -> tuple[str | None, list[EngineCoreRequest]]:
-        """(the prompt's text, one core request per sample). Raises ValueError on bad input. With n > 1 only the
-        first sample continues the session: one answer is the conversation's next turn. Thread-safe; it tokenizes
-        and checks a grammar, so a server calls it off its event loop."""
+        """(the prompt's text, one core request per sample). Raises RequestError (a ValueError naming the field) on
+        bad input SamplingParams could not check: the model's vocabulary and context, this engine's settings; the
+        core trusts what passes. With n > 1 only the first sample continues the session: one answer is the
+        conversation's next turn. Thread-safe; it tokenizes and checks a grammar, so a server calls it off its event
+        loop."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError("sampling_params", f"sampling params must be a SamplingParams, got "
+                               f"{type(params).__name__}")
         if not (isinstance(priority, int) and -(2**63) <= priority < 2**63):
-            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+            raise RequestError("priority", f"priority must be a 64-bit integer, got {priority!r}")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             outside = sorted(t for t in ids if t >= self.vocab_size)
             if outside:  # the sampler indexes the logits with them
-                raise ValueError(f"{name}: token ids {outside} are not in the vocabulary [0, {self.vocab_size})")
+                raise RequestError(name, f"{name}: token ids {outside} are not in the vocabulary [0, "
+                                   f"{self.vocab_size})")
         prompt_text, prompt_ids = self._prompt_token_ids(prompt)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
         if params.min_tokens > max_tokens:  # max_tokens left out: the context's room bounds min_tokens too
-            raise ValueError(f"min_tokens={params.min_tokens} is more than the {max_tokens} tokens this request may "
-                             "generate")
+            raise RequestError("min_tokens", f"min_tokens={params.min_tokens} is more than the {max_tokens} tokens "
+                               "this request may generate")
         self._check_kv_transfer(params)
         if params.structured_outputs is not None:  # an oversized grammar is the caller's error (the core compiles)
             check_grammar_size(params.structured_outputs, self.config.structured_outputs)
@@ -78,51 +83,54 @@ class InputProcessor:
         role = self.config.kv_transfer.role
         if kv.get("do_remote_decode"):
             if role != "prefill":
-                raise ValueError("kv_transfer_params.do_remote_decode needs a prefill worker (serve --role prefill); "
-                                 f"this server's role is {role}")
+                raise RequestError("kv_transfer_params", "kv_transfer_params.do_remote_decode needs a prefill worker "
+                                   f"(serve --role prefill); this server's role is {role}")
         elif kv.get("do_remote_prefill"):
             if role != "decode":
-                raise ValueError("kv_transfer_params.do_remote_prefill needs a decode worker (serve --role decode); "
-                                 f"this server's role is {role}")
+                raise RequestError("kv_transfer_params", "kv_transfer_params.do_remote_prefill needs a decode worker "
+                                   f"(serve --role decode); this server's role is {role}")
         else:
-            raise ValueError("kv_transfer_params must say do_remote_decode or do_remote_prefill")
+            raise RequestError("kv_transfer_params", "kv_transfer_params must say do_remote_decode or "
+                               "do_remote_prefill")
         if params.n != 1:
-            raise ValueError("kv_transfer_params needs n = 1 (one sample's KV moves)")
+            raise RequestError("kv_transfer_params", "kv_transfer_params needs n = 1 (one sample's KV moves)")
         transfer_id = kv.get("transfer_id")
         if transfer_id is not None and not (isinstance(transfer_id, str) and 0 < len(transfer_id) <= 256):
-            raise ValueError("kv_transfer_params.transfer_id must be a string of 1 to 256 characters")
+            raise RequestError("kv_transfer_params", "kv_transfer_params.transfer_id must be a string of 1 to 256 "
+                               "characters")
         if kv.get("do_remote_prefill") and not (isinstance(transfer_id, str) and isinstance(kv.get("remote_address"),
                                                                                             str)):
-            raise ValueError("kv_transfer_params.do_remote_prefill needs transfer_id and remote_address: where the "
-                             "prefill worker holds the prompt's KV")
+            raise RequestError("kv_transfer_params", "kv_transfer_params.do_remote_prefill needs transfer_id and "
+                               "remote_address: where the prefill worker holds the prompt's KV")
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise RequestError("prompt", "prompt must not be empty")
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+            raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.vocab_size
         for token in prompt:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
-                raise ValueError(f"prompt token id {token!r} is not in the vocabulary [0, {vocab})")
+                raise RequestError("prompt", f"prompt token id {token!r} is not in the vocabulary [0, {vocab})")
         return None, list(prompt)
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         limit = self.max_model_len
         scheduler = self.config.scheduler
         if not scheduler.enable_chunked_prefill and num_prompt_tokens > self.info.max_num_batched_tokens:
-            raise ValueError(f"prompt is {num_prompt_tokens} tokens, more than max_num_batched_tokens="
-                             f"{self.info.max_num_batched_tokens}, and chunked prefill is off")
+            raise RequestError("prompt", f"prompt is {num_prompt_tokens} tokens, more than max_num_batched_tokens="
+                               f"{self.info.max_num_batched_tokens}, and chunked prefill is off")
         # A prompt may fill the whole context only when nothing is generated after it (max_tokens 0).
         if num_prompt_tokens > prompt_room(limit, 0 if params.max_tokens == 0 else None):
-            raise ValueError(f"prompt is {num_prompt_tokens} tokens; this model's context is {limit} tokens")
+            raise RequestError("prompt", f"prompt is {num_prompt_tokens} tokens; this model's context is {limit} "
+                               "tokens", CONTEXT_LENGTH_EXCEEDED)
         if params.max_tokens is None:
             return limit - num_prompt_tokens
         if num_prompt_tokens > prompt_room(limit, params.max_tokens):
-            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens is more "
-                             f"than this model's context of {limit} tokens")
+            raise RequestError("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} "
+                               f"tokens is more than this model's context of {limit} tokens", CONTEXT_LENGTH_EXCEEDED)
         return params.max_tokens
 
 

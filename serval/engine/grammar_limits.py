@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 
 from serval.config import StructuredOutputConfig
+from serval.errors import RequestError, grammar_error
 from serval.sampling_params import StructuredOutputsParams
 
 
 def check_grammar_size(spec: StructuredOutputsParams, limits: StructuredOutputConfig) -> None:
-    """Refuses a grammar past the size limits (ValueError naming what is wrong)."""
+    """Refuses a grammar past the size limits (a RequestError naming its field and what is wrong)."""
 
-    def refuse(what: str) -> ValueError:
-        return ValueError(f"invalid structured output {spec.kind}: {what}")
+    def refuse(what: str) -> RequestError:
+        return grammar_error(spec.kind, what)
 
     if spec.json is not None:
         text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)

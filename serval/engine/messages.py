@@ -7,7 +7,9 @@ name then its fields in the order the class declares them; a nested dataclass (a
 SamplingParams, an EngineCoreOutput, TokenLogprobs, the core's counters) is an array of its fields in the same way, and
 an enum is its value. The field types say how to rebuild each value, so a new message needs only its class here and a
 place in COMMANDS or REPLIES. Both ends run the same serval (the core process imports the front end's), so the field
-order is a shared schema. A frame that is not one of these messages raises MessageError, never passes unnoticed.
+order is a shared schema, and a value is rebuilt without running its __init__ again: it was checked where it was made
+(a SamplingParams at the front end's edge), and the other end trusts it. A frame that is not one of these messages
+raises MessageError, never passes unnoticed.
 """
 
 from __future__ import annotations
@@ -284,10 +286,17 @@ def _dataclass_codec(cls: type) -> _Codec:
             values = _exactly(raw, len(names), cls.__name__)  # a fresh list from msgpack: converted in place
             for i, (_, from_field) in convert:
                 values[i] = from_field(values[i])
-            return cls(*values)
+            return _rebuilt(cls, names, values)
 
         _DATACLASS_CODECS[cls] = (to_wire, from_wire)
     return _DATACLASS_CODECS[cls]
+
+
+def _rebuilt(cls: type, names: list[str], values: list):
+    """A ``cls`` holding ``values``, its __init__ (and __post_init__'s checks) not run: the sending end made it."""
+    value = object.__new__(cls)
+    value.__dict__.update(zip(names, values))
+    return value
 
 
 def _exactly(raw, length: int, what: str = "a tuple") -> list:

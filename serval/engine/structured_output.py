@@ -30,6 +30,7 @@ import torch
 import xgrammar as xgr
 
 from serval.config import StructuredOutputConfig
+from serval.errors import grammar_error
 from serval.sampling_params import StructuredOutputsParams, ToolCallsGrammar
 from serval.tokenizer import Tokenizer
 
@@ -62,7 +63,7 @@ class GrammarCompiler:
         return cls(tokenizer_info(Tokenizer.load(model_path), vocab_size))
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """Raises ValueError naming what is wrong with the schema, regex or grammar."""
+        """Raises a RequestError (errors.grammar_error) naming what is wrong with the schema, regex or grammar."""
         try:
             if spec.json is not None:
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)  # keeps property order
@@ -80,11 +81,11 @@ class GrammarCompiler:
                 return self._compiler.compile_grammar(tool_calls_ebnf(spec.tool_calls))
             return self._compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError) as exc:  # xgrammar's C++ errors: keep the message, drop its source location
-            raise ValueError(f"invalid structured output {spec.kind}: {_clean(str(exc))}") from None
+            raise grammar_error(spec.kind, _clean(str(exc))) from None
 
 
 def check_grammar_syntax(spec: StructuredOutputsParams) -> None:
-    """Refuses a grammar that does not parse (ValueError naming what is wrong), in milliseconds: no token masks.
+    """Refuses a grammar that does not parse (errors.grammar_error), in milliseconds: no token masks.
     For engines in the caller's process (LLMEngine), which then refuse it at once, as the compile would later."""
     try:
         if spec.json is not None:
@@ -97,7 +98,7 @@ def check_grammar_syntax(spec: StructuredOutputsParams) -> None:
         elif spec.tool_calls is not None:
             tool_calls_ebnf(spec.tool_calls)
     except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"invalid structured output {spec.kind}: {_clean(str(exc))}") from None
+        raise grammar_error(spec.kind, _clean(str(exc))) from None
 
 
 def tool_calls_ebnf(tool_calls: ToolCallsGrammar) -> str:
@@ -217,9 +218,9 @@ class StructuredOutputManager:
                 del self._compiling[request_id]  # its thread runs on to the end; the result is dropped
                 logger.warning("request %s: its grammar took longer than %.0f s to compile; failed", request_id,
                                self.compile_timeout_s)
-                failed[request_id] = (f"invalid structured output {job.spec.kind}: the grammar took longer "
-                                      f"than {self.compile_timeout_s:g} s to compile (the server's limit); "
-                                      "simplify it")
+                failed[request_id] = str(grammar_error(job.spec.kind, "the grammar took longer than "
+                                                       f"{self.compile_timeout_s:g} s to compile (the server's "
+                                                       "limit); simplify it"))
         return ready, failed
 
     def wait_compiled(self, timeout: float) -> None:

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from serval.errors import RequestError
 from serval.sampling_params import DEFAULT_MAX_TOKENS, MODEL_DEFAULT_FIELDS, SamplingParams, StructuredOutputsParams
 
 
@@ -40,6 +41,10 @@ MAX_JSON_DEPTH = 64  # nesting of free JSON (schemas, tools, metadata): far past
 # max_tokens and its other names (max_completion_tokens, the Responses API's max_output_tokens) at the edge. Whether
 # the prompt leaves room for it is the engine's check (prompt_room), once the prompt's length is known.
 MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+# OpenAI's ranges for temperature and top_p, which chat completions, completions and the Responses API share
+# (SamplingParams checks the engine's own: temperature >= 0, uncapped offline).
+Temperature = Annotated[float, Field(ge=0, le=2)]
+TopP = Annotated[float, Field(gt=0, le=1)]
 
 
 class RequestModel(BaseModel):
@@ -199,8 +204,8 @@ class _SamplingFields(RequestModel):
     model: str | None = None
     max_tokens: MaxTokens | None = None  # None: up to the context (chat's default, as OpenAI's)
     # None: not given; the model's default then (EngineClient.sampling_defaults), else OpenAI's.
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -209,7 +214,7 @@ class _SamplingFields(RequestModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64: more overflows the generator
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)  # int64: more overflows the generator
     user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # past the vocabulary: off, as 0
@@ -233,12 +238,12 @@ class _SamplingFields(RequestModel):
 
     @property
     def structured_outputs_field(self) -> str | None:
-        """The one field that constrains this request's output, if any; ValueError when several do."""
+        """The one field that constrains this request's output, if any; a RequestError when several do."""
         fields = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type != "text":
             fields.insert(0, "response_format")
         if len(fields) > 1:
-            raise ValueError(f"{fields[0]} and {fields[1]} both constrain the output; give one")
+            raise RequestError(fields[0], f"{fields[0]} and {fields[1]} both constrain the output; give one")
         return fields[0] if fields else None
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
@@ -250,7 +255,8 @@ class _SamplingFields(RequestModel):
         if self.response_format.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if self.response_format.json_schema is None:
-            raise ValueError("response_format: type 'json_schema' needs a json_schema object with a schema")
+            raise RequestError("response_format", "response_format: type 'json_schema' needs a json_schema object "
+                               "with a schema")
         return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,

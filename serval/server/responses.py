@@ -28,7 +28,9 @@ from serval.server.protocol import (
     OpenAIError,
     RequestModel,
     StreamOptions,
+    Temperature,
     TextPart,
+    TopP,
     parse_as,
     reported_error,
 )
@@ -78,8 +80,8 @@ class ResponsesRequest(RequestModel):
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)  # None: the model's default (as chat's)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: Temperature | None = None  # None: the model's default (as chat's)
+    top_p: TopP | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None

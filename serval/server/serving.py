@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serval.chat import build_chat_prompt
 from serval.engine.client import EngineClient, EngineDeadError
+from serval.errors import RequestError, grammar_refusal
 from serval.outputs import RequestOutput
 from serval.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, prompt_room
 from serval.server import responses as responses_api
@@ -37,7 +39,7 @@ from serval.server.protocol import (
 from serval.server.render import Choice, Rendering, StreamRenderer, full_response
 from serval.server.responses import ResponsesRequest, ResponseStore
 from serval.server.tenancy import scoped, tenant_of, unscoped
-from serval.server.tools import ToolError, check_tools, prepare_messages, resolve_tool_choice, tool_call_grammar
+from serval.server.tools import check_tools, prepare_messages, resolve_tool_choice, tool_call_grammar
 
 if TYPE_CHECKING:
     from serval.server.config import ServerConfig
@@ -45,6 +47,20 @@ if TYPE_CHECKING:
 # What the rate limiter charges per choice of a request without max_tokens (it may run to the context's end): an
 # answer's typical length, not the context's room, so such a request is not refused for a length it rarely reaches.
 UNCAPPED_ANSWER_COST = 256
+
+
+def answers_request_errors(endpoint):
+    """Makes an endpoint answer a RequestError, wherever its check raised it (the request's fields, SamplingParams,
+    the chat's length, the engine's front end), as the 400 naming the request's own field, with the error's code."""
+
+    @functools.wraps(endpoint)
+    async def endpoint_answering_request_errors(self, body, *args):
+        try:
+            return await endpoint(self, body, *args)
+        except RequestError as exc:
+            raise OpenAIError(exc.message, param=request_field(exc.param, body), code=exc.code) from exc
+
+    return endpoint_answering_request_errors
 
 
 class OpenAIServing:
@@ -60,6 +76,7 @@ class OpenAIServing:
         self.response_store = ResponseStore()  # /v1/responses kept with store: true, for previous_response_id
 
     # -- endpoints -------------------------------------------------------------------------------------------------
+    @answers_request_errors
     async def completions(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
         prompts = completion_prompts(body.prompt, self.config.max_prompts_per_request)
@@ -73,17 +90,15 @@ class OpenAIServing:
         return await self.serve(request, body, [(p, p if isinstance(p, str) else None) for p in prompts], params,
                                 chat=False, echo=body.echo)
 
+    @answers_request_errors
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        try:
-            check_tools(body.tools)
-            tool_choice = resolve_tool_choice(body.tools, body.tool_choice)
-        except ToolError as exc:
-            raise OpenAIError(str(exc), param=exc.param, code="invalid_value") from exc
+        check_tools(body.tools)
+        tool_choice = resolve_tool_choice(body.tools, body.tool_choice)
         tools = body.tools if tool_choice != "none" else None  # "none": the model is not shown them
         ids = await self.chat_ids(body.messages, max_tokens, request, tools)
         params = self.params(body, max_tokens, logprobs)
@@ -157,6 +172,7 @@ class OpenAIServing:
             raise OpenAIError("the engine did not answer in time", status=503, type="server_error",
                               code="engine_busy") from exc
 
+    @answers_request_errors
     async def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -195,37 +211,23 @@ class OpenAIServing:
         if room <= 0:  # the chat is not at fault: say so, not "the chat is N tokens, more than -M"
             raise OpenAIError(f"max_tokens={max_tokens} leaves no room for the prompt in this model's context of "
                               f"{max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
-        try:
-            # Rendering and tokenizing a long chat (each try of the sliding window's) is off the event loop.
-            prompt = await asyncio.to_thread(build_chat_prompt, self.tokenizer, as_dicts, room,
-                                             self.engine.context_policy, tools)
-            if request is not None and prompt.num_dropped_messages:  # the sliding-window policy says what it did
-                request.state.dropped_messages = prompt.num_dropped_messages
-            return prompt.token_ids
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="messages", code="context_length_exceeded"
-                              if "context" in str(exc) else "invalid_value") from exc
+        # Rendering and tokenizing a long chat (each try of the sliding window's) is off the event loop.
+        prompt = await asyncio.to_thread(build_chat_prompt, self.tokenizer, as_dicts, room,
+                                         self.engine.context_policy, tools)
+        if request is not None and prompt.num_dropped_messages:  # the sliding-window policy says what it did
+            request.state.dropped_messages = prompt.num_dropped_messages
+        return prompt.token_ids
 
     def params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        try:
-            params = body.sampling_params(max_tokens, logprobs, self.engine.sampling_defaults.values)
-        except ValueError as exc:
-            param = str(exc).split()[0].removeprefix("SamplingParams.").rstrip(":")
-            if param.startswith("structured_outputs") or param == "response_format":
-                param = constraint_field(body)
-            raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
-        self.check_model_limits(params)
+        """The request's SamplingParams (RequestError when they are not valid)."""
+        params = body.sampling_params(max_tokens, logprobs, self.engine.sampling_defaults.values)
+        self.check_min_tokens(params)
         return params
 
-    def check_model_limits(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot know: this model's vocabulary and context, and what this server does not do
-        yet. (The engine checks them too, and a prompt's exact room; here the error names the field.)"""
-        vocab, max_model_len = self.engine.vocab_size, self.engine.max_model_len
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
-            outside = sorted(t for t in ids if t >= vocab)
-            if outside:
-                raise OpenAIError(f"{name}: token ids {outside} are not in the vocabulary [0, {vocab})",
-                                  param=name, code="invalid_value")
+    def check_min_tokens(self, params: SamplingParams) -> None:
+        """min_tokens against this model's context, before the prompt is there: a request that could never be served
+        is refused before it is admitted. (The engine's front end checks the vocabulary and a prompt's exact room.)"""
+        max_model_len = self.engine.max_model_len
         if params.min_tokens >= max_model_len:
             raise OpenAIError(f"min_tokens={params.min_tokens} leaves no room for the prompt in this model's context "
                               f"of {max_model_len} tokens", param="min_tokens", code="invalid_value")
@@ -304,7 +306,7 @@ class OpenAIServing:
 
     async def _first_outputs(self, request: Request, body, streams: list, chat: bool) -> list | None:
         """Every prompt's first output, all prompts added at once; None when the client left first. Bad input the
-        engine found becomes the OpenAIError naming its field, before any byte of the answer."""
+        engine found is raised as its RequestError, before any byte of the answer."""
         firsts: list = []
 
         num_sequences = len(streams) * body.n  # its places in the queue (_admit)
@@ -317,29 +319,22 @@ class OpenAIServing:
 
         async def start() -> None:
             firsts.extend(await first_outputs(streams, added))
-            refused = next((f.error for f in firsts if f is not None and f.error is not None
-                            and f.error.startswith("invalid structured output")), None)
+            refusals = [grammar_refusal(f.error) for f in firsts if f is not None and f.error is not None]
+            refused = next((r for r in refusals if r is not None), None)
             if refused is not None:  # the core could not compile the grammar (or not in time): the caller's error
                 for s in streams:
                     await s.aclose()
-                raise ValueError(refused)
+                raise refused
 
         try:
             if not await unless_disconnected(request, start()):
                 request.state.log.update(endpoint="chat" if chat else "completions", stream=body.stream)
                 log_aborted(request.state.log, {})
                 return None
-        except ValueError as exc:
-            message = str(exc)
-            param = "max_tokens" if "max_tokens" in message else ("messages" if chat else "prompt")
-            param = next((f for f in ("min_tokens", "stop_token_ids", "priority", "kv_transfer_params")
-                          if message.startswith(f)), param)
-            if message.startswith("invalid structured output tool_calls"):  # tool_choice's grammar
-                param = "tools"
-            elif message.startswith("invalid structured output"):
-                param = constraint_field(body)
-            code = "context_length_exceeded" if "context" in message else "invalid_value"
-            raise OpenAIError(message, param=param, code=code) from exc
+        except RequestError:
+            raise
+        except ValueError as exc:  # an engine client's refusal that names no field (core_client.py: it cannot cross)
+            raise RequestError("prompt", str(exc)) from exc
         except EngineDeadError as exc:
             raise engine_dead(exc) from exc
         finally:
@@ -467,6 +462,19 @@ def constraint_field(body) -> str:
         return body.structured_outputs_field or "response_format"
     except ValueError:
         return "response_format"
+
+
+def request_field(param: str | None, body) -> str | None:
+    """The request's own name for a field a RequestError names by the engine's name: a grammar
+    (SamplingParams.structured_outputs) is the field it came from, the tools for a tool choice's; a chat's prompt is
+    its messages."""
+    if param == "structured_outputs.tool_calls":
+        return "tools"
+    if param is not None and param.startswith("structured_outputs"):
+        return constraint_field(body)
+    if param == "prompt" and isinstance(body, ChatCompletionRequest):
+        return "messages"
+    return param
 
 
 async def unless_disconnected(request: Request, work) -> bool:

@@ -14,18 +14,11 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from serval.errors import RequestError
 from serval.sampling_params import StructuredOutputsParams, ToolCallsGrammar
 from serval.server.protocol import NamedToolChoice
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-
-
-class ToolError(ValueError):
-    """A tools request the server refuses; ``param`` is the request field at fault."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -47,19 +40,19 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice: str | NamedToolCh
         return "auto" if tools else "none"
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise ToolError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}",
-                            "tool_choice")
+            raise RequestError("tool_choice", "tool_choice must be 'none', 'auto', 'required' or a function, got "
+                               f"{tool_choice!r}")
         if tool_choice != "none" and not tools:
-            raise ToolError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+            raise RequestError("tool_choice", f"tool_choice {tool_choice!r} needs tools")
         return tool_choice
     try:
         name = NamedToolChoice.model_validate(tool_choice).function.name
     except ValueError:
-        raise ToolError('a named tool_choice is {"type": "function", "function": {"name": ...}}',
-                        "tool_choice") from None
+        shape = '{"type": "function", "function": {"name": ...}}'
+        raise RequestError("tool_choice", f"a named tool_choice is {shape}") from None
     if name not in functions:
-        raise ToolError(f"tool_choice names function {name!r}, which is not among the tools "
-                        f"({', '.join(sorted(functions)) or 'none'})", "tool_choice")
+        raise RequestError("tool_choice", f"tool_choice names function {name!r}, which is not among the tools "
+                           f"({', '.join(sorted(functions)) or 'none'})")
     return {"name": name}
 
 
@@ -68,16 +61,16 @@ def check_tools(tools: list[dict] | None) -> None:
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', "tools")
+            raise RequestError("tools", f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
         name = function.get("name")
         if not isinstance(name, str) or not name or len(name) > 64:
-            raise ToolError(f"tools[{i}].function.name must be a string of 1 to 64 characters", "tools")
+            raise RequestError("tools", f"tools[{i}].function.name must be a string of 1 to 64 characters")
         if name in seen:
-            raise ToolError(f"tools[{i}]: function {name!r} is given twice", "tools")
+            raise RequestError("tools", f"tools[{i}]: function {name!r} is given twice")
         seen.add(name)
         parameters = function.get("parameters", {})
         if not isinstance(parameters, dict):
-            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            raise RequestError("tools", f"tools[{i}].function.parameters must be a JSON schema object")
 
 
 # -- into the prompt -------------------------------------------------------------------------------------------

@@ -88,6 +88,17 @@ def test_nested_values_come_back_as_their_types():
     assert output.new_logprobs[0].top == {42: -0.25, 7: -1.5}
 
 
+def test_the_core_takes_sampling_params_as_the_front_end_checked_them(monkeypatch):
+    """SamplingParams are checked once, where they are made: decoding a request does not run their checks again."""
+    frame = encode(EXAMPLES[AddRequests])
+
+    def checked_again(self):
+        raise AssertionError("SamplingParams.__post_init__ ran again in the core")
+
+    monkeypatch.setattr(SamplingParams, "__post_init__", checked_again)
+    monkeypatch.setattr(StructuredOutputsParams, "__post_init__", checked_again)
+    assert decode(frame) == EXAMPLES[AddRequests]
+
 def test_an_unknown_message_is_a_named_error():
     with pytest.raises(MessageError, match="unknown message 'Bogus'"):
         decode(msgpack.packb(["Bogus", 1]))

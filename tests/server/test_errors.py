@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import types
+
 import httpx
 import openai
 import pytest
+
+from serval.config import EngineConfig
+from serval.engine.client import EngineClient
+from serval.engine.frontend import InputProcessor
+from serval.engine.messages import EngineCoreInfo, EngineCoreStats
+from serval.errors import RequestError
+from serval.server.app import create_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -105,6 +115,76 @@ def test_the_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-17", messages=HI)
     assert info.value.code == "model_not_found"
+
+
+class FrontEndOnly(EngineClient):
+    """An engine client with the real front end (InputProcessor) and no core, for a context of 64 tokens and a
+    vocabulary of 1000: what the front end refuses is answered as a server answers it."""
+
+    max_model_len, vocab_size, context_policy, load_time = 64, 1000, "error", 0.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenizer = types.SimpleNamespace(eos_token_ids={0})  # the prompts are token ids: nothing to encode
+        self.inputs = InputProcessor(EngineConfig(), self.tokenizer, EngineCoreInfo("tiny", 64, 1000, 16, 0.0, 64))
+
+    @property
+    def is_alive(self) -> bool:
+        return True
+
+    def snapshot(self) -> EngineCoreStats:
+        return EngineCoreStats()
+
+    async def add_request(self, request_id, prompt, params, priority=0, *args):
+        self.inputs.process(request_id, prompt, params, priority)
+        raise AssertionError("the front end took a request it should have refused")
+
+
+class MisleadingFrontEnd(FrontEndOnly):
+    """Refuses every request with a message that mentions other fields than the one it names."""
+
+    async def add_request(self, request_id, prompt, params, priority=0, *args):
+        raise RequestError("priority", "max_tokens and min_tokens are not at fault, nor the context: priority is")
+
+
+FRONT_END_REFUSALS = {  # case: (completions body, param, code, message)
+    "token-outside-vocab": ({"prompt": [1, 2, 1000]}, "prompt", "invalid_value",
+                            "prompt token id 1000 is not in the vocabulary [0, 1000)"),
+    "prompt-fills-the-context": ({"prompt": [1] * 64, "max_tokens": 1}, "prompt", "context_length_exceeded",
+                                 "prompt is 64 tokens; this model's context is 64 tokens"),
+    "max_tokens-past-context": ({"prompt": [1, 2, 3], "max_tokens": 62}, "max_tokens", "context_length_exceeded",
+                                "max_tokens=62 plus the prompt's 3 tokens is more than this model's context of 64 "
+                                "tokens"),
+    "min_tokens-past-the-room": ({"prompt": [1] * 10, "max_tokens": None, "min_tokens": 60}, "min_tokens",
+                                 "invalid_value", "min_tokens=60 is more than the 54 tokens this request may generate"),
+    "stop_token_ids-outside-vocab": ({"prompt": [1], "stop_token_ids": [1000]}, "stop_token_ids", "invalid_value",
+                                     "stop_token_ids: token ids [1000] are not in the vocabulary [0, 1000)"),
+    "kv_transfer_params-wrong-role": ({"prompt": [1], "kv_transfer_params": {"do_remote_decode": True}},
+                                      "kv_transfer_params", "invalid_value",
+                                      "kv_transfer_params.do_remote_decode needs a prefill worker (serve --role "
+                                      "prefill); this server's role is both"),
+}
+
+
+def _post_completions(engine: EngineClient, body: dict) -> httpx.Response:
+    async def post_it() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://serval") as client:
+            return await client.post("/v1/completions", json=body)
+
+    return asyncio.run(post_it())
+
+
+@pytest.mark.parametrize("case", list(FRONT_END_REFUSALS))
+def test_a_refusal_of_the_engines_front_end_is_a_400_with_its_param_and_code(case):
+    body, param, code, message = FRONT_END_REFUSALS[case]
+    error = assert_openai_error(_post_completions(FrontEndOnly(), body), 400, param)
+    assert (error["code"], error["message"]) == (code, message)
+
+
+def test_a_refusal_is_named_by_its_field_whatever_its_message_says():
+    error = assert_openai_error(_post_completions(MisleadingFrontEnd(), {"prompt": [1]}), 400, "priority")
+    assert error["code"] == "invalid_value"
 
 
 # -- 404: no such model ----------------------------------------------------------------------------------------------
