@@ -404,3 +404,19 @@ def test_one_place_decides_multi_step_runs():
                 limiters.add(path.name)
     assert deciders == {"scheduler.py"}
     assert limiters == {"scheduler.py", "worker.py"}  # the worker states it, the scheduler keeps it
+
+
+def test_one_front_end_adds_requests_over_either_core_client():
+    """LLMEngine (an in-process core) and CoreProcessClient (a core process) add a request through one FrontEnd:
+    prepare, register, then their core client's send. The request's processing and registration are written once
+    (they were written in both, issue 50)."""
+    calls: dict[str, set[str]] = {}
+    for path in sorted((REPO / "serval").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):  # called, or handed to a thread to call
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                pair = f"{node.value.attr.lstrip('_')}.{node.attr}"
+                if pair in ("inputs.process", "outputs.add", "front.prepare", "front.register"):
+                    calls.setdefault(pair, set()).add(path.name)
+    both = {"engine.py", "core_client.py"}
+    assert calls == {"inputs.process": {"frontend.py"}, "outputs.add": {"frontend.py"},
+                     "front.prepare": both, "front.register": both}

@@ -81,14 +81,13 @@ def test_the_embedded_models_file_reads_as_the_gguf_package_reads_it():
 def test_a_converted_gguf_tokenizer_is_cached_and_reads_back_the_same(tmp_path, monkeypatch):
     monkeypatch.setenv("SERVAL_CACHE_DIR", str(tmp_path))
     conversions = []
-    convert = tokenizer_module._load_hf_tokenizer
+    convert = tokenizer_module._convert_in_a_child  # the conversion runs in a child process
 
-    def counting(directory, gguf_file=None):
-        if gguf_file is not None:
-            conversions.append(gguf_file)
-        return convert(directory, gguf_file)
+    def counting(path, out):
+        conversions.append(path.name)
+        return convert(path, out)
 
-    monkeypatch.setattr(tokenizer_module, "_load_hf_tokenizer", counting)
+    monkeypatch.setattr(tokenizer_module, "_convert_in_a_child", counting)
     converted = Tokenizer.load(MODEL_PATH)
     assert conversions == [MODEL_PATH.name]
     entries = list((tmp_path / "tokenizers").iterdir())

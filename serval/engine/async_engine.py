@@ -81,6 +81,7 @@ class AsyncEngine(EngineClient):
         self._go: threading.Event | None = None  # set by start() for a thread that loaded the engine and waits
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()
+        self._prepares_grammars = False  # a server's engine prepares the grammar compiler once idle (idle_for)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -109,6 +110,7 @@ class AsyncEngine(EngineClient):
             raise result
         owner.append(cls(result))
         owner[0]._thread, owner[0]._go = thread, go
+        owner[0]._prepares_grammars = True  # a server's engine, as the core process: core_process._core_loop
         return owner[0]
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -186,7 +188,8 @@ class AsyncEngine(EngineClient):
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
                     self.engine.core.poll_kv_transfers()  # a prefill worker's expired holds, while idle
-                    self._wake.wait(timeout=0.5)
+                    if not self._wake.wait(timeout=0.5) and self._prepares_grammars:
+                        self.engine.core.grammars.idle_for(time.monotonic() - self.last_step_time)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()

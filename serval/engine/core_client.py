@@ -28,7 +28,7 @@ import zmq
 
 from serval.config import EngineConfig
 from serval.engine.client import KV_STATE_TIMEOUT_S, EngineClient, EngineDeadError, RequestStream, settle
-from serval.engine.frontend import InputProcessor, OutputProcessor
+from serval.engine.frontend import FrontEnd
 from serval.engine.messages import (
     POLL_MS,
     AddRequests,
@@ -49,10 +49,7 @@ from serval.engine.messages import (
     encode,
 )
 from serval.engine.request import RequestStatus
-from serval.model.registry import resolve_model_path
-from serval.model.sampling_defaults import resolve_sampling_defaults
 from serval.sampling_params import SamplingParams
-from serval.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +62,9 @@ class CoreProcessClient(EngineClient):
         super().__init__()
         self.config = config
         self.context_policy = config.context_policy
-        model_path = resolve_model_path(config.model)
-        self.sampling_defaults = resolve_sampling_defaults(config.model, model_path, config.generation_config,
-                                                           config.override_generation_config)
-        self.tokenizer = Tokenizer.load(model_path)
+        self.front = FrontEnd(config)
+        self.tokenizer, self.sampling_defaults = self.front.tokenizer, self.front.sampling_defaults
+        model_path = self.front.model_path
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe: adds, aborts and stops share it
         self._lock = threading.Lock()  # the output processor: the output thread and the callers' aborts
         self._kv_state_waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -98,8 +94,7 @@ class CoreProcessClient(EngineClient):
         self.info = info
         self.max_model_len, self.vocab_size, self.load_time = info.max_model_len, info.vocab_size, info.load_time
         self.kv_transfer_address = info.kv_transfer_address
-        self._inputs = InputProcessor(config, self.tokenizer, info)
-        self._outputs = OutputProcessor(self.tokenizer)
+        self.front.connect(info)
         self._stats = EngineCoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
         self._num_sent = 0  # core requests sent; the core's num_received_requests says how many it took
         self._num_preparing = 0  # sequences of adds being tokenized and checked (on the event loop's thread only)
@@ -178,32 +173,37 @@ class CoreProcessClient(EngineClient):
         # meanwhile, or a burst would all pass the server's load check before any of them was sent.
         self._num_preparing += params.n  # its sequences, as the core will count them
         try:
-            prompt_text, core_requests, frame = await asyncio.to_thread(
-                self._prepare, request_id, prompt, params, priority, session_id, end_session, tenant)  # ValueError
+            prepared = await asyncio.to_thread(self.front.prepare, self, request_id, prompt, params, priority,
+                                               session_id, end_session, tenant)  # ValueError
         finally:
             self._num_preparing -= params.n
         stream = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
             if self.error is not None:  # the core died since the check above, and its streams were failed already
                 raise EngineDeadError(f"the engine core is not running: {self.error}")
-            self._outputs.add(request_id, prompt_text, core_requests)
+            self.front.register(prepared)
             self._streams[request_id] = stream
-            self._num_sent += len(core_requests)
-        self._send_frame(frame)
+            self._num_sent += len(prepared.core_requests)
+        self.send(prepared.packed)
         return stream
 
-    def _prepare(self, request_id, prompt, params, priority, session_id, end_session, tenant):
-        prompt_text, core_requests = self._inputs.process(request_id, prompt, params, priority, session_id,
-                                                          end_session, tenant)
-        try:  # before anything is registered: a request that cannot cross to the core leaves no trace
-            frame = encode(AddRequests(core_requests))
+    # The front end's core client (frontend.CoreClient): the core process, over ZeroMQ.
+    def pack(self, core_requests: list) -> bytes:
+        """The AddRequests frame, made before anything is registered: a request that cannot cross to the core
+        leaves no trace."""
+        try:
+            return encode(AddRequests(core_requests))
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer past 64 bits, a lone surrogate
             raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
-        return prompt_text, core_requests, frame
+
+    def send(self, frame: bytes) -> None:
+        with self._send_lock:
+            if not self._commands.closed:
+                self._commands.send(frame)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            output, running = self._outputs.abort(request_id)
+            output, running = self.front.outputs.abort(request_id)
         if output is None:
             return
         if running:
@@ -234,12 +234,7 @@ class CoreProcessClient(EngineClient):
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending + self._num_preparing)
 
     def _send(self, message) -> None:
-        self._send_frame(encode(message))
-
-    def _send_frame(self, frame: bytes) -> None:
-        with self._send_lock:
-            if not self._commands.closed:
-                self._commands.send(frame)
+        self.send(encode(message))
 
     # -- the output thread ---------------------------------------------------------------------------------------
     def _read_outputs(self) -> None:
@@ -272,7 +267,7 @@ class CoreProcessClient(EngineClient):
 
     def _take_outputs(self, core_outputs: EngineCoreOutputs) -> None:
         with self._lock:
-            outputs, ended_here = self._outputs.process(core_outputs.outputs)
+            outputs, ended_here = self.front.outputs.process(core_outputs.outputs)
             self._stats = core_outputs.stats
         if ended_here:  # stop strings (and output failures) end the core's requests too
             self._send(FinishRequests(ended_here, RequestStatus.FINISHED_STOPPED))

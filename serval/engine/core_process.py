@@ -14,6 +14,7 @@ import pickle
 import shutil
 import signal
 import sys
+import time
 import traceback
 
 import zmq
@@ -65,7 +66,6 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
         results.close(linger=5000)
         return
     results.send(encode(CoreReady(core.info)))
-    core.grammars.prepare()
     try:
         _core_loop(core, commands, results, parent_pid)
         core.shutdown()
@@ -84,12 +84,15 @@ def _exit_orphaned(ipc_dir: str) -> None:
 
 
 def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent_pid: int) -> None:
+    last_busy = time.monotonic()
     while True:
         if os.getppid() != parent_pid:  # the server is gone (killed): nobody will read our outputs; checked every
             return                      # step too, where no parent-death signal exists (not Linux)
         # Holds fetched or expired give their blocks back, even while idle: the front end hears the new counts.
         freed = core.poll_kv_transfers()
         busy = core.has_unfinished_requests()
+        if busy:
+            last_busy = time.monotonic()
         if freed and not busy:
             results.send(encode(EngineCoreOutputs([], core.snapshot())))
         if commands.poll(0 if busy else POLL_MS):
@@ -113,6 +116,7 @@ def _core_loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, pare
                     case other:
                         raise MessageError(f"the engine core takes no {type(other).__name__}")
         elif not busy:
+            core.grammars.idle_for(time.monotonic() - last_busy)
             continue
         if core.has_unfinished_requests():
             results.send(encode(core.step()))

@@ -12,11 +12,9 @@ import time
 
 from serval.config import EngineConfig
 from serval.engine.core import EngineCore
-from serval.engine.frontend import InputProcessor, OutputProcessor
-from serval.engine.messages import EngineCoreOutput, EngineCoreStats
+from serval.engine.frontend import FrontEnd
+from serval.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from serval.engine.request import RequestStatus
-from serval.model.registry import resolve_model_path
-from serval.model.sampling_defaults import resolve_sampling_defaults
 from serval.outputs import RequestOutput
 from serval.sampling_params import SamplingParams
 from serval.tokenizer import Tokenizer
@@ -24,23 +22,43 @@ from serval.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+class InprocCore:
+    """LLMEngine's core client (frontend.CoreClient): the EngineCore in this thread."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def pack(self, core_requests: list[EngineCoreRequest]) -> list[EngineCoreRequest]:
+        """A grammar is checked here, in the caller's thread: refused at once, not at its compile in the core."""
+        grammar = core_requests[0].params.structured_outputs
+        if grammar is not None:
+            from serval.engine.structured_output import check_grammar_syntax
+
+            check_grammar_syntax(grammar)
+        return core_requests
+
+    def send(self, core_requests: list[EngineCoreRequest]) -> None:
+        for core_request in core_requests:
+            self.core.add_request(core_request)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer: Tokenizer | None = None) -> None:
         """Loads the model named by ``config`` (or reuses an already loaded ``model`` and ``tokenizer`` of the
         same dtype and device, e.g. to try several cache or scheduler settings on one set of weights)."""
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         start = time.perf_counter()
-        path = resolve_model_path(config.model)
-        self.model_path = path
-        self.sampling_defaults = resolve_sampling_defaults(config.model, path, config.generation_config,
-                                                           config.override_generation_config)
-        self.tokenizer = tokenizer or Tokenizer.load(path)
-        self.core = EngineCore(config, path, model)
+        self.front = FrontEnd(config, tokenizer)
+        self.model_path = self.front.model_path
+        self.core = EngineCore(config, self.model_path, model)
+        self._core_client = InprocCore(self.core)
         self.config = config = self.core.config  # settled: its device, dtype and their defaults decided
         info = self.core.info
+        self.front.connect(info)
         self.max_model_len = info.max_model_len
-        self.inputs = InputProcessor(config, self.tokenizer, info)
-        self.outputs = OutputProcessor(self.tokenizer)
+        # The front end's parts, by the names the callers know.
+        self.tokenizer, self.sampling_defaults = self.front.tokenizer, self.front.sampling_defaults
+        self.inputs, self.outputs = self.front.inputs, self.front.outputs
         self._finished_outputs: list[RequestOutput] = []
         self._async_output_processing = config.scheduler.async_output_processing
         self._unprocessed: list[EngineCoreOutput] = []  # the last step's core outputs, with async output processing
@@ -78,14 +96,10 @@ class LLMEngine:
         ``end_session``: its last turn)."""
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, core_requests = self.inputs.process(request_id, prompt, params, priority, session_id,
-                                                         end_session, tenant)
-        if core_requests[0].params.structured_outputs is not None:  # in this process: refused now, not at compile
-            from serval.engine.structured_output import check_grammar_syntax
-            check_grammar_syntax(core_requests[0].params.structured_outputs)
-        self.outputs.add(request_id, prompt_text, core_requests)
-        for core_request in core_requests:
-            self.core.add_request(core_request)
+        prepared = self.front.prepare(self._core_client, request_id, prompt, params, priority, session_id,
+                                      end_session, tenant)
+        self.front.register(prepared)
+        self._core_client.send(prepared.packed)
 
     def kv_state(self) -> dict:
         return self.core.kv_state()

@@ -1,9 +1,10 @@
 """The engine's front end: text in and out around an EngineCore that knows only token ids.
 
-InputProcessor tokenizes and validates a request and fans its n samples out into EngineCoreRequests;
-OutputProcessor turns the core's per-step token ids into RequestOutputs (incremental detokenizing, stop strings,
-logprobs, n samples gathered back into one output). Both run wherever the front end runs: beside the core in
-LLMEngine, or in the server's process while the core steps in its own (engine/core_process.py).
+FrontEnd is the one front end, over either core client: LLMEngine's (an EngineCore in the same thread,
+engine/engine.py) or CoreProcessClient's (a core process over ZeroMQ, engine/core_client.py). Its InputProcessor
+tokenizes and validates a request and fans its n samples out into EngineCoreRequests; its OutputProcessor turns the
+core's per-step token ids into RequestOutputs (incremental detokenizing, stop strings, logprobs, n samples gathered
+back into one output).
 """
 
 from __future__ import annotations
@@ -12,14 +13,67 @@ import functools
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from serval.config import EngineConfig
 from serval.engine.grammar_limits import check_grammar_size
 from serval.engine.messages import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from serval.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
+from serval.model.registry import resolve_model_path
+from serval.model.sampling_defaults import resolve_sampling_defaults
 from serval.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from serval.sampling_params import SamplingParams, prompt_room
 from serval.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class CoreClient(Protocol):
+    """How a front end hands requests to its core: ``pack`` makes what crosses (checked: it may refuse a request
+    with a ValueError before anything is registered; thread-safe), ``send`` hands it over."""
+
+    def pack(self, core_requests: list[EngineCoreRequest]) -> Any: ...
+
+    def send(self, packed: Any) -> None: ...
+
+
+@dataclass
+class PreparedRequest:
+    """A request checked, tokenized and packed for its core, not registered yet."""
+
+    request_id: str
+    prompt_text: str | None
+    core_requests: list[EngineCoreRequest]
+    packed: Any  # what the core client sends
+
+
+class FrontEnd:
+    """The model's tokenizer and sampling defaults, and the one way a request goes in: ``prepare`` (checked,
+    tokenized, one EngineCoreRequest per sample, packed by the core client; thread-safe, so a server runs it off its
+    event loop), ``register`` (its outputs expected), then the core client's ``send``."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        """What the front end needs of the model before its core is up; ``connect`` once the core says what it is."""
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.sampling_defaults = resolve_sampling_defaults(config.model, self.model_path, config.generation_config,
+                                                           config.override_generation_config)
+        self.tokenizer = tokenizer or Tokenizer.load(self.model_path)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.inputs: InputProcessor | None = None
+
+    def connect(self, info: EngineCoreInfo) -> None:
+        """The core is up: its context, vocabulary and token budget bound the requests from now on."""
+        self.inputs = InputProcessor(self.config, self.tokenizer, info)
+
+    def prepare(self, core: CoreClient, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                priority: int = 0, session_id: str | None = None, end_session: bool = False,
+                tenant: str = "") -> PreparedRequest:
+        """Raises RequestError (or another ValueError: a request the core client cannot pack) on bad input."""
+        prompt_text, core_requests = self.inputs.process(request_id, prompt, params, priority, session_id,
+                                                         end_session, tenant)
+        return PreparedRequest(request_id, prompt_text, core_requests, core.pack(core_requests))
+
+    def register(self, prepared: PreparedRequest) -> None:
+        self.outputs.add(prepared.request_id, prepared.prompt_text, prepared.core_requests)
 
 
 class InputProcessor:

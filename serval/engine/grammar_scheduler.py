@@ -14,6 +14,10 @@ from serval.engine.scheduler import Scheduler, SchedulerOutput
 
 # With nothing to run but grammars compiling, a step waits this long for one (rather than spin) and returns.
 GRAMMAR_WAIT_S = 0.05
+# A server's engine prepares the grammar compiler once it has been idle this long: at once after start-up, the
+# import and the compiler (about 2 s of a core) slowed the first requests (one stream by 15% in benchmarks/
+# run_peers.py, measured), and a server is rarely idle less than this before its traffic comes.
+PREPARE_AFTER_IDLE_S = 2.0
 
 
 class GrammarScheduler:
@@ -21,12 +25,22 @@ class GrammarScheduler:
         self.model_path, self.vocab_size, self.compile_timeout_s = model_path, vocab_size, compile_timeout_s
         self.structured = None  # the StructuredOutputManager, once a grammar needs it (manager)
         self._lock = threading.Lock()  # prepare makes it on a thread
+        self._preparing = False
         self.waiting: dict[str, Request] = {}  # requests whose grammar compiles: not scheduled yet
 
     def prepare(self) -> None:
-        """Imports xgrammar and builds the grammar compiler on a thread now, not when the first request with a
-        grammar comes: the import alone took 0.7 s, and on the step loop it stood every stream still."""
+        """Imports xgrammar and builds the grammar compiler on a thread now (the first call; later ones do nothing),
+        not when the first request with a grammar comes: the import alone took 0.7 s, and on the step loop it stood
+        every stream still. A server's engine calls it through ``idle_for``."""
+        if self._preparing:
+            return
+        self._preparing = True
         threading.Thread(target=lambda: self.manager().prepare(), name="serval-grammar-setup", daemon=True).start()
+
+    def idle_for(self, seconds: float) -> None:
+        """The engine has had nothing to do for ``seconds``: it prepares once that reaches PREPARE_AFTER_IDLE_S."""
+        if seconds >= PREPARE_AFTER_IDLE_S:
+            self.prepare()
 
     def manager(self):
         """The StructuredOutputManager, made at the first call (xgrammar is imported then)."""

@@ -131,7 +131,7 @@ def test_a_request_the_core_cannot_take_is_refused_before_it_is_counted(client):
 
     asyncio.run(send_all())
     assert client.snapshot().num_waiting == 0 and client.num_active_requests == 0
-    assert not client._outputs.groups  # noqa: SLF001 - nothing registered on the front end's side either
+    assert not client.front.outputs.groups  # nothing registered on the front end's side either
 
 
 @pytest.mark.slow
