@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import zmq
@@ -53,6 +54,37 @@ from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# The sockets' folder: /tmp/serval-core-<the front end's pid>-<random>, removed once the core has connected.
+IPC_DIR_PREFIX = "serval-core-"
+# A folder older than this whose front end is gone was left by a start-up that both processes died in.
+ORPHANED_IPC_DIR_AGE_S = 60.0
+
+
+def remove_orphaned_ipc_dirs() -> None:
+    """Removes the sockets' folders of start-ups killed whole: a front end and its core SIGKILLed together before
+    the core connected (a process group killed, as Ray does to a replica it stops while it starts) leave a folder
+    that neither can remove. The next front end removes those whose front end is gone, once they are a minute old
+    (a live start-up's folder lives for seconds)."""
+    now = time.time()
+    for path in Path(tempfile.gettempdir()).glob(f"{IPC_DIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(IPC_DIR_PREFIX).split("-", 1)[0]
+        try:
+            old = now - path.stat().st_mtime > ORPHANED_IPC_DIR_AGE_S
+        except OSError:
+            continue
+        if pid.isdecimal() and old and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
 
 class CoreProcessClient(EngineClient):
     """The front end in this process (tokenize, detokenize, stop strings, outputs), the core in another."""
@@ -72,7 +104,8 @@ class CoreProcessClient(EngineClient):
         self._zmq = zmq.Context()
         self._commands = self._zmq.socket(zmq.PUSH)
         self._results = self._zmq.socket(zmq.PULL)
-        self._ipc_dir = tempfile.mkdtemp(prefix="serval-core-")
+        remove_orphaned_ipc_dirs()
+        self._ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
         try:  # whatever stops the start (a failed load, a SIGTERM while loading): the core killed, the folder removed
             self._commands.bind(f"ipc://{self._ipc_dir}/commands")
             self._results.bind(f"ipc://{self._ipc_dir}/results")

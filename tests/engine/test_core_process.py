@@ -287,3 +287,24 @@ def test_frames_round_trip():
         EngineCoreStats(num_running=1, num_waiting=2, num_blocks=8, num_free_blocks=3, kv_cache_usage=0.625,
                         num_steps=5, num_received_requests=2))
     assert decode(encode(outputs)) == outputs
+
+
+def test_the_next_front_end_removes_the_folder_of_a_start_up_killed_whole(tmp_path, monkeypatch):
+    """A front end and its core SIGKILLed together before the core connected (Ray Serve stops a replica that is still
+    starting by killing its process group) leave their sockets' folder, which neither can remove. A front end that
+    starts removes such folders: its front end's pid is gone and the folder is a minute old. A live front end's
+    folder, or one just made, stays."""
+    monkeypatch.setattr(core_client.tempfile, "gettempdir", lambda: str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    minute_ago = time.time() - core_client.ORPHANED_IPC_DIR_AGE_S - 5
+    folders = {name: tmp_path / f"{core_client.IPC_DIR_PREFIX}{name}" for name in
+               (f"{gone.pid}-old", f"{gone.pid}-new", f"{os.getpid()}-live", "unnamed")}
+    for name, folder in folders.items():
+        folder.mkdir()
+        (folder / "commands").touch()
+        if name != f"{gone.pid}-new":
+            os.utime(folder, (minute_ago, minute_ago))
+    core_client.remove_orphaned_ipc_dirs()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        folders[name].name for name in (f"{gone.pid}-new", f"{os.getpid()}-live", "unnamed"))
