@@ -18,6 +18,7 @@ import torch
 from serval.config import EngineConfig, SpeculativeConfig
 from serval.engine.engine import LLMEngine
 from serval.layers import activation, norm
+from serval.layers.embedding import embedding_dtype
 from serval.sampling_params import SamplingParams
 
 CHAT = [2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107]
@@ -33,7 +34,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model="gemma3-270m", speculative=SpeculativeConfig(method=None)))
-    print(f"dtype {engine.model.embed_tokens.weight.dtype}, capability {torch.backends.cpu.get_cpu_capability()}, "
+    print(f"dtype {embedding_dtype(engine.model.embed_tokens)}, capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads")
     fused_widths = (norm.exact_sum_lanes, activation.exact_gelu_lanes)
     clock = time.process_time if args.cpu_time else time.perf_counter

@@ -238,6 +238,7 @@ class SchedulerConfig(DeviceDefaults):
 
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8")
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the file's weights, or random ones of the model's shape
 ACTIVATION_QUANTIZATION_CHOICES = ("none", "int8")
 BLOCK_DOT_PRODUCT_CHOICES = ("auto", "fma", "bf16")
 CONTEXT_POLICIES = ("error", "sliding_window")  # a chat longer than the context: refused, or its oldest turns dropped
@@ -397,6 +398,9 @@ class EngineConfig:
         "context length in tokens (default: the model's own, if the KV cache holds it)"))
     context_policy: str = field(default="error", metadata=flag(
         "a chat longer than the context: reject it, or drop the oldest turns", choices=CONTEXT_POLICIES))
+    load_format: str = field(default="auto", metadata=flag(
+        "auto: the weights of the model's file or directory; dummy: random weights of its shape (a directory with "
+        "only a config.json and a tokenizer is enough), for benchmarks of models not at hand", choices=LOAD_FORMATS))
     # "auto": the file's own 4- to 8-bit blocks (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on the CPU,
     # where a C++ kernel reads them, or a GPTQ/AWQ checkpoint's 4-bit groups as the same kernel's blocks (see
     # serval.model.loader.resolve_quantization), else "none"; "none": dequantize to dtype; "gguf": the file's
@@ -496,6 +500,8 @@ class EngineConfig:
         if self.context_policy not in CONTEXT_POLICIES:
             raise ValueError("EngineConfig.context_policy must be 'error' or 'sliding_window', "
                              f"got {self.context_policy!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"EngineConfig.load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"EngineConfig.quantization must be one of {list(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")

@@ -35,6 +35,7 @@ from serval.engine.request import Request
 from serval.engine.runner import ModelRunner, StepInputs
 from serval.engine.scheduler import SchedulerOutput
 from serval.gguf_reader import GGUFContents
+from serval.layers.embedding import embedding_dtype
 from serval.sampling_params import SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -171,7 +172,7 @@ def run_step(runner: ModelRunner, seqs: list[SeqStep], last_only: bool = False) 
 def full_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> torch.Tensor:
     """[T, vocab] float32 logits of one sequence from an empty cache, in one prefill."""
     num_blocks = -(-len(ids) // block_size)
-    runner = new_runner(model, num_blocks, block_size, model.embed_tokens.weight.dtype)
+    runner = new_runner(model, num_blocks, block_size, embedding_dtype(model.embed_tokens))
     return run_step(runner, [SeqStep(list(ids), 0, list(range(num_blocks)))])[0]
 
 

@@ -18,9 +18,10 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,6 +181,8 @@ class BlockWeight:
     scales: torch.Tensor
     in_features: int
     super_scales: torch.Tensor | None = None  # K formats: float16 bit patterns (int16) [N, G / 8, 2 or 1]
+    # the codes ``from_codes`` packed, kept for ``codes()`` (a file's blocks are read once, into panels, at load)
+    known_codes: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
@@ -198,12 +201,15 @@ class BlockWeight:
             nibbles = torch.cat([nibbles, (high << shifts).sum(-1, dtype=torch.uint8)], dim=-1)
         if format in K_FORMATS:
             return BlockWeight(format, nibbles.contiguous(), scales.contiguous(), in_features,
-                               super_scales.contiguous().view(torch.int16))
+                               super_scales.contiguous().view(torch.int16), known_codes=codes)
         bits = torch.int32 if format in FLOAT32_SCALES else torch.int16
-        return BlockWeight(format, nibbles.contiguous(), scales.contiguous().view(bits), in_features)
+        return BlockWeight(format, nibbles.contiguous(), scales.contiguous().view(bits), in_features,
+                           known_codes=codes)
 
     def codes(self) -> torch.Tensor:
         """Each weight's code, [N, G, 32]: uint8, or int8 for q8."""
+        if self.known_codes is not None:
+            return self.known_codes
         if self.format == "q8":
             return self.packed.view(torch.int8)
         q = torch.cat([self.packed[..., :16] & 15, self.packed[..., :16] >> 4], dim=-1)
@@ -239,12 +245,12 @@ class BlockWeight:
             w = q * scales[..., :1] + scales[..., 1:]
         return w.reshape(self.out_features, -1)[:, : self.in_features]
 
-    def panels(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def panels(self, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same blocks laid out for ``block_panel_linear``: 16 output columns side by side per input position
         (rows padded with zero weights to a multiple of 32). Returns (panels uint8 [P, G, rows, 16], scales float16
         or float32 [P, G, 2 or 1, 16], or for the K formats uint8 [P, G / 8, bytes]: per super-block of a panel its
         16 columns' float16 d (and -dmin), then per block their 16 sub-block scales (and 16 mins)); see
-        csrc/panel_linear.cpp."""
+        csrc/panel_linear.cpp. Written into ``into`` (tensors of those shapes, or rows of larger ones) when given."""
         n, groups = self.packed.shape[:2]
         p = -(-n // 32) * 2
         rows = self.packed  # per row and block: the bytes of one column of a panel, in the panel's order
@@ -257,17 +263,78 @@ class BlockWeight:
                 shifts = torch.arange(0, 8, e, dtype=torch.uint8)
                 rows = torch.cat([rows, (high << shifts).sum(-1, dtype=torch.uint8)], dim=-1)
 
-        def side_by_side(t: torch.Tensor) -> torch.Tensor:  # [N, G, k] → [P, G, k, 16]
-            return F.pad(t, (0, 0, 0, 0, 0, p * 16 - n)).view(p, 16, t.shape[1], -1).permute(0, 2, 3, 1)
+        def side_by_side(t: torch.Tensor) -> torch.Tensor:  # [N, G, k] → a view [P, G, k, 16]
+            if p * 16 != n:
+                t = F.pad(t, (0, 0, 0, 0, 0, p * 16 - n))
+            return t.reshape(p, 16, t.shape[1], -1).permute(0, 2, 3, 1)
 
-        q = side_by_side(rows).contiguous()
+        q, scales = self._empty_panels(p) if into is None else into
+        _copy_into(q, side_by_side(rows))
         if self.format in K_FORMATS:
             supers = groups // (SUPER_BLOCK // BLOCK_SIZE)
-            halves = side_by_side(self.super_scales).contiguous().view(torch.uint8).view(p, supers, -1)
-            sub = side_by_side(self.scales.view(torch.uint8)).reshape(p, supers, -1)
-            return q, torch.cat([halves, sub], dim=-1)
-        floats = torch.float32 if self.format in FLOAT32_SCALES else torch.float16
-        return q, side_by_side(self.scales).contiguous().view(floats)
+            head = self.super_scales.shape[-1] * 32
+            _copy_into(scales[..., :head].view(torch.int16).unflatten(-1, (-1, 16)), side_by_side(self.super_scales))
+            _copy_into(scales[..., head:].unflatten(-1, (8, 2, 16)),
+                       side_by_side(self.scales.view(torch.uint8)).unflatten(1, (supers, 8)))
+        else:
+            _copy_into(scales.view(_same_width_int(scales.dtype)), side_by_side(self.scales))
+        return q, scales
+
+    def _empty_panels(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialized (panels, scales) of ``count`` panels of this weight's format and width."""
+        groups = self.packed.shape[1]
+        if self.format in K_FORMATS:
+            supers = groups // (SUPER_BLOCK // BLOCK_SIZE)
+            scales = torch.empty(count, supers, self.super_scales.shape[-1] * 32 + 256, dtype=torch.uint8)
+        else:
+            floats = torch.float32 if self.format in FLOAT32_SCALES else torch.float16
+            scales = torch.empty(count, groups, self.scales.shape[-1], 16, dtype=floats)
+        return torch.empty(count, groups, self.packed.shape[-1], 16, dtype=torch.uint8), scales
+
+    @staticmethod
+    def panels_of(parts: list[BlockWeight]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The panels of ``parts`` (one format) stacked by rows, as ``BlockWeight.concat(parts).panels()`` gives them,
+        each part's written in place where each but the last fills whole panels (no stacked copy of the blocks)."""
+        if any(part.out_features % 32 for part in parts[:-1]):
+            return BlockWeight.concat(parts).panels()
+        if len(parts) == 1:
+            return parts[0].panels()
+        counts = [-(-part.out_features // 32) * 2 for part in parts]
+        q, scales = parts[0]._empty_panels(sum(counts))
+        start = 0
+        for part, count in zip(parts, counts):
+            part.panels((q[start: start + count], scales[start: start + count]))
+            start += count
+        return q, scales
+
+    @staticmethod
+    def from_panels(format: str, panels: torch.Tensor, scales: torch.Tensor, rows: int | torch.Tensor,
+                    in_features: int) -> BlockWeight:
+        """The weight that ``panels()`` laid out as (panels, scales; the scales as stored or as their integer bits),
+        back in this class's layout, without loss (tests/layers/test_block_quant_linear.py): its first ``rows``
+        rows, or the rows a tensor of indices names (an embedding's lookup, BlockEmbedding)."""
+        if isinstance(rows, int):
+            rows = torch.arange(rows)
+        panel, column = rows // 16, rows % 16
+        groups = panels.shape[1]
+        picked = panels[panel, :, :, column]  # [R, G, bytes]
+        if format == "q8":
+            packed = picked
+        else:  # byte i holds the codes of positions 2i (low nibble) and 2i + 1; the high bits' bytes are the same
+            codes = torch.stack([picked[..., :16] & 15, picked[..., :16] >> 4], dim=-1).view(*picked.shape[:2], 32)
+            nibbles = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)
+            packed = torch.cat([nibbles, picked[..., 16:]], dim=-1)
+        if format in K_FORMATS:
+            supers, halves = groups // (SUPER_BLOCK // BLOCK_SIZE), 1 if format == "q6k" else 2
+            per_panel = scales.view(torch.uint8).view(scales.shape[0], supers, -1)
+            d = per_panel[..., : halves * 32].reshape(-1, supers, halves, 32).view(torch.int16)
+            sub = per_panel[..., halves * 32:].reshape(-1, groups, 2, 16)[panel, :, :, column]
+            return BlockWeight(format, packed.contiguous(),
+                               sub.view(torch.int8 if format == "q6k" else torch.uint8).contiguous(), in_features,
+                               d[panel, :, :, column].contiguous())
+        bits = torch.int32 if format in FLOAT32_SCALES else torch.int16
+        return BlockWeight(format, packed.contiguous(), scales.view(bits)[panel, :, :, column].contiguous(),
+                           in_features)
 
     def slice(self, rows: slice = slice(None), columns: slice = slice(None)) -> BlockWeight:
         """Rows and input columns of the weight (a tensor-parallel shard); columns only at block boundaries. A K
@@ -288,6 +355,8 @@ class BlockWeight:
         """The rows of ``parts`` stacked (for the fused q/k/v and gate/up matrices)."""
         if len({(p.format, p.in_features, p.packed.shape[1:]) for p in parts}) != 1:
             raise ValueError("block weights of different formats or widths cannot be fused")
+        if len(parts) == 1:
+            return parts[0]
         supers = None if parts[0].super_scales is None else torch.cat([p.super_scales for p in parts])
         return BlockWeight(parts[0].format, torch.cat([p.packed for p in parts]),
                            torch.cat([p.scales for p in parts]), parts[0].in_features, supers)
@@ -296,6 +365,11 @@ class BlockWeight:
     def fuse(parts: list[BlockWeight]) -> list[BlockWeight]:
         """The rows of ``parts`` stacked, as runs of one format each: a fused matrix whose shards the file stores in
         different types (Gemma 3's Q4_K_M: q and k Q5_0, v Q8_0) keeps each in its own blocks."""
+        return [BlockWeight.concat(run) for run in BlockWeight.runs(parts)]
+
+    @staticmethod
+    def runs(parts: list[BlockWeight]) -> list[list[BlockWeight]]:
+        """``parts`` grouped into runs of one format (what ``fuse`` stacks)."""
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("block weights of different widths cannot be fused")
         runs = [[parts[0]]]
@@ -304,7 +378,27 @@ class BlockWeight:
                 runs[-1].append(part)
             else:
                 runs.append([part])
-        return [BlockWeight.concat(run) for run in runs]
+        for run in runs:
+            if len({(p.in_features, p.packed.shape[1:]) for p in run}) != 1:
+                raise ValueError("block weights of different formats or widths cannot be fused")
+        return runs
+
+
+def _copy_into(out: torch.Tensor, tensor: torch.Tensor) -> None:
+    """out[...] = tensor (a strided CPU view of block bytes), copied by numpy: for such byte tensors several times
+    faster than torch's copy (model/gguf_file.py's _copy)."""
+    np.copyto(out.numpy(), tensor.numpy())
+
+
+def _same_width_int(dtype: torch.dtype) -> torch.dtype:
+    return {torch.float16: torch.int16, torch.float32: torch.int32}.get(dtype, dtype)
+
+
+def _as_floats(scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A panel's scales as the kernel reads them: float16 or float32 values (the K formats' bytes as they are)."""
+    if fmt in K_FORMATS:
+        return scales
+    return scales.view(torch.float32 if fmt in FLOAT32_SCALES else torch.float16)
 
 
 BF16_DOT_FORMATS = ("q4", "q4k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
@@ -324,22 +418,32 @@ class BlockQuantLinear(nn.Module):
     dtype and used by a dense matmul. A weight given as several parts (runs of rows in different formats,
     BlockWeight.fuse) is one kernel call per part, their outputs side by side."""
 
-    def __init__(self, weight: BlockWeight | list[BlockWeight]) -> None:
+    def __init__(self, weight: BlockWeight | list[BlockWeight], device: str | torch.device = "cpu") -> None:
         super().__init__()
-        parts = BlockWeight.fuse([weight] if isinstance(weight, BlockWeight) else weight)
-        self.formats = tuple(part.format for part in parts)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(part.out_features for part in parts)
-        for i, part in enumerate(parts):
-            self.register_buffer(f"packed{i}", part.packed.contiguous())
-            self.register_buffer(f"scales{i}", part.scales.contiguous())
+        runs = BlockWeight.runs([weight] if isinstance(weight, BlockWeight) else weight)
+        self.formats = tuple(run[0].format for run in runs)
+        self.in_features = runs[0][0].in_features
+        self.part_features = tuple(sum(part.out_features for part in run) for run in runs)
+        self.out_features = sum(self.part_features)
+        kernels = self._kernels(torch.device(device))
+        for i, run in enumerate(runs):
+            if kernels is not None:  # only the kernel's panels are kept: the weight's bytes are in memory once
+                panels, scales = BlockWeight.panels_of(run)
+                self.register_buffer(f"panels{i}", panels)
+                # integer bits, so that casting the model to a dtype leaves them alone (the kernel reads the floats)
+                self.register_buffer(f"panel_scales{i}", scales.view(_same_width_int(scales.dtype)))
+                continue
+            part = BlockWeight.concat(run)
+            self.register_buffer(f"packed{i}", part.packed.contiguous().to(device))
+            self.register_buffer(f"scales{i}", part.scales.contiguous().to(device))
             if part.super_scales is not None:
-                self.register_buffer(f"super_scales{i}", part.super_scales.contiguous())
+                self.register_buffer(f"super_scales{i}", part.super_scales.contiguous().to(device))
         self.min_rows: int | None = None
         self._dense: torch.Tensor | None = None
-        # The CPU kernel's PanelLinear (csrc/decoder_layers.cpp) over the parts' panels, built on the first CPU call:
-        # later calls go straight to it and build no BlockWeight objects (which cost a one-row decode step 0.8 ms
-        # of Python, 121 linears). It multiplies each part as ``_sync_kernel`` tells it from the three settings below.
+        # The CPU kernel's PanelLinear (csrc/decoder_layers.cpp) over the parts' panels, built with the module on the
+        # CPU (else on its first CPU call): calls go straight to it and build no BlockWeight objects (which cost a
+        # one-row decode step 0.8 ms of Python, 121 linears). It multiplies each part as ``_sync_kernel`` tells it
+        # from the three settings below.
         self.kernel = None
         self._kernels_module = None
         # "bf16": bfloat16 activations times q4, q4k and q8 blocks by bfloat16 dot products; set by use_dot_products
@@ -350,6 +454,8 @@ class BlockQuantLinear(nn.Module):
         # "int8": the kernel quantizes the activations per row and block of 32 (csrc/int8_linear.cpp), for every
         # row count alike; set by use_activation_quantization (EngineConfig.activation_quantization)
         self._activation_quantization = "none"
+        if kernels is not None:
+            self._build_kernel(kernels)
 
     @property
     def dot_products(self) -> str:
@@ -412,21 +518,32 @@ class BlockQuantLinear(nn.Module):
         kernels = self._kernels(x.device)
         if kernels is not None:
             if self.kernel is None:
-                parts = self.block_weights()
-                panels = [part.panels() for part in parts]
-                self.kernel = kernels.PanelLinear([p for p, _ in panels], [s for _, s in panels],
-                                                  [part.format for part in parts],
-                                                  [part.out_features for part in parts])
-                self._kernels_module = kernels
-                self._sync_kernel()
+                self._build_kernel(kernels)
             return self.kernel(x)
         if self._dense is None or self._dense.dtype != x.dtype:
             dense = torch.cat([part.dequantize() for part in self.block_weights()])
             self._dense = dense.to(device=x.device, dtype=x.dtype)
         return F.linear(x, self._dense)
 
+    def _build_kernel(self, kernels) -> None:
+        """The kernel over the panels (laid out now where the module holds blocks)."""
+        if not hasattr(self, "panels0"):
+            panels = [part.panels() for part in self.block_weights()]
+        else:
+            panels = [(getattr(self, f"panels{i}"), _as_floats(getattr(self, f"panel_scales{i}"), fmt))
+                      for i, fmt in enumerate(self.formats)]
+        self.kernel = kernels.PanelLinear([p for p, _ in panels], [s for _, s in panels], list(self.formats),
+                                          list(self.part_features))
+        self._kernels_module = kernels
+        self.min_rows = 1  # each row alone, as in forward
+        self._sync_kernel()
+
     def block_weights(self) -> list[BlockWeight]:
-        """The weight's parts, each in one format, in row order."""
+        """The weight's parts, each in one format, in row order (rebuilt from the panels where only they are kept)."""
+        if hasattr(self, "panels0"):
+            return [BlockWeight.from_panels(fmt, getattr(self, f"panels{i}").cpu(),
+                                            getattr(self, f"panel_scales{i}").cpu(), rows, self.in_features)
+                    for i, (fmt, rows) in enumerate(zip(self.formats, self.part_features))]
         parts = []
         for i, fmt in enumerate(self.formats):
             supers = getattr(self, f"super_scales{i}", None)
@@ -517,7 +634,7 @@ def use_dot_products(model: nn.Module, choice: str) -> str:
     if choice not in BLOCK_DOT_PRODUCT_CHOICES:
         raise ValueError(f"block_dot_products must be one of {BLOCK_DOT_PRODUCT_CHOICES}, got {choice!r}")
     linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)
-               and set(m.formats) & set(BF16_DOT_FORMATS) and m.packed0.is_cpu]
+               and set(m.formats) & set(BF16_DOT_FORMATS) and next(m.buffers()).is_cpu]
     kernels = _panel_kernels(torch.device("cpu")) if linears else None
     available = kernels is not None and kernels.block_bf16_dot_kernel_available()
     if choice == "auto":

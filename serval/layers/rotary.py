@@ -65,6 +65,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.args = (head_dim, max_position, theta, scaling)  # to build the tables again (after a meta device)
+        if torch.get_default_device().type == "meta":  # shapes only: computing on meta imports torch._refs (0.9 s)
+            self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
+            return
         angles, scale = _angles(head_dim, max_position, theta, scaling)
         emb = torch.cat([angles, angles], dim=-1).float()
         self.register_buffer("cos", emb.cos() * scale, persistent=False)

@@ -7,8 +7,9 @@ read as each expert's own matrices (dequantized: the block kernel reads 2-D matr
 
 from __future__ import annotations
 
+import mmap
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -182,18 +183,19 @@ class GGUFModelFile:
         values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
         return np.array(values, dtype=np.float64).reshape(-1).tolist()
 
-    def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor) pairs. q/k rows of "llama" files are put back from llama.cpp's RoPE
-        order."""
+    def weights(self, config: ModelConfig, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 tensor) pairs, one dequantized at a time, but those named in ``skip`` (read
+        as blocks). q/k rows of "llama" files are put back from llama.cpp's RoPE order."""
         for tensor in self.reader.tensors:
             qtype = GGMLQuantizationType(tensor.tensor_type)
             if qtype.name not in SUPPORTED_TYPES:
                 raise ValueError(f"{self.path.name}: tensor {tensor.name} has unsupported type {qtype.name}")
             name = _hf_name(tensor.name, self.architecture)
-            if name is None:
+            if name is None or name in skip:
                 continue
             shape = tuple(int(d) for d in reversed(tensor.shape))
             array = np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+            _drop_pages(tensor.data)
             weight = torch.from_numpy(array)
             if ".experts." in name:  # stacked [experts, rows, columns]: each expert's matrix under its own name
                 prefix, _, kind = name.removesuffix(".weight").rpartition(".experts.")
@@ -221,6 +223,7 @@ class GGUFModelFile:
                 continue
             in_features, out_features = (int(d) for d in tensor.shape)
             raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+            _drop_pages(tensor.data)
             block = _SUPER_BLOCK if qtype.name.endswith("_K") else 32
             weight = _to_block_weight(qtype.name, raw.reshape(out_features, in_features // block, -1), in_features)
             if self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
@@ -228,6 +231,22 @@ class GGUFModelFile:
             elif self.architecture in _ROPE_PERMUTED and name.endswith("k_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_kv_heads)
             yield name, weight
+
+
+def _drop_pages(view: np.ndarray) -> None:
+    """Gives back the file's pages under ``view`` (a tensor of the GGUFContents memory map, read and copied): a map's
+    pages, once touched, count in the process's memory until unmapped, which would hold the whole file beside its
+    loaded copy while loading. The pages stay in the OS's file cache; touching them again reads them back."""
+    root = view
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root.base, mmap.mmap):  # not a view of a map
+        return
+    start = view.ctypes.data - root.ctypes.data
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    end = start + view.nbytes
+    if end > first:
+        root.base.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWeight:
@@ -259,12 +278,11 @@ def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWe
         d, dmin = (raw[..., i: i + 2].contiguous().view(torch.float16) for i in (0, 2))
         sc, mn = _k_scale_min(raw[..., 4:16])
         scales = torch.stack([sc, mn], dim=-1)  # [N, blocks, 8, 2] uint8
-        qs = raw[..., -128:]
-        position = torch.arange(_SUPER_BLOCK)
-        sub, index = position // 32, position % 32
-        codes = (qs[..., 32 * (sub // 2) + index] >> (4 * (sub % 2)).to(torch.uint8)) & 15
+        qs = raw[..., -128:].unflatten(-1, (4, 1, 32))  # bytes 32 j + i: weight i of sub-blocks 2 j, 2 j + 1
+        codes = torch.cat([qs & 15, qs >> 4], dim=-2).flatten(-3)  # weight 32 s + i, s = 2 j + nibble
         if qtype == "Q5_K":  # weight i of sub-block s: bit s of byte i
-            codes |= ((raw[..., 16:48][..., index] >> sub.to(torch.uint8)) & 1) << 4
+            bits = torch.arange(8, dtype=torch.uint8)[:, None]
+            codes |= ((raw[..., None, 16:48] >> bits) & 1).flatten(-2) << 4
         fmt = "q4k" if qtype == "Q4_K" else "q5k"
         weight = BlockWeight.from_codes(fmt, codes.view(n, -1, 32), scales.view(n, -1, 2), in_features,
                                         torch.cat([d, -dmin], dim=-1))  # -dmin: exact in float16
@@ -272,18 +290,17 @@ def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWe
         # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 weights), float16 d. Weight
         # 128 h + 32 quarter + i: nibble of byte 64 h + 32 (quarter % 2) + i (high nibble for quarters 2-3),
         # bits 2 quarter of byte 128 + 32 h + i.
-        position = torch.arange(_SUPER_BLOCK)
-        h, quarter, index = position // 128, position % 128 // 32, position % 32
-        low = (raw[..., 64 * h + 32 * (quarter % 2) + index] >> (4 * (quarter // 2)).to(torch.uint8)) & 15
-        high = (raw[..., 128 + 32 * h + index] >> (2 * quarter).to(torch.uint8)) & 3
+        ql = raw[..., :128].unflatten(-1, (2, 2, 32))  # [h, quarter % 2, i]
+        low = torch.cat([ql & 15, ql >> 4], dim=-2)  # [h, quarter, i]
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]
+        high = (raw[..., 128:192].unflatten(-1, (2, 1, 32)) >> shifts) & 3  # [h, quarter, i]
         d = raw[..., 208:210].contiguous().view(torch.float16)
         scales = raw[..., 192:208].contiguous().view(torch.int8)  # [N, blocks, 16]
-        weight = BlockWeight.from_codes("q6k", (low | (high << 4)).view(n, -1, 32), scales.view(n, -1, 2),
+        weight = BlockWeight.from_codes("q6k", (low | (high << 4)).reshape(n, -1, 32), scales.view(n, -1, 2),
                                         in_features, d)
     else:
         raise ValueError(f"{qtype} has no block kernel layout")
-    supers = None if weight.super_scales is None else _copy(weight.super_scales)
-    return BlockWeight(weight.format, _copy(weight.packed), _copy(weight.scales), in_features, supers)
+    return weight  # (views of ``raw`` where they can be: the kernel's panels are the one copy made of them)
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -239,9 +239,13 @@ def use_checkpoint_blocks(model: LlamaForCausalLM, blocks: Iterable[tuple[str, B
                                              all(o is not None and torch.equal(o, first) for o in found)):
             usable[module] = first
     chosen = [(part, piece) for module, part, piece in parts if module in usable]
-    swapped = model.use_block_weights(chosen if shard is None else shard.shard_weights(chosen))
+    model.use_block_weights(chosen if shard is None else shard.shard_weights(chosen))
+    swapped = 0
     for module, order in usable.items():
         layer = model.get_submodule(module)
-        if order is not None and isinstance(layer, BlockQuantLinear):
+        if not isinstance(layer, BlockQuantLinear):
+            continue
+        swapped += 1
+        if order is not None:
             model.set_submodule(module, InputPermuted(layer, order))
     return swapped

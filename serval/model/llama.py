@@ -18,6 +18,7 @@ from torch import nn
 from serval.layers.activation import silu_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.attention.cpu_kernel import CpuKernelMetadata
+from serval.layers.embedding import BlockEmbedding
 from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
 from serval.layers.moe import SparseMoE
 from serval.layers.norm import RMSNorm
@@ -257,35 +258,56 @@ class LlamaForCausalLM(nn.Module):
                                  "down_proj": ("down_proj", 0, cfg.hidden_size)}[kind]
         return int(expert) - first, f"{prefix}.experts.{stacked}", offset, rows
 
-    def use_block_weights(self, blocks: Iterable[tuple[str, BlockWeight]]) -> int:
-        """Swaps each linear whose every shard ``blocks`` holds for a BlockQuantLinear on those blocks, shards in
-        different block formats each in their own (a tied head takes the embedding's); returns how many were
-        swapped."""
+    def use_block_weights(self, blocks: Iterable[tuple[str, BlockWeight]],
+                          device: str | torch.device | None = None) -> set[str]:
+        """Swaps each linear whose every shard ``blocks`` holds for a BlockQuantLinear on those blocks (on ``device``,
+        default the linear's), shards in different block formats each in their own, and the embedding for a
+        BlockEmbedding (a tied head takes the embedding's blocks too); returns the names of the checkpoint's tensors
+        now read as blocks. A linear is built as soon as its last shard comes (a file's tensors come layer by layer),
+        so that the blocks in their file layout are held for a layer at a time, not for the whole model."""
         cfg = self.config
-        shards: dict[str, list[tuple[int, BlockWeight]]] = {}
-        for name, weight in blocks:
-            name = name.removeprefix("model.")
-            if name == "embed_tokens.weight" and cfg.tie_word_embeddings:
-                name = "lm_head.weight"
+        shards: dict[str, list[tuple[int, BlockWeight, str]]] = {}
+        swapped: set[str] = set()
+        for checkpoint_name, weight in blocks:
+            name = checkpoint_name.removeprefix("model.")
+            if name == "embed_tokens.weight":
+                dense = self.embed_tokens.weight
+                embedding = None
+                if cfg.tie_word_embeddings and self._use_blocks("lm_head", [weight], device):
+                    embedding = BlockEmbedding.of_head(self.lm_head, dense.dtype)  # one table for both
+                if embedding is None:
+                    embedding = BlockEmbedding.of_blocks(weight, dense.dtype,
+                                                         dense.device if device is None else device)
+                self.embed_tokens = embedding
+                swapped.add(checkpoint_name)
+                continue
             target, offset, _ = self._merged_name(name)
-            shards.setdefault(target.removesuffix(".weight"), []).append((offset or 0, weight))
-        swapped = 0
-        for module_name, parts in shards.items():
-            module = self.get_submodule(module_name)
-            if not isinstance(module, Linear):
+            module_name = target.removesuffix(".weight")
+            parts = shards.setdefault(module_name, [])
+            parts.append((offset or 0, weight, checkpoint_name))
+            if len(parts) < (3 if module_name.endswith("qkv_proj") else 2 if module_name.endswith("gate_up_proj")
+                             else 1):
                 continue
-            try:
-                weight = BlockWeight.fuse([w for _, w in sorted(parts, key=lambda p: p[0])])
-            except ValueError:  # shards of different widths: the layer stays dense
-                continue
-            if (sum(w.out_features for w in weight), weight[0].in_features) != (module.out_features,
-                                                                                 module.in_features):
-                continue  # a shard is stored in another type
-            layer = BlockQuantLinear(weight).to(module.weight.device)
-            layer.float_output = module_name == "lm_head"
-            self.set_submodule(module_name, layer)
-            swapped += 1
+            del shards[module_name]  # (one left incomplete, a tensor-parallel slice that cut blocks, stays dense)
+            if self._use_blocks(module_name, [w for _, w, _ in sorted(parts, key=lambda p: p[0])], device):
+                swapped.update(part_name for _, _, part_name in parts)
         return swapped
+
+    def _use_blocks(self, module_name: str, parts: list[BlockWeight], device: str | torch.device | None) -> bool:
+        """Whether the linear ``module_name`` now reads ``parts`` (its shards, in row order) as blocks."""
+        module = self.get_submodule(module_name)
+        if not isinstance(module, Linear):
+            return False
+        try:
+            BlockWeight.runs(parts)
+        except ValueError:  # shards of different widths: the layer stays dense
+            return False
+        if (sum(w.out_features for w in parts), parts[0].in_features) != (module.out_features, module.in_features):
+            return False  # a shard is stored in another type
+        layer = BlockQuantLinear(parts, module.weight.device if device is None else device)
+        layer.float_output = module_name == "lm_head"
+        self.set_submodule(module_name, layer)
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from serval.distributed import ParallelGroup, partition
+from serval.layers.embedding import embedding_dtype
 from serval.layers.linear import BlockWeight
 from serval.layers.moe import SparseMoE
 from serval.model.config import ModelConfig
@@ -195,7 +196,7 @@ class PipelineStage(nn.Module):
         model, group = self.model, self.group
         stage, last = group.stage, group.num_stages - 1
         shape = (2, input_ids.shape[0], self.config.hidden_size)  # the hidden states and the residual stream
-        dtype = model.embed_tokens.weight.dtype
+        dtype = embedding_dtype(model.embed_tokens)
         if stage == 0:
             x, residual = model.embed_tokens(input_ids), None
         else:
@@ -216,7 +217,7 @@ class PipelineStage(nn.Module):
         micro-batch while the one after it takes the last."""
         model, group = self.model, self.group
         stage, last = group.stage, group.num_stages - 1
-        dtype = model.embed_tokens.weight.dtype
+        dtype = embedding_dtype(model.embed_tokens)
         shapes = [(2, ids.shape[0], self.config.hidden_size) for ids, _, _ in batches]
         sends = []  # (work, the tensor it sends): kept alive until the send completes
 

@@ -104,6 +104,38 @@ def test_panel_layout_holds_the_same_weights(fmt):
 
 @needs_panels
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("float32_scales", [False, True])
+def test_a_layer_keeps_only_its_panels_and_gives_back_the_same_blocks(fmt, float32_scales):
+    """The weight is in memory once, as the kernel's panels (model/loader.py's budget: the file's size), and the
+    blocks rebuilt from them are the given ones, bit for bit (70 rows: a short last panel)."""
+    weight = random_blocks(fmt, 70, 512)
+    if float32_scales:
+        weight = weight.with_float32_scales()
+    layer = BlockQuantLinear(weight)
+    assert not hasattr(layer, "packed0") and layer.kernel is not None
+    (back,) = layer.block_weights()
+    assert back.format == weight.format and back.in_features == weight.in_features
+    for got, want in ((back.packed, weight.packed), (back.scales, weight.scales),
+                      (back.super_scales, weight.super_scales)):
+        assert (got is None and want is None) or (got.dtype == want.dtype and torch.equal(got, want))
+    kept = sum(b.numel() * b.element_size() for b in layer.buffers())
+    stored = sum(t.numel() * t.element_size() for t in (weight.packed, weight.scales, weight.super_scales)
+                 if t is not None)
+    assert kept <= stored * 96 / 70  # rows padded to a multiple of 32 only
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("last_rows", [64, 40])
+def test_the_panels_of_parts_are_the_panels_of_the_stacked_blocks(fmt, last_rows):
+    """A fused q/k/v matrix's panels, written part by part, are the stacked blocks' (a last part of 40 rows: its
+    last panel padded)."""
+    parts = [random_blocks(fmt, rows, 512, seed=i) for i, rows in enumerate((96, 32, last_rows))]
+    for got, want in zip(BlockWeight.panels_of(parts), BlockWeight.concat(parts).panels()):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@needs_panels
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_each_row_is_the_same_whatever_the_batch(fmt, dtype):
@@ -119,7 +151,7 @@ def test_each_row_is_the_same_whatever_the_batch(fmt, dtype):
 @needs_panels
 @torch.inference_mode()
 def test_later_calls_use_the_kept_panels_and_give_the_same_bits(monkeypatch):
-    """A layer of two parts in different formats builds each part's panels on its first call only: later calls of
+    """A layer of two parts in different formats builds each part's panels once, with the layer: calls of
     rows [M, in] build no BlockWeight and skip the reshape and padding, and give the bits of each part's own kernel
     call, side by side; other shapes still take the general path."""
     parts = [random_blocks("q4", 48, 96, seed=1), random_blocks("q8", 40, 96, seed=2)]
