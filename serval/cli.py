@@ -482,6 +482,17 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _ModelArgument(argparse.Action):
+    """`serve MODEL`, as `vllm serve MODEL`: the same as --model (given both, they must agree)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is None:
+            return
+        if getattr(namespace, "model", None) not in (None, values):
+            parser.error(f"the model is given twice: {values} and --model {namespace.model}")
+        namespace.model = values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="serval", description="Serval LLM serving engine",
                                      formatter_class=DefaultsHelpFormatter)
@@ -506,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = add_verb("serve", "OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", action=_ModelArgument,
+                       help="the model, as --model gives it (an embedded model's name, a .gguf file, a directory, or "
+                       "a Hugging Face name such as Qwen/Qwen2.5-0.5B-Instruct, read from the local Hugging Face "
+                       "cache)")
     add_flags(serve, ListenConfig)
     add_flags(serve, ServerConfig)
     serve.add_argument("--blocklist", default=None, help="comma-separated words: the output filter ends a "

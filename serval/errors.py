@@ -36,3 +36,9 @@ def grammar_refusal(error: str) -> RequestError | None:
         return None
     kind = error.removeprefix(GRAMMAR_ERROR_PREFIX + " ").split(":", 1)[0]
     return RequestError(f"structured_outputs.{kind}", error)
+
+
+class ModelFileError(ValueError):
+    """A model's files cannot be served: one line naming the file and what is wrong with it (empty, cut short, not
+    the format its name says, an architecture Serval does not run, no tokenizer). The command line prints it without
+    a traceback and exits non-zero; an engine core that meets one while loading sends it back as it is."""

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from serval.errors import ModelFileError
 
 # Value types: struct formats of the scalar ones; 8 is a string, 9 an array.
 SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
@@ -51,15 +54,33 @@ class GGUFContents:
     """The fields and tensors of a GGUF file; ``value(key)`` decodes a field when asked."""
 
     def __init__(self, path: str | Path) -> None:
+        """Reads the header and the tensor directory; raises ModelFileError (one line naming the file and the fault)
+        for an empty file, another format, a header cut short or damaged, or tensor data past the file's end."""
         self.path = Path(path)
         with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise ModelFileError(f"{self.path}: the file is empty")
             self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if self._buf[:4] != b"GGUF":
+            raise ModelFileError(f"{self.path}: not a GGUF file (it begins with {bytes(self._buf[:4])!r}, not "
+                                 "b'GGUF')")
+        try:
+            entries, data_start = self._read_header()
+        except (struct.error, UnicodeDecodeError, OverflowError, MemoryError, ZeroDivisionError) as exc:
+            raise ModelFileError(f"{self.path}: the GGUF header is cut short or damaged ({exc})") from None
+        file_bytes = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.tensors = [GGUFTensor(name, shape, tensor_type, self._tensor_view(file_bytes, data_start + offset, shape,
+                                                                               tensor_type, name))
+                        for name, shape, tensor_type, offset in entries]
+
+    def _read_header(self) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+        """Reads the key/value pairs into ``fields``; returns the tensor directory's entries (name, shape, type,
+        offset) and where the tensors' data starts."""
         buf = self._buf
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{str(self.path)!r} is not a GGUF file")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
         if version < 2:
-            raise ValueError(f"{str(self.path)!r}: GGUF version {version} is not supported (need 2 or later)")
+            raise ModelFileError(f"{self.path}: GGUF version {version} is not supported (need 2 or later)")
         pos = 24
         self.fields: dict[str, GGUFField] = {}
         for _ in range(n_kv):
@@ -74,6 +95,8 @@ class GGUFContents:
             else:
                 self.fields[key] = GGUFField(vtype, None, pos, 1)
                 pos = self._skip_items(vtype, 1, pos)
+            if pos > len(buf):
+                raise struct.error(f"key {key!r} runs past the end of the file")
         self.metadata_end = pos  # where the key/value pairs end and the tensor directory starts
         entries = []
         for _ in range(n_tensors):
@@ -84,11 +107,15 @@ class GGUFContents:
             pos += 4 + 8 * n_dims + 12
             entries.append((name, tuple(int(d) for d in shape), tensor_type, offset))
         alignment = int(self.value("general.alignment", DEFAULT_ALIGNMENT))
-        data_start = -(-pos // alignment) * alignment
-        file_bytes = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self.tensors = [GGUFTensor(name, shape, tensor_type, _tensor_view(file_bytes, data_start + offset, shape,
-                                                                          tensor_type, name))
-                        for name, shape, tensor_type, offset in entries]
+        return entries, -(-pos // alignment) * alignment
+
+    def _tensor_view(self, file_bytes: np.ndarray, start: int, shape: tuple[int, ...], tensor_type: int,
+                     name: str) -> np.ndarray:
+        end = start + _tensor_bytes(shape, tensor_type, self.path, name)
+        if end > len(file_bytes):
+            raise ModelFileError(f"{self.path}: the file is cut short (a download or copy that stopped?): tensor "
+                                 f"{name} ends at byte {end:,}, the file has {len(file_bytes):,}")
+        return _tensor_view(file_bytes, start, shape, tensor_type, name)
 
     def value(self, key: str, default: Any = None) -> Any:
         """A field's value: a Python scalar or str, or a list for an array; ``default`` where the key is missing."""
@@ -132,7 +159,7 @@ class GGUFContents:
                 item, pos = self._item(item_type, pos)
                 items.append(item)
             return items, pos
-        raise ValueError(f"{str(self.path)!r}: unknown GGUF value type {vtype}")
+        raise ModelFileError(f"{self.path}: unknown GGUF value type {vtype} (a damaged header?)")
 
     def _skip_items(self, vtype: int, count: int, pos: int) -> int:
         if vtype in SCALAR_FORMATS:
@@ -147,7 +174,21 @@ class GGUFContents:
                 item_type, n = struct.unpack_from("<IQ", self._buf, pos)
                 pos = self._skip_items(item_type, n, pos + 12)
             return pos
-        raise ValueError(f"{str(self.path)!r}: unknown GGUF value type {vtype}")
+        raise ModelFileError(f"{self.path}: unknown GGUF value type {vtype} (a damaged header?)")
+
+
+def _tensor_bytes(shape: tuple[int, ...], tensor_type: int, path: Path, name: str) -> int:
+    """Bytes of a tensor's data in the file."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    count = int(np.prod(shape, dtype=np.int64))
+    if tensor_type in _PLAIN_TENSOR_TYPES:
+        return count * np.dtype(_PLAIN_TENSOR_TYPES[tensor_type]).itemsize
+    try:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor_type)]
+    except ValueError:
+        raise ModelFileError(f"{path}: tensor {name} has an unknown ggml type {tensor_type}") from None
+    return count // block_size * type_size
 
 
 def _tensor_view(file_bytes: np.ndarray, start: int, shape: tuple[int, ...], tensor_type: int,

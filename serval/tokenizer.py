@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from serval.config import cache_directory
-from serval.errors import RequestError
+from serval.errors import ModelFileError, RequestError
 from serval.gguf_reader import GGUFContents
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,15 @@ END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end
 # itself); processors wrote chat_template.json ({"chat_template": ...}); older tokenizers keep it in
 # tokenizer_config.json.
 CHAT_TEMPLATE_JSON = "chat_template.json"
+# A Hugging Face directory's tokenizer is any of these: without them transformers builds an empty tokenizer (every
+# text is zero ids), or none.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+EXPECTED_TOKENIZER_FILES = "tokenizer.json, tokenizer.model, or vocab.json with merges.txt"
+
+
+def has_tokenizer_files(directory: Path) -> bool:
+    """Whether ``directory`` holds one of TOKENIZER_FILES."""
+    return any(all((directory / name).is_file() for name in files) for files in TOKENIZER_FILES)
 
 
 class Tokenizer:
@@ -88,7 +97,8 @@ class Tokenizer:
     def load(cls, path: str | Path) -> Tokenizer:
         """Load from a ``.gguf`` file (tokenizer built from its metadata) or a Hugging Face model directory, with the
         model's own chat template and end-of-sequence ids; a model without a template gets a fallback (a warning
-        names it)."""
+        names it). Raises ModelFileError (one line naming the files expected) for a model without a usable
+        tokenizer: a directory without tokenizer files, files it cannot be built from, an empty vocabulary."""
         path = Path(path).expanduser()
         if path.is_file() and path.suffix == ".gguf":
             header = GGUFContents(path)
@@ -101,11 +111,22 @@ class Tokenizer:
             if not hf.chat_template and header.value("general.architecture") in ("gemma2", "gemma3"):
                 hf.chat_template, source = GEMMA_CHAT_TEMPLATE, "Serval's Gemma template (the GGUF header has none)"
         elif path.is_dir():
-            hf = _load_hf_tokenizer(path)
+            if not has_tokenizer_files(path):
+                raise ModelFileError(f"{path}: no tokenizer: expected {EXPECTED_TOKENIZER_FILES}")
+            try:
+                hf = _load_hf_tokenizer(path)
+            except Exception as exc:  # a damaged or partial file: its first line, not a traceback
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                raise ModelFileError(f"{path}: its tokenizer cannot be built from its files ({type(exc).__name__}: "
+                                     f"{first_line})") from exc
             eos_ids = _hf_dir_eos_ids(path)
             source = _hf_dir_chat_template(path, hf)
         else:
             raise FileNotFoundError(f"tokenizer path {str(path)!r} is neither a .gguf file nor a directory")
+        if hf.backend_tokenizer.get_vocab_size(with_added_tokens=False) == 0 or not hf.backend_tokenizer.encode(
+                "a", add_special_tokens=False).ids:  # every prompt would be zero ids, which nothing can run
+            raise ModelFileError(f"{path}: no usable tokenizer: its vocabulary is empty (expected "
+                                 f"{EXPECTED_TOKENIZER_FILES if path.is_dir() else 'tokenizer.ggml.tokens'})")
         if not hf.chat_template:
             hf.chat_template, source, extra_eos = _fallback_chat_template(hf)
             eos_ids |= extra_eos
@@ -261,16 +282,21 @@ def _quiet_transformers() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def _load_hf_tokenizer(directory: Path, gguf_file: str | None = None) -> Any:
+def _load_hf_tokenizer(directory: Path, gguf_file: str | None = None, as_saved: bool = False) -> Any:
     """The tokenizer of a directory (or of a GGUF file in it). The class its tokenizer_config.json names is built
     directly, as AutoTokenizer would build it: AutoTokenizer imports transformers' model configs, which import
-    torch, and a server's process has no torch (tests/test_architecture.py)."""
+    torch, and a server's process has no torch (tests/test_architecture.py). ``as_saved``: its tokenizer.json read
+    as it is, by the generic fast tokenizer (a converted GGUF tokenizer in the cache: the class its config names,
+    Qwen2Tokenizer or GemmaTokenizer, would rebuild the pre-tokenizer and merges by its own rules, not the
+    file's)."""
     import transformers
 
     kwargs: dict[str, Any] = {"local_files_only": True}
     tokenizer_class = None
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
+    elif as_saved:
+        tokenizer_class = transformers.PreTrainedTokenizerFast
     else:
         config_file = directory / "tokenizer_config.json"
         name = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
@@ -303,7 +329,7 @@ def _load_gguf_tokenizer(path: Path, header: GGUFContents) -> Any:
     identity = f"{header.metadata_digest()}|{transformers.__version__}|{tokenizers.__version__}"
     entry = cache_directory() / "tokenizers" / hashlib.sha256(identity.encode()).hexdigest()[:16]
     if (entry / "tokenizer.json").is_file():
-        return _load_hf_tokenizer(entry)
+        return _load_hf_tokenizer(entry, as_saved=True)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f"{entry.name}.partial-", dir=entry.parent))
@@ -314,9 +340,9 @@ def _load_gguf_tokenizer(path: Path, header: GGUFContents) -> Any:
         _convert_in_a_child(path, partial)
         try:
             partial.replace(entry)
-            return _load_hf_tokenizer(entry)
+            return _load_hf_tokenizer(entry, as_saved=True)
         except OSError:  # unwritable, or another process renamed its copy there first
-            return _load_hf_tokenizer(entry if (entry / "tokenizer.json").is_file() else partial)
+            return _load_hf_tokenizer(entry if (entry / "tokenizer.json").is_file() else partial, as_saved=True)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 

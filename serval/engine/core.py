@@ -41,6 +41,9 @@ class EngineCore:
         """Loads the model at ``model_path`` (or reuses an already loaded ``model`` of the same dtype and device)."""
         start = time.perf_counter()
         self.config = config = config.settled()  # the device, the dtype and their defaults decided here
+        if config.enable_expert_parallel and config.tensor_parallel_size == 1:
+            logger.warning("--enable-expert-parallel does nothing on one rank: every expert is on this rank (it "
+                           "places whole experts on the ranks of --tensor-parallel-size > 1)")
         self.worker = worker = Worker(config, model_path, model)
         self.model, self.runner = worker.model, worker.runner  # for tests and tools that look inside
         cache = config.cache
@@ -115,6 +118,8 @@ class EngineCore:
         error = None
         if request_id in self._requests or request_id in self.grammars.waiting:
             error = f"request id {request_id!r} is already in use"
+        elif not core_request.prompt_token_ids:  # never queued: no step would ever schedule it
+            error = "the prompt has no tokens"
         request = Request(request_id, list(core_request.prompt_token_ids), core_request.params,
                           frozenset(core_request.eos_token_ids), core_request.max_tokens, core_request.priority,
                           group_id=core_request.group_id, arrival_time=core_request.arrival_time,

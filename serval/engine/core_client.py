@@ -50,6 +50,7 @@ from serval.engine.messages import (
     encode,
 )
 from serval.engine.request import RequestStatus
+from serval.errors import ModelFileError
 from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -140,17 +141,21 @@ class CoreProcessClient(EngineClient):
 
     def _wait_ready(self) -> EngineCoreInfo:
         while True:
-            if self._results.poll(POLL_MS):
+            # Checked before the poll: a core that said why it failed and exited is heard before its exit is.
+            exited = self.process.poll() is not None
+            if self._results.poll(0 if exited else POLL_MS):
                 match decode(self._results.recv()):
                     case CoreConnected():
                         self._remove_ipc_dir()
                     case CoreReady(info):
                         return info
-                    case CoreFailed(reason):
+                    case CoreFailed(reason, model_file):
+                        if model_file:  # the model's files: one line, as the front end's own check gives
+                            raise ModelFileError(reason)
                         raise RuntimeError(f"the engine core failed to load: {reason}")
                     case other:
                         raise MessageError(f"the engine core sent {type(other).__name__} before it was ready")
-            if self.process.poll() is not None:
+            elif exited:
                 raise RuntimeError(f"the engine core process exited with code {self.process.returncode} while "
                                    "loading")
 

@@ -38,7 +38,9 @@ from serval.engine.messages import (
     decode,
     encode,
 )
+from serval.errors import ModelFileError
 from serval.lifetime import end_with_parent
+from serval.model.model_files import check_model_files
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +62,15 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
     results.connect(output_address)
     results.send(encode(CoreConnected()))
     try:
+        # the front end's tokenizer is its own
+        check_model_files(model_path, tokenizer=False, weights=config.load_format != "dummy")
         core = EngineCore(config, model_path)
     except BaseException as exc:  # noqa: BLE001 - the front end raises it
-        results.send(encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
+        bad_file = isinstance(exc, ModelFileError)
+        results.send(encode(CoreFailed(str(exc) if bad_file else f"{type(exc).__name__}: {exc}", bad_file)))
         results.close(linger=5000)
+        commands.close(linger=0)
+        context.term()  # returns once the reason is sent (or the linger is over): the process exits right after
         return
     results.send(encode(CoreReady(core.info)))
     try:

@@ -19,6 +19,7 @@ from serval.config import EngineConfig
 from serval.engine.grammar_limits import check_grammar_size
 from serval.engine.messages import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from serval.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
+from serval.model.model_files import check_model_files
 from serval.model.registry import resolve_model_path
 from serval.model.sampling_defaults import resolve_sampling_defaults
 from serval.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -54,6 +55,8 @@ class FrontEnd:
         """What the front end needs of the model before its core is up; ``connect`` once the core says what it is."""
         self.config = config
         self.model_path = resolve_model_path(config.model)
+        # one line naming the file, before any load
+        check_model_files(self.model_path, tokenizer=tokenizer is None, weights=config.load_format != "dummy")
         self.sampling_defaults = resolve_sampling_defaults(config.model, self.model_path, config.generation_config,
                                                            config.override_generation_config)
         self.tokenizer = tokenizer or Tokenizer.load(self.model_path)
@@ -161,7 +164,11 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt", "prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:  # a request of no tokens would wait for ever: the scheduler has nothing to run for it
+                raise RequestError("prompt", "prompt is no tokens once tokenized: give text this model's tokenizer "
+                                   "encodes")
+            return prompt, ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.vocab_size

@@ -195,9 +195,10 @@ class CoreReady:
 
 @dataclass
 class CoreFailed:
-    """The core could not load (the exception's type and message)."""
+    """The core could not load (the exception's type and message; a bad model file's one line alone)."""
 
     reason: str
+    model_file: bool = False  # a ModelFileError: the front end raises it as one, printed without a traceback
 
 
 @dataclass

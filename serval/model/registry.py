@@ -94,7 +94,9 @@ def _join(parts: list[Path], target: Path, sha256: str) -> Path:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """A model name or path → a GGUF file or a Hugging Face directory on disk."""
+    """A model name or path → a GGUF file or a Hugging Face directory on disk: an embedded model's name, a path, or a
+    Hugging Face repository id (``Qwen/Qwen2.5-0.5B-Instruct``) already in the local Hugging Face cache, read
+    offline."""
     model = model or DEFAULT_MODEL
     if model in _EMBEDDED:
         path = _embedded_path(model)
@@ -102,6 +104,19 @@ def resolve_model_path(model: str | None) -> Path:
             raise FileNotFoundError(f"model {model!r} is not installed: {_EMBEDDED[model].install}")
         return path
     path = Path(model).expanduser()
+    found = _model_in(path)
+    if found is not None:
+        return found
+    if not path.exists() and _is_repo_id(model):
+        return _hf_cached(model)
+    raise FileNotFoundError(
+        f"model {model!r} is neither an embedded model ({', '.join(_EMBEDDED)}), a .gguf file, "
+        "a directory with config.json, nor a Hugging Face name (organization/model)"
+    )
+
+
+def _model_in(path: Path) -> Path | None:
+    """``path`` itself (a .gguf file, a directory with config.json), the one .gguf file in it, or None."""
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and (path / "config.json").is_file():
@@ -110,7 +125,45 @@ def resolve_model_path(model: str | None) -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
-    raise FileNotFoundError(
-        f"model {model!r} is neither an embedded model ({', '.join(_EMBEDDED)}), a .gguf file, "
-        "nor a directory with config.json"
-    )
+    return None
+
+
+def _is_repo_id(model: str) -> bool:
+    """Whether ``model`` reads as a Hugging Face repository id: organization/name, each of letters, digits, -_."."""
+    parts = model.split("/")
+    return len(parts) == 2 and all(p and p not in (".", "..") and all(c.isalnum() or c in "-_." for c in p)
+                                   for p in parts)
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face cache's hub folder, as huggingface_hub finds it: $HF_HUB_CACHE (or its older name
+    $HUGGINGFACE_HUB_CACHE), else $HF_HOME/hub, else ~/.cache/huggingface/hub ($XDG_CACHE_HOME in place of
+    ~/.cache)."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return Path(os.environ[name]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return cache / "huggingface" / "hub"
+
+
+def _hf_cached(repo_id: str) -> Path:
+    """The model of ``repo_id`` in the local Hugging Face cache (no network, as vLLM with HF_HUB_OFFLINE): the
+    snapshot refs/main names, or the only snapshot there is."""
+    repo = hf_hub_cache() / f"models--{repo_id.replace('/', '--')}"
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    revision = ref.read_text().strip() if ref.is_file() else None
+    if revision is None and snapshots.is_dir():
+        found = [p.name for p in snapshots.iterdir() if p.is_dir()]
+        revision = found[0] if len(found) == 1 else None
+    snapshot = snapshots / revision if revision else None
+    if snapshot is None or not snapshot.is_dir():
+        raise FileNotFoundError(f"model {repo_id!r} is no local path and is not in the Hugging Face cache (looked in "
+                                f"{repo}; Serval reads it offline: download it first, e.g. `hf download {repo_id}`)")
+    model = _model_in(snapshot)
+    if model is None:
+        raise FileNotFoundError(f"model {repo_id!r} in the Hugging Face cache ({snapshot}) has neither config.json "
+                                "nor one .gguf file")
+    return model

@@ -1,0 +1,78 @@
+"""A prompt that tokenizes to zero ids is refused with a 400 naming the prompt, never queued: nothing could ever run
+it (issue 51: such a request waited for ever with prompt_tokens 0). Through the official client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from serval.config import EngineConfig
+from serval.engine.client import EngineClient
+from serval.engine.frontend import InputProcessor
+from serval.engine.messages import EngineCoreInfo, EngineCoreStats
+from serval.server.app import create_app
+from serval.server.config import ServerConfig
+from serval.tokenizer import Tokenizer
+
+MODEL = "words"
+
+
+def word_tokenizer() -> Tokenizer:
+    """A tokenizer of whole words split at white space: a prompt of spaces alone is no tokens."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "Name", "a", "river"]
+    rust = RustTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    rust.pre_tokenizer = Whitespace()
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>",
+                                             unk_token="<unk>"))
+
+
+class FrontEndOnly(EngineClient):
+    """The real front end (InputProcessor) with no core: a request it lets through is a failure."""
+
+    max_model_len, vocab_size, context_policy, load_time = 64, 6, "error", 0.0
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.inputs = InputProcessor(EngineConfig(), tokenizer, EngineCoreInfo("words", 64, 6, 16, 0.0, 64))
+        self.queued: list[str] = []
+
+    @property
+    def is_alive(self) -> bool:
+        return True
+
+    def snapshot(self) -> EngineCoreStats:
+        return EngineCoreStats()
+
+    async def add_request(self, request_id, prompt, params, priority=0, *args):
+        self.inputs.process(request_id, prompt, params, priority)
+        self.queued.append(request_id)
+        raise AssertionError("the front end took a request it should have refused")
+
+
+def test_a_prompt_of_zero_tokens_is_a_400_and_is_never_queued():
+    tokenizer = word_tokenizer()
+    assert tokenizer.encode("   \t ") == [] and tokenizer.encode("Name a river") == [3, 4, 5]
+    engine = FrontEndOnly(tokenizer)
+
+    async def ask(prompt):
+        transport = httpx.ASGITransport(app=create_app(engine, ServerConfig(served_model_name=MODEL)))
+        async with openai.AsyncOpenAI(api_key="none", base_url="http://serval/v1", max_retries=0,
+                                      http_client=httpx.AsyncClient(transport=transport)) as client:
+            return await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+
+    for prompt in ("   \t ", [], ""):
+        with pytest.raises(openai.BadRequestError) as info:
+            asyncio.run(ask(prompt))
+        assert info.value.status_code == 400 and info.value.param == "prompt", prompt
+        if prompt == "   \t ":
+            assert "prompt is no tokens once tokenized" in info.value.message
+    assert engine.queued == []
