@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from serval.platform_info import set_wait_policy
+
 if TYPE_CHECKING:
     from serval.engine.engine import LLMEngine
     from serval.engine.llm import LLM
@@ -13,6 +15,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+# Before anything imports torch: its OpenMP threads read their wait policy once, when they load (platform_info.py).
+set_wait_policy()
 
 # Loaded on first use, so that `import serval.cli` does not import torch: `serve` checks its port before that second.
 _HOMES = {"LLM": "serval.engine.llm", "LLMEngine": "serval.engine.engine", "SamplingParams": "serval.sampling_params",

@@ -7,6 +7,9 @@ import os
 import tempfile
 import time
 
+import serval  # noqa: F401  (before torch: its OpenMP threads then wait without spinning, as the engine's do)
+
+# isort: split
 import torch
 
 if not torch.cuda.is_available():

@@ -19,7 +19,7 @@ from serval.engine.kv_transfer import ZmqKVConnector
 from serval.engine.memory_profile import num_kv_blocks
 from serval.engine.runner import ModelRunner, kv_cache_block_bytes
 from serval.engine.spec_decode import NgramProposer
-from serval.engine.workers import start_ranks
+from serval.engine.workers import start_ranks, use_threads
 from serval.model.loader import build_model, has_4bit_blocks
 from serval.model.registry import resolve_model_path
 
@@ -34,6 +34,7 @@ class Worker:
             raise ValueError("a loaded model cannot be split over ranks: let the engine load it")
         self.config = config
         self.model_path = Path(model_path)
+        self.threads = use_threads(config.world_size)
         # Model parallelism: this process is rank 0 (schedules, samples); the other ranks follow its steps.
         self.ranks = start_ranks(config, str(model_path)) if config.world_size > 1 else None
         self.group = self.ranks.group if self.ranks is not None else None

@@ -25,13 +25,28 @@ from serval.engine.runner import ModelRunner
 from serval.lifetime import ending_with_parent
 from serval.model.loader import build_model
 from serval.model.registry import resolve_model_path
+from serval.platform_info import ThreadPlan, plan_threads
 
 logger = logging.getLogger(__name__)
 
 
-def threads_per_rank(world_size: int) -> int:
-    """The ranks share this machine's cores (OMP_NUM_THREADS, when set, is each rank's)."""
-    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world_size))
+def threads_per_rank(world_size: int, plan: ThreadPlan | None = None) -> int:
+    """The ranks share the CPUs this process may use (platform_info.plan_threads: affinity and cgroup quota, not the
+    machine's core count); OMP_NUM_THREADS, when set, is each rank's."""
+    plan = plan or plan_threads()
+    return plan.threads if plan.omp_num_threads else max(1, plan.threads // world_size)
+
+
+def use_threads(world_size: int) -> ThreadPlan:
+    """Sets this process's CPU threads (torch's intra-op threads, which run the C++ kernels too) to as many as it may
+    use, and logs the choice and why. Model-parallel ranks share them out in start_ranks."""
+    plan = plan_threads()
+    if world_size == 1 and torch.get_num_threads() != plan.threads:
+        torch.set_num_threads(plan.threads)
+    # A warning where threads may spin on shared cores: that cost up to 50x beside one busy process (issue 51).
+    logger.log(logging.WARNING if plan.waits_too_late else logging.INFO, "%s%s", plan.describe(),
+               "; this machine's ranks share them" if world_size > 1 else "")
+    return plan
 
 
 @dataclass
