@@ -19,8 +19,19 @@ exited. Servers:
     .venv/bin/python benchmarks/run_peers.py --servers serval,serval-no-spec --serval serval= \\
         --serval "serval-no-spec=--speculative-model none" --workloads grounded-1,grounded-16,chat-1,chat-16
     .venv/bin/python benchmarks/run_peers.py --model gemma3-270m --servers serval,llama.cpp   # another GGUF
+    .venv/bin/python benchmarks/run_peers.py --model ../models/Llama-3.2-1B/Llama-3.2-1B-Q4_K_M.gguf \
+        --workloads single                       # a sized model from benchmarks/make_sized_models.py
+    .venv/bin/python benchmarks/run_peers.py --model ../models/Llama-3.2-1B/Llama-3.2-1B-Q8_0.gguf \
+        --hf-dir ../models/Llama-3.2-1B/hf    # ... and vLLM on its bf16 directory (make_sized_models --keep-hf)
 
 Only ratios from one run mean anything: a shared machine's speed drifts between runs.
+
+The roofline: one decode step reads every weight matrix of the GGUF once (MoE: only the experts a token uses), plus
+one row of the token embedding; KV-cache reads are left out (they grow with the context). The report gives those
+bytes per token, a measured memory bandwidth (a multi-threaded torch sum over a 1 GiB buffer, with as many
+threads as the servers get), and for each one-stream row the fraction of that roofline reached: decode tok/s
+(1000 / TPOT p50) x bytes per token / bandwidth. Serval may hold the weights in another form than the file (e.g.
+bf16 from a Q4 file), so its fraction is against the file's bytes, the same bar for every server.
 
 `--isa avx2` runs the suite as an AVX2-only CPU (AMD EPYC Zen 2/3) would, on a machine with AVX-512: Serval's
 kernels built for AVX2 (SERVAL_CPU_ISA), PyTorch, MKL and oneDNN held to AVX2 (so no native bfloat16: `--dtype
@@ -51,6 +62,7 @@ from serval.benchmark.client import Endpoint, LoadConfig  # noqa: E402
 from serval.benchmark.report import import_pyplot  # noqa: E402
 from serval.benchmark.serve import ServeBenchConfig, run_serve_benchmark  # noqa: E402
 from serval.benchmark.workloads import WorkloadConfig  # noqa: E402
+from serval.platform_info import WAITS_SET_BY_SERVAL  # noqa: E402
 
 MODEL_NAME = "smollm2"  # every server serves the model under this name
 SLOTS = 16  # llama-server's parallel slots: the most concurrent requests any workload sends
@@ -138,6 +150,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
                   "--served-model-name", MODEL_NAME, "--disable-log-requests"]
     if args.model:
         serval_cmd += ["--model", args.model]
+    threads = str(server_threads())
     env = {"PYTHONPATH": str(ROOT)}
     found = []
     for i, variant in enumerate(args.serval or ["serval="]):
@@ -151,7 +164,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
     llama_dir = "llamacpp" if args.isa == "native" else f"llamacpp-{args.isa}"
     llama_server = Path(args.llama_server or peers / llama_dir / "bin" / "llama-server")
     if llama_server.exists():
-        threads = str(os.cpu_count())  # its default counts physical cores only, which can be fewer on a VM
+        # Its default counts physical cores only, which can be fewer on a VM.
         found.append(Server("llama.cpp", [str(llama_server), "-m", str(resolve_model_path(args.model)), "--host",
                                           "127.0.0.1", "--port", "{port}", "-np", str(SLOTS), "-c",
                                           str(SLOTS * args.llama_ctx_per_slot), "-t", threads, "-tb", threads,
@@ -163,6 +176,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
     hf_dir = Path(args.hf_dir or peers / "hf")
     if args.isa != "native":
         print(f"vllm: left out with --isa {args.isa} (its kernels follow the CPU, not the flag)", flush=True)
+    elif args.model and not args.hf_dir:
+        print("vllm: left out (--model without --hf-dir: PEERS/hf is the embedded model, not this one)", flush=True)
     elif vllm_python.exists() and (hf_dir / "config.json").exists():
         found.append(Server("vllm", [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                                      str(hf_dir), "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}",
@@ -179,9 +194,13 @@ def servers(args: argparse.Namespace) -> list[Server]:
 def start(server: Server, port: int, log_path: Path, timeout_s: float) -> subprocess.Popen:
     """Starts the server in a process group of its own and returns once /health answers 200."""
     command = [c.replace("{port}", str(port)) for c in server.command]
+    env = dict(os.environ)
+    if not server.is_serval:  # a peer runs with its own OpenMP waits, not those `import serval` set here
+        for name in WAITS_SET_BY_SERVAL:
+            env.pop(name, None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **server.env})
+                                env={**env, **server.env})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -257,6 +276,95 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def server_threads() -> int:
+    """The threads every server gets: the cores this process may use (affinity), not the machine's count."""
+    return len(os.sched_getaffinity(0))
+
+
+def gguf_bytes_per_token(path: Path) -> dict:
+    """The bytes of a GGUF's tensors one decode step reads per token: every tensor, the experts' tensors at
+    expert_used_count / expert_count of their size, and one row of the token embedding (all of it again when it is
+    the tied output matrix). KV-cache reads are not counted; ``kv_bytes_per_position`` (at f16) gives them per
+    token of context."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str) -> int | None:
+        f = reader.get_field(key)
+        return None if f is None else int(f.parts[f.data[0]][0])
+
+    arch = bytes(reader.get_field("general.architecture").parts[-1]).decode()
+    experts, used = field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count")
+    total = weights = 0
+    names = {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        size = int(t.n_bytes)
+        weights += size
+        if t.name == "token_embd.weight":
+            rows = int(t.shape[-1])  # GGUF lists dimensions innermost first: (hidden, vocab)
+            size = size // rows + (size if "output.weight" not in names else 0)
+        elif "_exps." in t.name and experts and used:
+            size = size * used // experts
+        total += size
+    layers, kv_heads = field(f"{arch}.block_count"), field(f"{arch}.attention.head_count_kv")
+    heads, hidden = field(f"{arch}.attention.head_count"), field(f"{arch}.embedding_length")
+    head_dim = field(f"{arch}.attention.key_length") or (hidden // heads if hidden and heads else None)
+    kv = 2 * layers * kv_heads * head_dim * 2 if layers and kv_heads and head_dim else None
+    return {"file": str(path), "architecture": arch, "tensor_bytes": weights, "bytes_per_token": total,
+            "kv_bytes_per_position": kv, "kv_reads": "excluded"}
+
+
+def measure_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
+    """Memory read bandwidth: the best of a few multi-threaded torch sums over a buffer far larger than the caches,
+    on ``threads`` threads (the servers' count)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+        buffer.sum()  # pages touched, threads started
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - started)
+        del buffer
+    finally:
+        torch.set_num_threads(saved)
+    return {"bytes_per_s": int(gib * 2**30) / best, "buffer_gib": gib, "threads": threads,
+            "method": "torch float32 sum, best of 5"}
+
+
+def roofline_rows(results: dict, workloads: list[Workload], server_list: list[Server], per_token: dict,
+                  bandwidth: dict) -> list[dict]:
+    """For each one-stream workload and server: decode tok/s (1000 / TPOT p50) and its share of the bandwidth
+    roofline (bandwidth / bytes per token)."""
+    roofline = bandwidth["bytes_per_s"] / per_token["bytes_per_token"]
+    rows = []
+    for w in workloads:
+        if w.concurrency != 1:
+            continue
+        for s in server_list:
+            tpot = _value(results[s.name]["workloads"].get(w.name, {}).get("summary", {}), "tpot_ms.p50")
+            if tpot:
+                rows.append({"workload": w.name, "server": s.name, "decode_tok_s": 1000 / tpot,
+                             "roofline_tok_s": roofline, "fraction": 1000 / tpot / roofline})
+    return rows
+
+
+def print_roofline(per_token: dict, bandwidth: dict, rows: list[dict]) -> None:
+    kv = per_token["kv_bytes_per_position"]
+    print(f"\nroofline: {per_token['bytes_per_token'] / 1e6:.1f} MB read per token ({per_token['file']}; KV reads "
+          f"excluded{f', {kv / 1e3:.0f} kB more per token of context at f16' if kv else ''}), bandwidth "
+          f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth['threads']} threads): "
+          f"{bandwidth['bytes_per_s'] / per_token['bytes_per_token']:.1f} tok/s at most")
+    for row in rows:
+        print(f"   {row['workload']:<14}{row['server']:<28}{row['decode_tok_s']:8.1f} tok/s decode  "
+              f"{100 * row['fraction']:5.1f}% of the roofline")
+
+
 def ratio_table(results: dict, workloads: list[Workload], server_list: list[Server]) -> list[dict]:
     """One row per (workload, metric): every server's value, and each Serval variant's ratio to the best peer
     (above 1: Serval is better, whichever way the metric points)."""
@@ -279,7 +387,7 @@ def ratio_table(results: dict, workloads: list[Workload], server_list: list[Serv
 
 def print_table(rows: list[dict], server_list: list[Server]) -> None:
     names = [s.name for s in server_list]
-    width = max(16, *(len(n) + 2 for n in names))
+    width = max([16, *(len(n) + 2 for n in names)])
     print(f"\n{'workload (metric)':<32}" + "".join(f"{n:>{width}}" for n in names))
     for row in rows:
         cells = []
@@ -316,14 +424,16 @@ def main() -> None:
     parser.add_argument("--peers", default=str(ROOT.parent / "peers"), help="where benchmarks/peers/setup.sh "
                         "put the peers")
     parser.add_argument("--model", default=None,
-                        help="an embedded model's name or a GGUF file, for Serval and llama.cpp (default: the "
-                        "embedded default); vLLM reads --hf-dir, so leave it out (--servers) for another model")
+                        help="an embedded model's name or a GGUF file (e.g. one benchmarks/make_sized_models.py "
+                        "made), for Serval and llama.cpp (default: the embedded default); vLLM runs on --hf-dir, "
+                        "and is left out when --model is given without it")
     parser.add_argument("--llama-server", default=None,
                         help="llama-server binary (default: PEERS/llamacpp/bin; with --isa avx2, llamacpp-avx2)")
     parser.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
                         help="avx2: run every server as on an AVX2-only CPU (see above)")
     parser.add_argument("--vllm-python", default=None, help="python of the vLLM venv (default: PEERS/vllm/bin)")
-    parser.add_argument("--hf-dir", default=None, help="the model as a Hugging Face directory (default: PEERS/hf)")
+    parser.add_argument("--hf-dir", default=None, help="the model as a Hugging Face directory, for vLLM (default: "
+                        "PEERS/hf, the embedded model; with --model, e.g. the hf/ of make_sized_models.py --keep-hf)")
     parser.add_argument("--serval", action="append", default=None, metavar="NAME=FLAGS",
                         help="a Serval variant: its name and `serval serve` flags, e.g. 'serval-int8=--quantization "
                         "int8' (repeatable; default: serval=)")
@@ -345,21 +455,34 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.update(ISA_ENV[args.isa])  # before anything asks torch what the CPU can do
-    from serval.platform_info import describe_hardware
+    from serval.model.registry import resolve_model_path
+    from serval.platform_info import cpu_capability, cpu_model, describe_hardware
 
     workloads = suite(args)
     server_list = servers(args)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = describe_hardware() + ("" if args.isa == "native" else f", held to {args.isa.upper()} (--isa)")
+    cpu = {"model": cpu_model(), "capability": cpu_capability()}
     print(f"machine: {machine}", flush=True)
+    print(f"cpu: {cpu['model']}, capability {cpu['capability']}", flush=True)
+    model_path = resolve_model_path(args.model)
+    per_token = gguf_bytes_per_token(model_path) if model_path.suffix == ".gguf" else None
+    bandwidth = measure_bandwidth(server_threads())
+    print(f"memory bandwidth: {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth['method']}, "
+          f"{bandwidth['threads']} threads)", flush=True)
     print("servers: " + ", ".join(s.name for s in server_list), flush=True)
     results = {s.name: run_server(s, workloads, out_dir, args.startup_timeout) for s in server_list}
     rows = ratio_table(results, workloads, server_list)
     print_table(rows, server_list)
-    report = {"machine": machine, "workloads": {w.name: {"workload": asdict(w.workload),
-                                                         "concurrency": w.concurrency} for w in workloads},
-              "servers": results, "table": rows}
+    roofline = roofline_rows(results, workloads, server_list, per_token, bandwidth) if per_token else []
+    if per_token:
+        print_roofline(per_token, bandwidth, roofline)
+    report = {"machine": machine, "cpu": cpu, "model": str(model_path),
+              "workloads": {w.name: {"workload": asdict(w.workload), "concurrency": w.concurrency}
+                            for w in workloads},
+              "servers": results, "table": rows, "bytes_per_token": per_token, "bandwidth": bandwidth,
+              "roofline": roofline}
     (out_dir / "peers.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out_dir / 'peers.json'}")
     try:

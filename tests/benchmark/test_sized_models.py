@@ -1,0 +1,89 @@
+"""benchmarks/configs/ and benchmarks/make_sized_models.py: the configs have their published sizes and stay small,
+the random checkpoints load in transformers with every tensor named as the real checkpoints name them, and
+run_peers.py counts a GGUF's bytes per decoded token."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from real_model import MODEL_PATH, requires_model
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "benchmarks" / "configs"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
+    spec.loader.exec_module(module)
+    return module
+
+
+# Parameter counts as their model cards give them.
+PUBLISHED = {"Llama-3.2-1B": 1.24e9, "Llama-3.1-8B": 8.03e9, "Qwen3-8B": 8.19e9, "Mixtral-8x7B": 46.7e9,
+             "Qwen3-30B-A3B": 30.5e9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_config_has_its_published_size_and_a_small_offline_tokenizer(name):
+    make = load_script("make_sized_models")
+    config = json.loads((CONFIGS / name / "config.json").read_text())
+    params = sum(torch.Size(shape).numel() for _, shape in make.tensor_shapes(config))
+    assert abs(params - PUBLISHED[name]) / PUBLISHED[name] < 0.005
+    assert config["torch_dtype"] == "bfloat16"
+    assert sum(f.stat().st_size for f in (CONFIGS / name).iterdir()) < 5 * 2**20
+    assert (CONFIGS / name / "tokenizer.json").is_file() and (CONFIGS / name / "tokenizer_config.json").is_file()
+
+
+TINY = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": True},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "tie_word_embeddings": False},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "tie_word_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_random_checkpoint_loads_in_transformers_with_no_missing_or_unexpected_tensor(tmp_path, kind):
+    from transformers import AutoModelForCausalLM
+
+    make = load_script("make_sized_models")
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 256, "torch_dtype": "bfloat16", **TINY[kind]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    size = make.write_safetensors(config, tmp_path, seed=3, std=0.02)
+    assert size == sum(2 * torch.Size(s).numel() for _, s in make.tensor_shapes(config))
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    embedding = model.get_input_embeddings().weight.float()
+    assert abs(embedding.std().item() - 0.02) < 0.002
+    # Seeded per tensor: the same seed writes the same bytes.
+    again = tmp_path / "again"
+    again.mkdir()
+    make.write_safetensors(config, again, seed=3, std=0.02)
+    assert (again / "model.safetensors").read_bytes() == (tmp_path / "model.safetensors").read_bytes()
+
+
+@requires_model
+def test_bytes_per_token_counts_every_tensor_and_the_tied_output_matrix():
+    from gguf import GGUFReader
+
+    peers = load_script("run_peers")
+    counted = peers.gguf_bytes_per_token(MODEL_PATH)
+    tensors = {t.name: t for t in GGUFReader(str(MODEL_PATH)).tensors}
+    assert "output.weight" not in tensors  # SmolLM2 ties its output matrix to the embedding
+    embedding = tensors["token_embd.weight"]
+    row = int(embedding.n_bytes) // int(embedding.shape[-1])
+    assert counted["bytes_per_token"] == sum(int(t.n_bytes) for t in tensors.values()) + row
+    assert counted["kv_reads"] == "excluded" and counted["kv_bytes_per_position"] > 0
