@@ -1,8 +1,8 @@
 """The scheduler's side of structured outputs: a request with a grammar waits here, outside the scheduler, until
 its grammar has compiled (on a compile thread: the steps of the others go on); then each step asks for the bitmasks
 of the constrained rows it samples, and feeds the kept tokens to their matchers. The matchers, the compile threads
-and the bitmasks are structured_output.py's ``StructuredOutputManager``, which imports xgrammar: it is made at the
-first grammar, or on a thread by ``prepare`` (the server's core, once the model is loaded).
+and the bitmasks are structured_output.py's ``StructuredOutputManager``, which imports xgrammar: it is made on a
+thread by ``prepare``, once the engine has been idle or at the first grammar, never on the step loop.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ class GrammarScheduler:
         self.structured = None  # the StructuredOutputManager, once a grammar needs it (manager)
         self._lock = threading.Lock()  # prepare makes it on a thread
         self._preparing = False
+        self._made = threading.Event()  # set once the manager exists
+        self._unsubmitted: list[Request] = []  # grammars that came before the manager: submitted when it is made
         self.waiting: dict[str, Request] = {}  # requests whose grammar compiles: not scheduled yet
 
     def prepare(self) -> None:
         """Imports xgrammar and builds the grammar compiler on a thread now (the first call; later ones do nothing),
-        not when the first request with a grammar comes: the import alone took 0.7 s, and on the step loop it stood
-        every stream still. A server's engine calls it through ``idle_for``."""
+        not on the step loop: the import alone took 0.7 s, and on the step loop it stood every stream still. A
+        server's engine calls it through ``idle_for``; the first grammar calls it if no idle time came before."""
         if self._preparing:
             return
         self._preparing = True
@@ -51,6 +53,10 @@ class GrammarScheduler:
                 model_path, vocab_size = self.model_path, self.vocab_size
                 self.structured = StructuredOutputManager(lambda: GrammarCompiler.for_model(model_path, vocab_size),
                                                           vocab_size, self.compile_timeout_s)
+                for request in self._unsubmitted:
+                    self.structured.submit(request.request_id, request.sampling_params.structured_outputs)
+                self._unsubmitted.clear()
+                self._made.set()
             return self.structured
 
     def __contains__(self, request_id: str) -> bool:
@@ -59,11 +65,18 @@ class GrammarScheduler:
 
     def submit(self, request: Request) -> None:
         self.waiting[request.request_id] = request
-        self.manager().submit(request.request_id, request.sampling_params.structured_outputs)
+        with self._lock:
+            if self.structured is not None:
+                self.structured.submit(request.request_id, request.sampling_params.structured_outputs)
+                return
+            self._unsubmitted.append(request)  # (the manager is made on a thread, which submits it)
+        self.prepare()
 
     def take_compiled(self, wait: bool) -> tuple[list[Request], dict[str, str]]:
         """The waiting requests whose grammar has compiled, and the errors of those whose grammar did not (both
         leave the wait). ``wait``: nothing else to do, so wait a little for one."""
+        if not self._made.is_set() and not self._made.wait(GRAMMAR_WAIT_S if wait else 0):
+            return [], {}
         if wait:
             self.structured.wait_compiled(GRAMMAR_WAIT_S)
         ready, failed = self.structured.take_compiled()
@@ -73,8 +86,13 @@ class GrammarScheduler:
 
     def drop_waiting(self, request_id: str) -> bool:
         """Ends a request whose grammar still compiles. False: it was not waiting."""
-        if self.waiting.pop(request_id, None) is None:
+        request = self.waiting.pop(request_id, None)
+        if request is None:
             return False
+        with self._lock:
+            if self.structured is None:
+                self._unsubmitted.remove(request)
+                return True
         self.structured.remove(request_id)
         return True
 

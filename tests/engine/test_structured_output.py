@@ -248,3 +248,45 @@ def test_a_grammar_compiles_off_the_step_loop_and_one_past_the_time_limit_fails_
     assert len(finished["free"].outputs[0].token_ids) == 8
     assert engine.core.snapshot().num_waiting == 0
     assert engine.kv_cache.pool.num_free_blocks == engine.core.stats.num_blocks
+
+
+def test_the_first_grammar_makes_the_compiler_on_a_thread_not_on_the_step_loop(monkeypatch):
+    """Before any idle time prepared it, the first grammar's xgrammar import and compiler (0.7 s and more) happen on
+    a thread: the step loop's submit returns at once and its steps go on (a stream stood still 0.88 s without)."""
+    import threading
+
+    from serval.engine import grammar_scheduler, structured_output
+    from serval.engine.request import Request
+
+    made_on, started, release = [], threading.Event(), threading.Event()
+
+    class SlowManager:
+        def __init__(self, *args) -> None:
+            made_on.append(threading.current_thread().name)
+            started.set()
+            release.wait(10)  # an import that takes its time
+            self.submitted = []
+
+        def submit(self, request_id, spec) -> None:
+            self.submitted.append(request_id)
+
+        def prepare(self) -> None:
+            pass
+
+        def take_compiled(self):
+            return list(self.submitted), {}
+
+        def wait_compiled(self, timeout: float) -> None:
+            pass
+
+    monkeypatch.setattr(structured_output, "StructuredOutputManager", SlowManager)
+    grammars = grammar_scheduler.GrammarScheduler("unused", 100, 30.0)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
+    request = Request("r1", [1, 2], params)
+    grammars.submit(request)  # returns while the manager is still being made
+    assert started.wait(10) and made_on[0] != threading.current_thread().name
+    assert grammars.take_compiled(wait=False) == ([], {})
+    release.set()
+    assert grammars._made.wait(10)
+    ready, failed = grammars.take_compiled(wait=True)
+    assert ready == [request] and failed == {} and not grammars.waiting
