@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--model", action="append", default=None, help="a GGUF file (repeatable; default: embedded)")
     parser.add_argument("--llama-server", default=str(ROOT.parent / "peers" / "llamacpp" / "bin" / "llama-server"))
     parser.add_argument("--serval-flags", default="", help="extra flags for `serval serve`")
+    parser.add_argument("--llama-ctx", type=int, default=8192,
+                        help="llama-server's -c, its KV cache in tokens (8192 tokens of an 8B: 1 GiB, Serval's "
+                             "default KV cache on the CPU)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load.json"))
     args = parser.parse_args()
@@ -104,7 +107,8 @@ def main() -> None:
         servers = {"serval": [sys.executable, "-m", "serval.cli", "serve", "--model", str(model),
                               "--served-model-name", "m", *args.serval_flags.split()]}
         if Path(args.llama_server).exists():
-            servers["llama.cpp"] = [args.llama_server, "-m", str(model), "--alias", "m", "-np", "16", "-c", "32768"]
+            servers["llama.cpp"] = [args.llama_server, "-m", str(model), "--alias", "m", "-np", "16",
+                                    "-c", str(args.llama_ctx)]
         for name, command in servers.items():
             port = free_port()
             command = [*command, "--host", "127.0.0.1", "--port", str(port)]
