@@ -41,6 +41,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
 
 
+_EXPERTS = {"mixtral": ("block_sparse_moe", "num_local_experts", "intermediate_size", ("w1", "w3", "w2")),
+            "qwen3_moe": ("mlp", "num_experts", "moe_intermediate_size", ("gate_proj", "up_proj", "down_proj"))}
+
+
 def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     """The checkpoint's tensors, (name, shape), in the published checkpoints' naming, for the model types of
     benchmarks/configs/: llama, mistral, qwen2, qwen3 (dense), mixtral and qwen3_moe (MoE)."""
@@ -66,23 +70,18 @@ def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         if kind in ("qwen3", "qwen3_moe"):
             yield p + "self_attn.q_norm.weight", (head_dim,)
             yield p + "self_attn.k_norm.weight", (head_dim,)
-        if kind == "mixtral":
-            experts, inter = config["num_local_experts"], config["intermediate_size"]
-            yield p + "block_sparse_moe.gate.weight", (experts, hidden)
+        sparse = kind == "mixtral" or (kind == "qwen3_moe" and i not in config.get("mlp_only_layers", [])
+                                         and (i + 1) % config.get("decoder_sparse_step", 1) == 0)
+        if sparse:
+            # (the MLP's prefix, the experts' count and width, their gate, up and down names), as each family names
+            mlp, count, width, (gate, up, down) = _EXPERTS[kind]
+            experts, inter = config[count], config[width]
+            yield f"{p}{mlp}.gate.weight", (experts, hidden)
             for e in range(experts):
-                q = f"{p}block_sparse_moe.experts.{e}."
-                yield q + "w1.weight", (inter, hidden)
-                yield q + "w2.weight", (hidden, inter)
-                yield q + "w3.weight", (inter, hidden)
-        elif kind == "qwen3_moe" and i not in config.get("mlp_only_layers", []) \
-                and (i + 1) % config.get("decoder_sparse_step", 1) == 0:
-            experts, inter = config["num_experts"], config["moe_intermediate_size"]
-            yield p + "mlp.gate.weight", (experts, hidden)
-            for e in range(experts):
-                q = f"{p}mlp.experts.{e}."
-                yield q + "gate_proj.weight", (inter, hidden)
-                yield q + "up_proj.weight", (inter, hidden)
-                yield q + "down_proj.weight", (hidden, inter)
+                q = f"{p}{mlp}.experts.{e}."
+                yield q + f"{gate}.weight", (inter, hidden)
+                yield q + f"{up}.weight", (inter, hidden)
+                yield q + f"{down}.weight", (hidden, inter)
         else:
             inter = config["intermediate_size"]
             yield p + "mlp.gate_proj.weight", (inter, hidden)

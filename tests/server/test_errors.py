@@ -8,11 +8,9 @@ import types
 import httpx
 import openai
 import pytest
+from front_end_only import FrontEndOnly
 
-from serval.config import EngineConfig
 from serval.engine.client import EngineClient
-from serval.engine.frontend import InputProcessor
-from serval.engine.messages import EngineCoreInfo, EngineCoreStats
 from serval.errors import RequestError
 from serval.server.app import create_app
 
@@ -117,27 +115,7 @@ def test_the_openai_client_sees_typed_errors(client):
     assert info.value.code == "model_not_found"
 
 
-class FrontEndOnly(EngineClient):
-    """An engine client with the real front end (InputProcessor) and no core, for a context of 64 tokens and a
-    vocabulary of 1000: what the front end refuses is answered as a server answers it."""
-
-    max_model_len, vocab_size, context_policy, load_time = 64, 1000, "error", 0.0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokenizer = types.SimpleNamespace(eos_token_ids={0})  # the prompts are token ids: nothing to encode
-        self.inputs = InputProcessor(EngineConfig(), self.tokenizer, EngineCoreInfo("tiny", 64, 1000, 16, 0.0, 64))
-
-    @property
-    def is_alive(self) -> bool:
-        return True
-
-    def snapshot(self) -> EngineCoreStats:
-        return EngineCoreStats()
-
-    async def add_request(self, request_id, prompt, params, priority=0, *args):
-        self.inputs.process(request_id, prompt, params, priority)
-        raise AssertionError("the front end took a request it should have refused")
+NO_TEXT = types.SimpleNamespace(eos_token_ids={0})  # the front end's tokenizer: the prompts are token ids
 
 
 class MisleadingFrontEnd(FrontEndOnly):
@@ -178,12 +156,12 @@ def _post_completions(engine: EngineClient, body: dict) -> httpx.Response:
 @pytest.mark.parametrize("case", list(FRONT_END_REFUSALS))
 def test_a_refusal_of_the_engines_front_end_is_a_400_with_its_param_and_code(case):
     body, param, code, message = FRONT_END_REFUSALS[case]
-    error = assert_openai_error(_post_completions(FrontEndOnly(), body), 400, param)
+    error = assert_openai_error(_post_completions(FrontEndOnly(NO_TEXT), body), 400, param)
     assert (error["code"], error["message"]) == (code, message)
 
 
 def test_a_refusal_is_named_by_its_field_whatever_its_message_says():
-    error = assert_openai_error(_post_completions(MisleadingFrontEnd(), {"prompt": [1]}), 400, "priority")
+    error = assert_openai_error(_post_completions(MisleadingFrontEnd(NO_TEXT), {"prompt": [1]}), 400, "priority")
     assert error["code"] == "invalid_value"
 
 

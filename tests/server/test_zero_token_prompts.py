@@ -8,11 +8,8 @@ import asyncio
 import httpx
 import openai
 import pytest
+from front_end_only import FrontEndOnly
 
-from serval.config import EngineConfig
-from serval.engine.client import EngineClient
-from serval.engine.frontend import InputProcessor
-from serval.engine.messages import EngineCoreInfo, EngineCoreStats
 from serval.server.app import create_app
 from serval.server.config import ServerConfig
 from serval.tokenizer import Tokenizer
@@ -34,34 +31,10 @@ def word_tokenizer() -> Tokenizer:
                                              unk_token="<unk>"))
 
 
-class FrontEndOnly(EngineClient):
-    """The real front end (InputProcessor) with no core: a request it lets through is a failure."""
-
-    max_model_len, vocab_size, context_policy, load_time = 64, 6, "error", 0.0
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        super().__init__()
-        self.tokenizer = tokenizer
-        self.inputs = InputProcessor(EngineConfig(), tokenizer, EngineCoreInfo("words", 64, 6, 16, 0.0, 64))
-        self.queued: list[str] = []
-
-    @property
-    def is_alive(self) -> bool:
-        return True
-
-    def snapshot(self) -> EngineCoreStats:
-        return EngineCoreStats()
-
-    async def add_request(self, request_id, prompt, params, priority=0, *args):
-        self.inputs.process(request_id, prompt, params, priority)
-        self.queued.append(request_id)
-        raise AssertionError("the front end took a request it should have refused")
-
-
 def test_a_prompt_of_zero_tokens_is_a_400_and_is_never_queued():
     tokenizer = word_tokenizer()
     assert tokenizer.encode("   \t ") == [] and tokenizer.encode("Name a river") == [3, 4, 5]
-    engine = FrontEndOnly(tokenizer)
+    engine = FrontEndOnly(tokenizer, MODEL, vocab_size=6)
 
     async def ask(prompt):
         transport = httpx.ASGITransport(app=create_app(engine, ServerConfig(served_model_name=MODEL)))
