@@ -51,6 +51,7 @@ from serval.engine.messages import (
 )
 from serval.engine.request import RequestStatus
 from serval.errors import ModelFileError
+from serval.model.registry import resolve_model_path
 from serval.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -95,9 +96,7 @@ class CoreProcessClient(EngineClient):
         super().__init__()
         self.config = config
         self.context_policy = config.context_policy
-        self.front = FrontEnd(config)
-        self.tokenizer, self.sampling_defaults = self.front.tokenizer, self.front.sampling_defaults
-        model_path = self.front.model_path
+        model_path = resolve_model_path(config.model)
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe: adds, aborts and stops share it
         self._lock = threading.Lock()  # the output processor: the output thread and the callers' aborts
         self._kv_state_waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -121,6 +120,9 @@ class CoreProcessClient(EngineClient):
             self.process.stdin.write(pickle.dumps((config, model_path, f"ipc://{self._ipc_dir}/commands",
                                                    f"ipc://{self._ipc_dir}/results", os.getpid())))
             self.process.stdin.close()
+            # The front end (its checks, the tokenizer: seconds for a GGUF's first conversion) while the core loads.
+            self.front = FrontEnd(config)
+            self.tokenizer, self.sampling_defaults = self.front.tokenizer, self.front.sampling_defaults
             info = self._wait_ready()
         except BaseException:
             self._close(kill=True)
