@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serval.layers.linear import BlockWeight
+from serval.layers.linear import BlockWeight, same_width_int
 
 
 class BlockEmbedding(nn.Module):
@@ -28,9 +28,8 @@ class BlockEmbedding(nn.Module):
     @classmethod
     def of_blocks(cls, weight: BlockWeight, dtype: torch.dtype, device: str | torch.device = "cpu") -> BlockEmbedding:
         panels, scales = weight.panels()
-        bits = {torch.float16: torch.int16, torch.float32: torch.int32}.get(scales.dtype, scales.dtype)
-        return cls(weight.format, panels.to(device), scales.view(bits).to(device), weight.out_features,
-                   weight.in_features, dtype)
+        return cls(weight.format, panels.to(device), scales.view(same_width_int(scales.dtype)).to(device),
+                   weight.out_features, weight.in_features, dtype)
 
     @classmethod
     def of_head(cls, head: nn.Module, dtype: torch.dtype) -> BlockEmbedding | None:

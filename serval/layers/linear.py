@@ -277,7 +277,7 @@ class BlockWeight:
             _copy_into(scales[..., head:].unflatten(-1, (8, 2, 16)),
                        side_by_side(self.scales.view(torch.uint8)).unflatten(1, (supers, 8)))
         else:
-            _copy_into(scales.view(_same_width_int(scales.dtype)), side_by_side(self.scales))
+            _copy_into(scales.view(same_width_int(scales.dtype)), side_by_side(self.scales))
         return q, scales
 
     def _empty_panels(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,7 +390,7 @@ def _copy_into(out: torch.Tensor, tensor: torch.Tensor) -> None:
     np.copyto(out.numpy(), tensor.numpy())
 
 
-def _same_width_int(dtype: torch.dtype) -> torch.dtype:
+def same_width_int(dtype: torch.dtype) -> torch.dtype:
     return {torch.float16: torch.int16, torch.float32: torch.int32}.get(dtype, dtype)
 
 
@@ -431,7 +431,7 @@ class BlockQuantLinear(nn.Module):
                 panels, scales = BlockWeight.panels_of(run)
                 self.register_buffer(f"panels{i}", panels)
                 # integer bits, so that casting the model to a dtype leaves them alone (the kernel reads the floats)
-                self.register_buffer(f"panel_scales{i}", scales.view(_same_width_int(scales.dtype)))
+                self.register_buffer(f"panel_scales{i}", scales.view(same_width_int(scales.dtype)))
                 continue
             part = BlockWeight.concat(run)
             self.register_buffer(f"packed{i}", part.packed.contiguous().to(device))

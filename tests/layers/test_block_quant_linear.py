@@ -260,3 +260,15 @@ def test_without_the_kernel_the_dense_fallback_gives_the_same_weights(monkeypatc
     want = padded_matmul(lambda rows: torch.nn.functional.linear(rows, weight.dequantize().to(dtype)), x,
                          layer.min_rows)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_untied_embedding_in_blocks_gives_the_dequantized_rows(fmt):
+    """An 8B's embedding (untied from its head) is kept in its blocks: its rows are the file's weights rounded once
+    to the dtype (70 rows: ids in a short last panel too)."""
+    from serval.layers.embedding import BlockEmbedding
+
+    weight = random_blocks(fmt, 70, 512)
+    embedding = BlockEmbedding.of_blocks(weight, torch.bfloat16)
+    ids = torch.tensor([[0, 5], [69, 33]])
+    assert torch.equal(embedding(ids), weight.dequantize()[ids].to(torch.bfloat16))
