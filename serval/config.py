@@ -237,7 +237,7 @@ class SchedulerConfig(DeviceDefaults):
                              f"got {self.num_scheduler_steps!r}")
 
 
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8", "fp8")
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the file's weights, or random ones of the model's shape
 ACTIVATION_QUANTIZATION_CHOICES = ("none", "int8")
 BLOCK_DOT_PRODUCT_CHOICES = ("auto", "fma", "bf16")
@@ -404,11 +404,14 @@ class EngineConfig:
     # "auto": the file's own 4- to 8-bit blocks (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on the CPU,
     # where a C++ kernel reads them, or a GPTQ/AWQ checkpoint's 4-bit groups as the same kernel's blocks (see
     # serval.model.loader.resolve_quantization), else "none"; "none": dequantize to dtype; "gguf": the file's
-    # blocks; "gptq", "awq": the checkpoint's; "int8": weight-only int8 with per-row scales.
+    # blocks; "gptq", "awq": the checkpoint's; "int8": weight-only int8 with per-row scales; "fp8": the decoder's
+    # linears in float8 e4m3 with per-row scales, activations per token (serval/layers/fp8_linear.py).
     quantization: str = field(default="auto", metadata=flag(
         "weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K read in place by a CPU "
         "kernel) or as a GPTQ or AWQ checkpoint's 4-bit groups (gptq, awq: the same kernel), dequantized to --dtype "
-        "(none), or weight-only int8 (int8); auto: gguf, gptq or awq on the CPU for a file or directory with such "
+        "(none), weight-only int8 (int8), or FP8 e4m3 weights quantized per output channel at load with activations "
+        "quantized per token (fp8: FP8 GEMMs on a GPU of compute capability 8.9+, refused on older ones; an exact "
+        "but slow emulation on the CPU); auto: gguf, gptq or awq on the CPU for a file or directory with such "
         "weights, else none", choices=QUANTIZATION_CHOICES))
     # How the CPU kernel multiplies the file's blocks (serval/layers/csrc/int8_linear.cpp): "none", float32
     # activations (the file's weights exactly); "int8", activations quantized per row and block of 32, integer dot

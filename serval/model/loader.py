@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from serval.config import EngineConfig
 from serval.distributed import ParallelGroup
 from serval.layers import cpu_kernels
+from serval.layers.fp8_linear import check_fp8_device, quantize_linears_to_fp8
 from serval.layers.linear import (
     lay_out_for_cpu_kernels,
     probe_row_padding,
@@ -116,6 +117,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
         logger.info("%d linears read the %s checkpoint's 4-bit groups as blocks", swapped, quantization)
     elif quantization == "int8":
         quantize_linears(model, quantization)
+    elif quantization == "fp8":
+        logger.info("%d linears quantized to fp8 (e4m3, a scale per output channel)", quantize_linears_to_fp8(model))
     if shard is not None:
         shard.parallelize(model, group)
     if group is not None and group.num_stages > 1:  # pipeline: this rank's run of layers
@@ -205,10 +208,12 @@ def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dt
     "Dense weights on the panel kernel"), so the dense side's one stream is faster than these figures say."""
     if quantization == "gguf" and (path.suffix != ".gguf" or dummy):
         raise ValueError(f"{path.name}: --quantization gguf needs a GGUF file's weights (not --load-format dummy)")
+    if quantization == "fp8":  # an old GPU is refused here, before any weight is read
+        check_fp8_device(device)
     if dummy and quantization in CHECKPOINT_METHODS:
         raise ValueError(f"{path.name}: --quantization {quantization} needs the checkpoint's weights (not "
                          "--load-format dummy)")
-    if dummy:  # random dense weights: "auto" is "none", "int8" quantizes them
+    if dummy:  # random dense weights: "auto" is "none", "int8" and "fp8" quantize them
         return "none" if quantization == "auto" else quantization
     checkpoint = read_weight_quantization(path)
     if quantization in CHECKPOINT_METHODS and (checkpoint is None or checkpoint.method != quantization):
