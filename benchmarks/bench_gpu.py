@@ -1,10 +1,14 @@
-"""One run that takes the figures of GPU serving (issue 33): the machine, Serval's offline tokens/s at several stream
-counts beside Hugging Face transformers on the same weights (and Serval's with seeded sampling at a few), the
-server at 1 and 16 streams, and a torch-profiler summary of one decode step. Runs on the CPU too (at small sizes),
-which is how a test keeps it working.
+"""One run that takes the figures of GPU serving (issue 33): the machine and its measured memory bandwidth, Serval's
+offline tokens/s at several stream counts (one stream also as a share of the bandwidth roofline) beside Hugging Face
+transformers on the same weights (and Serval's with seeded sampling at a few), the time to first token of long
+prompts and decoding at a long context, the server at 1 and 16 streams, and a torch-profiler summary of one decode
+step. A model at the sizes people serve needs no download: a config directory (benchmarks/configs/Llama-3.1-8B)
+with --engine-arg load_format=dummy. Runs on the CPU too (at small sizes), which is how a test keeps it working.
 
     python benchmarks/bench_gpu.py --out DIR [--model M] [--device cuda] [--dtype bfloat16] \
-        [--streams 1,16,64,256] [--sampled-streams 1,64] [--tokens 128] [--skip transformers,server,profile,sampled] \
+        [--streams 1,16,64,256] [--sampled-streams 1,64] [--tokens 128] \
+        [--ttft-prompts 4096,16384] [--long-context 32768] [--bandwidth-mib MIB] \
+        [--skip transformers,server,profile,sampled,ngram,long] \
         [--engine-arg KEY=VALUE ...] [--compare-engine-arg KEY=VALUE ...]
 
 Prints a markdown report to stdout (progress goes to stderr) and writes it, with the figures as JSON, to DIR. Every
@@ -39,12 +43,13 @@ from serval.platform_info import describe_hardware
 from serval.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
-PHASES = ("offline", "sampled", "ngram", "profile", "compare", "transformers", "server")
-SKIPPABLE = ("transformers", "server", "profile", "sampled")
-# Seconds each phase may take, model load included; together under 5 minutes (the optional compare phase aside). A
+PHASES = ("offline", "sampled", "long", "ngram", "profile", "compare", "transformers", "server")
+SKIPPABLE = ("transformers", "server", "profile", "sampled", "ngram", "long")
+# Seconds each phase may take, model load included; together under 5 minutes (the optional compare phase and the
+# long phase, which only an 8B run's sizes fill, aside). A
 # phase past its cap stops at the next step (or generate's max_time, or a request's timeout) and reports what it
 # measured until then.
-PHASE_CAP_S = {"offline": 75.0, "sampled": 15.0, "ngram": 20.0, "profile": 30.0, "compare": 90.0,
+PHASE_CAP_S = {"offline": 75.0, "sampled": 15.0, "long": 90.0, "ngram": 20.0, "profile": 30.0, "compare": 90.0,
                "transformers": 80.0, "server": 75.0}
 PROGRESS_EVERY_S = 5.0
 SERVER_MODEL_NAME = "bench"
@@ -212,7 +217,9 @@ def phase_offline(run: Run, deadline: float, engines: list) -> None:
                              "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                              "num_scheduler_steps": scheduler.num_scheduler_steps,
                              "async_output_processing": scheduler.async_output_processing,
-                             "kv_blocks": engine.core.info.num_blocks, "block_size": engine.config.cache.block_size}
+                             "kv_blocks": engine.core.info.num_blocks, "block_size": engine.config.cache.block_size,
+                             "max_model_len": engine.max_model_len, "quantization": engine.config.quantization,
+                             "weight_bytes": weight_bytes(engine.model)}
     run.progress(f"offline: engine loaded in {run.results['engine']['load_s']:.1f} s ({run.results['engine']})")
     serval_generate(run, engine, prompts_for(1), 8, deadline, "warmup")
     table = run.results.setdefault("serval", {})
@@ -235,6 +242,119 @@ def phase_sampled(run: Run, deadline: float, engine) -> None:
         table[str(streams)] = serval_generate(run, engine, prompts_for(streams), run.args.tokens, deadline,
                                               f"sampled{streams}", sampled=True)
         run.progress(f"sampled: {streams} streams: {table[str(streams)]['tokens_per_s']:.1f} tok/s")
+
+
+# -- the roofline ---------------------------------------------------------------------------------------------------
+def copy_bandwidth(device: str, mib: int, repeats: int = 5) -> dict:
+    """The memory bandwidth a device-to-device copy of ``mib`` MiB reaches, in bytes a second: it reads and writes
+    the buffer once each, so 2 x its bytes over the best of ``repeats`` timed copies (after one untimed)."""
+    source = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for i in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    del source, target
+    release_memory(device)
+    return {"copy_mib": mib, "bytes_per_s": 2 * mib * 2**20 / best}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of weights one decode step reads: every parameter and buffer once (a tied head and embedding are
+    one tensor), but the embedding table where it is not also the head (a step gathers only its tokens' rows) and
+    the rotary tables (a step reads its positions' rows)."""
+    embedding = getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    head_tensors = {id(t) for t in head.parameters()} if head is not None else set()
+    skipped = {id(t) for t in embedding.parameters()} - head_tensors if embedding is not None else set()
+    tensors = {}
+    for module in model.modules():
+        if hasattr(module, "cos"):  # a rotary table
+            continue
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if id(t) not in skipped:
+                tensors[id(t)] = t.numel() * t.element_size()
+    return sum(tensors.values())
+
+
+def roofline_share(tokens_per_s: float, bytes_per_step: int, bytes_per_s: float) -> float:
+    """One stream's share of the bandwidth roofline: a step makes one token, so it took 1 / tokens_per_s seconds to
+    read ``bytes_per_step``; that rate over the measured bandwidth."""
+    return bytes_per_step * tokens_per_s / bytes_per_s
+
+
+# -- long prompts and context ---------------------------------------------------------------------------------------
+def random_prompt(tokens: int, vocab_size: int, seed: int) -> list[int]:
+    """``tokens`` token ids drawn at random (seeded): distinct prompts, so that no prefix cache serves one."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (tokens,), generator=generator).tolist()
+
+
+def long_request(run: Run, engine, prompt: list[int], max_tokens: int, sampled: bool, deadline: float,
+                 label: str) -> dict:
+    """One request of ``prompt`` (ids) alone in the engine, to ``max_tokens`` tokens (EOS ignored; greedy, or
+    sampled as serval_generate samples): its time to first token, and with more than one token its decode tokens/s
+    from the first token to the last."""
+    params = (SamplingParams(temperature=SAMPLED_TEMPERATURE, top_p=SAMPLED_TOP_P, seed=0, max_tokens=max_tokens,
+                             ignore_eos=True) if sampled else
+              SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    start = time.perf_counter()
+    engine.add_request(label, prompt, params)
+    first = None
+    generated = 0
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            drain(engine, [label])
+            raise PhaseTimeout(f"{label}: {generated} of {max_tokens} tokens before the cap")
+        for output in engine.step():
+            generated = len(output.outputs[0].token_ids)
+            if generated and first is None:
+                synchronize(engine.config.device)
+                first = time.perf_counter()
+    synchronize(engine.config.device)
+    result = {"prompt_tokens": len(prompt), "generated_tokens": generated, "ttft_ms": 1000 * (first - start)}
+    if generated > 1:
+        result["decode_tokens_per_s"] = (generated - 1) / (time.perf_counter() - first)
+    return result
+
+
+def phase_long(run: Run, deadline: float, engine) -> None:
+    """On the offline engine: each --ttft-prompts prompt's time to first token, and --tokens tokens decoded after a
+    --long-context prompt; each greedy and sampled, a fresh random prompt each (no prefix-cache hit). A size the
+    engine's context cannot hold is left out, with the reason."""
+    if engine is None:
+        raise RuntimeError("no engine: the offline phase failed")
+    args = run.args
+    vocab = engine.core.info.vocab_size
+    table = run.results.setdefault("long", {"ttft": {}, "decode": {}, "left_out": []})
+    fits = [n for n in args.ttft_prompts if n + 1 <= engine.max_model_len]
+    if args.long_context + args.tokens > engine.max_model_len:
+        table["left_out"].append(f"decode at {args.long_context} tokens of context: the engine's context is "
+                                 f"{engine.max_model_len}")
+    table["left_out"] += [f"TTFT of a {n}-token prompt: the engine's context is {engine.max_model_len}"
+                          for n in args.ttft_prompts if n not in fits]
+    seeds = iter(range(1, 1000))
+    if fits:  # the first long prefill pays for whatever compiles or tunes at that size
+        long_request(run, engine, random_prompt(min(fits), vocab, 0), 1, False, deadline, "long-warmup")
+    for tokens in fits:
+        for sampled in (False, True):
+            check_deadline(deadline, f"TTFT of {tokens} tokens")
+            cell = long_request(run, engine, random_prompt(tokens, vocab, next(seeds)), 1, sampled, deadline,
+                                f"ttft{tokens}{'-sampled' if sampled else ''}")
+            table["ttft"].setdefault(str(tokens), {})["sampled" if sampled else "greedy"] = cell
+            run.progress(f"long: TTFT of {tokens} tokens{' (sampled)' if sampled else ''}: {cell['ttft_ms']:.0f} ms")
+    if args.long_context + args.tokens <= engine.max_model_len:
+        for sampled in (False, True):
+            check_deadline(deadline, f"decode at {args.long_context} tokens")
+            cell = long_request(run, engine, random_prompt(args.long_context, vocab, next(seeds)), args.tokens,
+                                sampled, deadline, f"context{args.long_context}{'-sampled' if sampled else ''}")
+            table["decode"]["sampled" if sampled else "greedy"] = cell
+            run.progress(f"long: decode at {args.long_context} tokens{' (sampled)' if sampled else ''}: "
+                         f"{cell.get('decode_tokens_per_s', 0):.1f} tok/s")
 
 
 def phase_ngram(run: Run, deadline: float, weights: tuple | None) -> None:
@@ -503,6 +623,49 @@ def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def roofline_lines(run: Run) -> list[str]:
+    """One stream's tokens/s (greedy, sampled) as a share of the roofline: the weights' bytes a step over the
+    measured copy bandwidth."""
+    r = run.results
+    engine, bandwidth = r.get("engine"), r.get("bandwidth")
+    if not engine or not bandwidth:
+        return []
+    bytes_per_s, weights = bandwidth["bytes_per_s"], engine["weight_bytes"]
+    lines = ["", f"Roofline: {weights / 1e9:,.2f} GB of weights read a decode step "
+                 f"({engine.get('quantization', '?')}); {bytes_per_s / 1e9:,.0f} GB/s measured (a "
+                 f"{bandwidth['copy_mib']} MiB device-to-device copy: read + written over its best time), so at most "
+                 f"{bytes_per_s / weights:,.1f} tok/s at one stream.", ""]
+    for label, row in (("greedy", r.get("serval", {})), ("sampled", r.get("serval_sampled", {}))):
+        if "1" in row:
+            tokens_per_s = row["1"]["tokens_per_s"]
+            lines.append(f"- one stream, {label}: {tokens_per_s:,.1f} tok/s, "
+                         f"{100 * roofline_share(tokens_per_s, weights, bytes_per_s):.1f}% of the roofline")
+    return lines
+
+
+def long_lines(run: Run) -> list[str]:
+    """The long phase's table: TTFT of each long prompt and decode tokens/s at the long context, greedy and
+    sampled."""
+    long = run.results.get("long")
+    if not long:
+        return []
+    lines = ["", "## Long prompts and context (one request alone, random prompt ids)", "",
+             "| request | greedy | sampled |", "|---|---|---|"]
+    for tokens, cells in long["ttft"].items():
+        lines.append(f"| TTFT, {int(tokens):,}-token prompt (ms) | "
+                     + " | ".join(_num(cells[k]["ttft_ms"]) if k in cells else "-" for k in ("greedy", "sampled"))
+                     + " |")
+    if long["decode"]:
+        cells = long["decode"]
+        context = next(iter(cells.values()))["prompt_tokens"]
+        lines.append(f"| decode after a {context:,}-token prompt (tok/s) | "
+                     + " | ".join(_num(cells[k].get("decode_tokens_per_s")) if k in cells else "-"
+                                  for k in ("greedy", "sampled")) + " |")
+    if long["left_out"]:
+        lines += ["", *(f"- left out: {reason}" for reason in long["left_out"])]
+    return lines
+
+
 def format_report(run: Run) -> str:
     args, r = run.args, run.results
     m = r["machine"]
@@ -532,6 +695,8 @@ def format_report(run: Run) -> str:
             continue
         lines.append(f"| {label} | " + " | ".join(_num(row[str(s)]["tokens_per_s"]) if str(s) in row else "-"
                                                   for s in streams) + " |")
+    lines += roofline_lines(run)
+    lines += long_lines(run)
     lines += ["", "## Server (`serval serve`, speculation off)", "",
               "| streams | requests | output tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms |",
               "|---|---|---|---|---|---|"]
@@ -576,6 +741,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-streams", type=stream_counts, default=[1, 64],
                         help="streams of the profiled decode step")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens a request")
+    parser.add_argument("--ttft-prompts", type=stream_counts, default=[4096, 16384],
+                        help="prompt lengths (tokens) of the long phase's time-to-first-token requests")
+    parser.add_argument("--long-context", type=int, default=32768,
+                        help="prompt length (tokens) after which the long phase decodes --tokens tokens")
+    parser.add_argument("--bandwidth-mib", type=int, default=None,
+                        help="MiB of the device-to-device copy that measures the memory bandwidth (the roofline's; "
+                        "default 2048 on a GPU, far past its caches, and 256 on the CPU)")
     parser.add_argument("--skip", type=lambda t: [x for x in t.split(",") if x], default=[],
                         help=f"phases to leave out, of {','.join(SKIPPABLE)}")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -591,8 +763,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.skip) - set(SKIPPABLE))
     if unknown:
         parser.error(f"--skip: unknown phase(s) {unknown}; choose from {list(SKIPPABLE)}")
-    if args.tokens < 1 or not args.cap_scale > 0:
-        parser.error("--tokens and --cap-scale must be positive")
+    if args.bandwidth_mib is None:
+        args.bandwidth_mib = 2048 if args.device.startswith("cuda") else 256
+    if args.tokens < 1 or not args.cap_scale > 0 or args.long_context < 1 or args.bandwidth_mib < 1:
+        parser.error("--tokens, --cap-scale, --long-context and --bandwidth-mib must be positive")
     try:
         engine_config(engine_flags(args, compare=True))  # bad engine settings fail now, before any phase
     except (ValueError, argparse.ArgumentError) as exc:
@@ -612,12 +786,16 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
         "cpu": describe_hardware(), "torch": torch.__version__, "commit": git_commit(),
         "model": str(resolve_model_path(args.model))}
-    run.progress(f"machine: {run.results['machine']}")
+    run.results["bandwidth"] = copy_bandwidth(args.device, args.bandwidth_mib)
+    run.progress(f"machine: {run.results['machine']}; copy bandwidth "
+                 f"{run.results['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s")
     engines: list = []
     run.phase("offline", phase_offline, engines)
     engine = engines.pop() if engines else None
     if "sampled" not in args.skip:
         run.phase("sampled", phase_sampled, engine)
+    if "long" not in args.skip:
+        run.phase("long", phase_long, engine)
     if "profile" not in args.skip:
         run.phase("profile", phase_profile, engine)
     weights = None if engine is None else (engine.model, engine.tokenizer)
@@ -628,7 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_engine_arg:
         run.phase("compare", phase_compare, weights)
         release_memory(args.device)
-    run.phase("ngram", phase_ngram, weights)
+    if "ngram" not in args.skip:
+        run.phase("ngram", phase_ngram, weights)
     del weights  # the weights go before transformers and the server need the device's memory
     release_memory(args.device)
     if "transformers" not in args.skip:

@@ -1,6 +1,7 @@
 """benchmarks/bench_gpu.py end to end on the CPU at small sizes (a tiny model, 2 streams, 4 tokens), so that the
 script the GPU figures come from cannot rot: every phase runs (transformers and the server included), the report
-holds every section with numbers, and no server process outlives the script."""
+holds every section with numbers, and no server process outlives the script; and the 8B run's phases (roofline,
+long prompts, decode at a long context) on a tiny config with dummy FP8 weights."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from real_model import MODEL_PATH, requires_model
-from tiny_models import save_family_dir
+from tiny_models import TINY, save_family_dir
 from torch.autograd import DeviceType
+from transformers import LlamaConfig
 
+from serval.model.loader import load_model
 from serval.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,8 +186,8 @@ def test_a_gpu_step_summary_counts_kernels_launches_and_the_busy_share():
 def test_the_readme_names_the_phase_caps_the_script_has():
     bench = load_script()
     readme = (REPO / "benchmarks" / "README.md").read_text()
-    names = {"offline": "offline", "sampled": "sampled", "ngram": "n-gram", "profile": "profile", "compare": "compare",
-             "transformers": "transformers", "server": "server"}
+    names = {"offline": "offline", "sampled": "sampled", "long": "long", "ngram": "n-gram", "profile": "profile",
+             "compare": "compare", "transformers": "transformers", "server": "server"}
     assert set(names) == set(bench.PHASE_CAP_S)
     for phase, cap in bench.PHASE_CAP_S.items():
         assert re.search(rf"\b{names[phase]}\s+{cap:g} s\b", readme), phase
@@ -200,3 +204,79 @@ def test_the_commit_comes_from_serval_commit_where_set_else_from_git(tmp_path, m
     monkeypatch.delenv("SERVAL_COMMIT")
     monkeypatch.setattr(bench, "REPO", tmp_path)  # a copy of the tree without .git and no word from its sender
     assert bench.git_commit().startswith("unknown")
+
+
+def _config_dir(directory: Path, **overrides) -> Path:
+    """A directory with only a tiny Llama's config.json and SmolLM2's tokenizer: what --load-format dummy needs."""
+    Tokenizer.load(MODEL_PATH).hf_tokenizer.save_pretrained(directory)
+    LlamaConfig(**{**TINY, "vocab_size": 49152, **overrides}).save_pretrained(directory)
+    return directory
+
+
+def _decode_step_bytes(hidden: int, intermediate: int, layers: int, q: int, kv: int, vocab: int, dtype_bytes: int,
+                       linear_bytes: float, scale_bytes: int, tied: bool) -> int:
+    """A Llama's weight bytes a decode step reads, counted by hand: per layer q/k/v, o, gate/up and down (each row
+    with its scale where quantized) and two norms; the final norm and the head (the embedding only where tied)."""
+    shapes = [(q + 2 * kv, hidden), (hidden, q), (2 * intermediate, hidden), (hidden, intermediate)]
+    per_layer = sum(rows * cols * linear_bytes + rows * scale_bytes for rows, cols in shapes) + 2 * hidden * dtype_bytes
+    return int(layers * per_layer + hidden * dtype_bytes + vocab * hidden * dtype_bytes)
+
+
+@requires_model  # the tokenizer is the embedded SmolLM2's
+@pytest.mark.parametrize(("quantization", "tied"), [("none", False), ("fp8", False), ("none", True)])
+def test_weight_bytes_are_what_a_decode_step_reads(tmp_path, quantization, tied):
+    bench = load_script()
+    directory = _config_dir(tmp_path, tie_word_embeddings=tied)
+    model = load_model(directory, torch.float32, quantization=quantization, load_format="dummy")
+    fp8 = quantization == "fp8"
+    assert bench.weight_bytes(model) == _decode_step_bytes(64, 128, 2, 64, 32, 49152, 4, 1 if fp8 else 4,
+                                                           4 if fp8 else 0, tied)
+
+
+def test_one_streams_share_of_the_roofline():
+    bench = load_script()
+    # 16 GB of weights a step at 100 tok/s reads 1.6 TB/s: 40% of a 4 TB/s device.
+    assert bench.roofline_share(100.0, 16 * 10**9, 4e12) == pytest.approx(0.4)
+
+
+def test_the_copy_bandwidth_is_measured_on_the_device():
+    bench = load_script()
+    measured = bench.copy_bandwidth("cpu", 4, repeats=2)
+    assert measured["copy_mib"] == 4 and measured["bytes_per_s"] > 0
+
+
+@requires_model
+def test_a_config_with_dummy_fp8_weights_runs_the_sized_phases(tmp_path):
+    """The 8B run's phases on a tiny config with random weights (--load-format dummy) in FP8: one stream against the
+    roofline, greedy and sampled; each long prompt's TTFT and the decode at a long context, greedy and sampled; a
+    size past the context left out by name, not failed."""
+    directory = _config_dir(tmp_path / "model")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(directory), "--device", "cpu", "--dtype", "float32",
+         "--engine-arg", "load_format=dummy", "--engine-arg", "quantization=fp8", "--streams", "1,2",
+         "--sampled-streams", "1,2", "--tokens", "4", "--ttft-prompts", "32,64,1000", "--long-context", "96",
+         "--bandwidth-mib", "8", "--skip", "transformers,server,profile,ngram", "--cap-scale", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report, figures = proc.stdout, json.loads((out / "report.json").read_text())
+    assert figures["errors"] == {} and "transformers" not in figures and "serval_ngram" not in figures
+    assert figures["engine"]["quantization"] == "fp8" and figures["bandwidth"]["copy_mib"] == 8
+    assert figures["engine"]["weight_bytes"] == _decode_step_bytes(64, 128, 2, 64, 32, 49152, 4, 1, 4, False)
+    assert re.search(r"Roofline: [\d.]+ GB of weights read a decode step \(fp8\); [\d,]+ GB/s measured", report)
+    for label in ("greedy", "sampled"):
+        assert re.search(rf"- one stream, {label}: [\d,.]+ tok/s, [\d.]+% of the roofline", report)
+
+    long = figures["long"]
+    for tokens in ("32", "64"):
+        for label in ("greedy", "sampled"):
+            cell = long["ttft"][tokens][label]
+            assert cell["prompt_tokens"] == int(tokens) and cell["generated_tokens"] == 1 and cell["ttft_ms"] > 0
+        assert re.search(rf"\| TTFT, {tokens}-token prompt \(ms\) \| [\d,.]+ \| [\d,.]+ \|", report)
+    for label in ("greedy", "sampled"):
+        cell = long["decode"][label]
+        assert cell["prompt_tokens"] == 96 and cell["generated_tokens"] == 4 and cell["decode_tokens_per_s"] > 0
+    assert re.search(r"\| decode after a 96-token prompt \(tok/s\) \| [\d,.]+ \| [\d,.]+ \|", report)
+    assert long["left_out"] == ["TTFT of a 1000-token prompt: the engine's context is 256"]
+    assert "- left out: TTFT of a 1000-token prompt" in report

@@ -157,3 +157,27 @@ def test_the_cpu_is_told_it_runs_an_emulation(caplog):
     with caplog.at_level("WARNING", logger="serval"):
         check_fp8_device("cpu")
     assert "emulation" in caplog.text
+
+
+def _has_fp8_gpu() -> bool:
+    return torch.cuda.is_available() and fp8_linear.fp8_gemm_available("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a CUDA device of compute capability 8.9 or newer")
+@torch.inference_mode()
+def test_scaled_mm_on_the_gpu_gives_the_emulations_result_and_rows_their_own_bits():
+    """On an FP8 GPU the layer runs torch._scaled_mm: the CPU emulation's result up to the order of the float32 sums
+    (an ulp of the bfloat16 output), and each row's bits the same alone or in a batch."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(4096, 4096, generator=generator) / 64
+    x = torch.randn(80, 4096, generator=generator).to(torch.bfloat16)
+    layer = Fp8Linear(weight.cuda())
+    got = layer(x.cuda()).cpu()
+    want = Fp8Linear(weight)(x)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-3 * want.float().abs().max()).all()
+    alone = torch.cat([layer(x[i: i + 1].cuda()) for i in range(len(x))])
+    assert torch.equal(layer(x.cuda()), alone)
+    for rows in (2, 3, 16, 33, 64):
+        assert torch.equal(layer(x[:rows].cuda()), alone[:rows])

@@ -10,7 +10,7 @@ from real_model import MODEL_PATH, requires_model
 from tiny_models import full_logits, hf_logits, save_family_dir, tiny_llama
 
 from serval.engine.llm import LLM
-from serval.layers.fp8_linear import Fp8Linear
+from serval.layers.fp8_linear import Fp8Linear, fp8_gemm_available
 from serval.layers.linear import Linear
 from serval.model.loader import load_model
 from serval.sampling_params import SamplingParams
@@ -101,3 +101,21 @@ def test_fp8_greedy_output_is_the_same_alone_and_in_any_batch(tmp_path, dtype):
     reversed_batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[::-1], params, use_tqdm=False)][::-1]
     assert batched == alone and reversed_batch == alone
     assert len({tuple(ids) for ids in alone}) > 1  # the outputs differ: the comparison means something
+
+
+@pytest.mark.gpu
+@requires_model
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8_gemm_available("cuda")),
+                    reason="needs a CUDA device of compute capability 8.9 or newer")
+def test_fp8_greedy_output_on_the_gpu_is_the_same_alone_and_in_any_batch(tmp_path):
+    """The same on an FP8 GPU (torch._scaled_mm, CUDA graphs for decode)."""
+    from serval.tokenizer import Tokenizer
+
+    save_family_dir(tmp_path, "llama", Tokenizer.load(MODEL_PATH).hf_tokenizer)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", quantization="fp8", max_num_batched_tokens=16,
+              speculative_model=None)
+    assert any(isinstance(m, Fp8Linear) for m in llm.engine.model.modules())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert batched == alone
