@@ -280,3 +280,33 @@ def test_a_config_with_dummy_fp8_weights_runs_the_sized_phases(tmp_path):
     assert re.search(r"\| decode after a 96-token prompt \(tok/s\) \| [\d,.]+ \| [\d,.]+ \|", report)
     assert long["left_out"] == ["TTFT of a 1000-token prompt: the engine's context is 256"]
     assert "- left out: TTFT of a 1000-token prompt" in report
+
+
+def test_gpu_checks_8b_runs_parse_and_fit_the_device_budget(tmp_path):
+    """scripts/gpu_check.sh --sized-only, with a stand-in for Python that records its arguments: three runs of
+    bench_gpu.py on the 8B configs with random weights (Llama in bfloat16 and FP8, Qwen3 in bfloat16), each of
+    whose flags bench_gpu.py accepts, and whose phases' caps add up to at most 6.5 minutes (the script's claim: one
+    call of a 15-minute device session)."""
+    bench = load_script()
+    record = tmp_path / "calls.txt"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {record}\necho END >> {record}\n')
+    stand_in.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "out"), "--sized-only"],
+                          env={**os.environ, "PYTHON": str(stand_in)}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = [call.strip("\n").split("\n") for call in record.read_text().split("END\n") if call.strip()]
+    assert [call[0] for call in calls] == ["benchmarks/bench_gpu.py"] * 3
+    total_cap_s = 0.0
+    for call in calls:
+        args = bench.parse_args(call[1:])
+        assert "load_format=dummy" in args.engine_arg and args.tokens == 64
+        assert args.streams == [1, 64, 256] and args.sampled_streams == [1, 64, 256]
+        run_phases = [p for p in bench.PHASES if p not in args.skip and (p != "compare" or args.compare_engine_arg)]
+        total_cap_s += sum(bench.PHASE_CAP_S[p] * args.cap_scale for p in run_phases)
+    models = [bench.parse_args(call[1:]).model for call in calls]
+    assert models == ["benchmarks/configs/Llama-3.1-8B"] * 2 + ["benchmarks/configs/Qwen3-8B"]
+    assert "quantization=fp8" in bench.parse_args(calls[1][1:]).engine_arg
+    first = bench.parse_args(calls[0][1:])
+    assert (first.ttft_prompts, first.long_context, "long" in first.skip) == ([4096, 16384], 32768, False)
+    assert total_cap_s <= 6.5 * 60
