@@ -316,6 +316,8 @@ def long_request(run: Run, engine, prompt: list[int], max_tokens: int, sampled: 
                 synchronize(engine.config.device)
                 first = time.perf_counter()
     synchronize(engine.config.device)
+    if first is None:
+        raise RuntimeError(f"{label}: the request ended without a token")
     result = {"prompt_tokens": len(prompt), "generated_tokens": generated, "ttft_ms": 1000 * (first - start)}
     if generated > 1:
         result["decode_tokens_per_s"] = (generated - 1) / (time.perf_counter() - first)

@@ -410,8 +410,8 @@ class EngineConfig:
         "weights as the GGUF file stores them (gguf: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K read in place by a CPU "
         "kernel) or as a GPTQ or AWQ checkpoint's 4-bit groups (gptq, awq: the same kernel), dequantized to --dtype "
         "(none), weight-only int8 (int8), or FP8 e4m3 weights quantized per output channel at load with activations "
-        "quantized per token (fp8: FP8 GEMMs on a GPU of compute capability 8.9+, refused on older ones; an exact "
-        "but slow emulation on the CPU); auto: gguf, gptq or awq on the CPU for a file or directory with such "
+        "quantized per token (fp8: FP8 GEMMs on a GPU of compute capability 8.9+, refused on older ones; on the CPU "
+        "a slow emulation of the same numerics); auto: gguf, gptq or awq on the CPU for a file or directory with such "
         "weights, else none", choices=QUANTIZATION_CHOICES))
     # How the CPU kernel multiplies the file's blocks (serval/layers/csrc/int8_linear.cpp): "none", float32
     # activations (the file's weights exactly); "int8", activations quantized per row and block of 32, integer dot
