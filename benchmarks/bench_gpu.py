@@ -634,7 +634,7 @@ def roofline_lines(run: Run) -> list[str]:
         return []
     bytes_per_s, weights = bandwidth["bytes_per_s"], engine["weight_bytes"]
     lines = ["", f"Roofline: {weights / 1e9:,.2f} GB of weights read a decode step "
-                 f"({engine.get('quantization', '?')}); {bytes_per_s / 1e9:,.0f} GB/s measured (a "
+                 f"(--quantization {engine.get('quantization', '?')}); {bytes_per_s / 1e9:,.0f} GB/s measured (a "
                  f"{bandwidth['copy_mib']} MiB device-to-device copy: read + written over its best time), so at most "
                  f"{bytes_per_s / weights:,.1f} tok/s at one stream.", ""]
     for label, row in (("greedy", r.get("serval", {})), ("sampled", r.get("serval_sampled", {}))):

@@ -264,7 +264,8 @@ def test_a_config_with_dummy_fp8_weights_runs_the_sized_phases(tmp_path):
     assert figures["errors"] == {} and "transformers" not in figures and "serval_ngram" not in figures
     assert figures["engine"]["quantization"] == "fp8" and figures["bandwidth"]["copy_mib"] == 8
     assert figures["engine"]["weight_bytes"] == _decode_step_bytes(64, 128, 2, 64, 32, 49152, 4, 1, 4, False)
-    assert re.search(r"Roofline: [\d.]+ GB of weights read a decode step \(fp8\); [\d,]+ GB/s measured", report)
+    assert re.search(r"Roofline: [\d.]+ GB of weights read a decode step \(--quantization fp8\); [\d,]+ GB/s "
+                     r"measured", report)
     for label in ("greedy", "sampled"):
         assert re.search(rf"- one stream, {label}: [\d,.]+ tok/s, [\d.]+% of the roofline", report)
 
