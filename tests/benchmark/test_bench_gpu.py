@@ -311,3 +311,29 @@ def test_gpu_checks_8b_runs_parse_and_fit_the_device_budget(tmp_path):
     first = bench.parse_args(calls[0][1:])
     assert (first.ttft_prompts, first.long_context, "long" in first.skip) == ([4096, 16384], 32768, False)
     assert total_cap_s <= 6.5 * 60
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "Qwen3-8B"])
+def test_an_8b_configs_bytes_a_step_are_its_checkpoints_but_the_embedding(name):
+    """The roofline's numerator at the real size (built on the meta device: shapes, no memory): every tensor of the
+    published checkpoint (benchmarks/make_sized_models.py's list) but the untied embedding, 2 bytes each in
+    bfloat16; in FP8 the decoder's matrices 1 byte a weight and 4 a row's scale, the rest as before."""
+    from serval.layers.fp8_linear import quantize_linears_to_fp8
+    from serval.model.hf_config import read_hf_config
+    from serval.model.llama import LlamaForCausalLM
+
+    bench = load_script()
+    spec = importlib.util.spec_from_file_location("make_sized_models", REPO / "benchmarks" / "make_sized_models.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    directory = REPO / "benchmarks" / "configs" / name
+    shapes = dict(make.tensor_shapes(json.loads((directory / "config.json").read_text())))
+    read = {key: torch.Size(shape).numel() for key, shape in shapes.items() if key != "model.embed_tokens.weight"}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(read_hf_config(directory)).to(torch.bfloat16)
+    assert bench.weight_bytes(model) == 2 * sum(read.values())
+    quantize_linears_to_fp8(model)
+    matrices = {key: numel for key, numel in read.items() if key.endswith("proj.weight")}
+    rows = sum(shapes[key][0] for key in matrices)
+    assert bench.weight_bytes(model) == 2 * (sum(read.values()) - sum(matrices.values())) + sum(matrices.values()) \
+        + 4 * rows
