@@ -26,7 +26,8 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
            ("bindings.cpp", "paged_attention.cpp", "panel_linear.cpp", "fused_ops.cpp", "bf16_rows.cpp",
-            "int8_linear.cpp", "bf16_dot_linear.cpp", "moe_experts.cpp", "decoder_layers.cpp")]
+            "int8_linear.cpp", "bf16_dot_linear.cpp", "moe_experts.cpp", "decoder_layers.cpp",
+            "block_repack.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("vec_math.h", "scratch.h", "block_formats.h", "kernels.h")]
 # -fopenmp: without it ATen's parallel_for (a header template) compiles to a serial loop.

@@ -250,7 +250,21 @@ class BlockWeight:
         (rows padded with zero weights to a multiple of 32). Returns (panels uint8 [P, G, rows, 16], scales float16
         or float32 [P, G, 2 or 1, 16], or for the K formats uint8 [P, G / 8, bytes]: per super-block of a panel its
         16 columns' float16 d (and -dmin), then per block their 16 sub-block scales (and 16 mins)); see
-        csrc/panel_linear.cpp. Written into ``into`` (tensors of those shapes, or rows of larger ones) when given."""
+        csrc/panel_linear.cpp. Written into ``into`` (tensors of those shapes, or rows of larger ones) when given.
+        By the CPU kernels' one pass (csrc/block_repack.cpp) where they are built, else ``panels_by_torch``."""
+        p = -(-self.packed.shape[0] // 32) * 2
+        q, scales = self._empty_panels(p) if into is None else into
+        kernels = cpu_kernels.for_device(self.packed.device)
+        tensors = [t for t in (self.packed, self.scales, self.super_scales) if t is not None]
+        if kernels is None or not all(t.stride(-1) == 1 for t in tensors):
+            return self.panels_by_torch((q, scales))
+        kernels.block_panels_(self.packed, self.scales, self.super_scales, self.format, q, scales)
+        return q, scales
+
+    def panels_by_torch(self, into: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``panels()`` by PyTorch ops: where the CPU kernels are not built, and the reference they are tested
+        against (tests/layers/test_block_repack.py)."""
         n, groups = self.packed.shape[:2]
         p = -(-n // 32) * 2
         rows = self.packed  # per row and block: the bytes of one column of a panel, in the panel's order

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from serval.gguf_reader import GGUFContents
+from serval.layers import cpu_kernels
 from serval.layers.linear import BlockWeight
 from serval.model.config import ModelConfig
 
@@ -67,6 +68,7 @@ _ROPE_PERMUTED = ("llama",)
 BLOCK_FORMATS = {"Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q8_0": "q8", "Q4_K": "q4k", "Q5_K": "q5k",
                  "Q6_K": "q6k"}
 _SUPER_BLOCK = 256  # weights per K-quant block (Q4_K, Q5_K, Q6_K)
+_K_QUANTS = {"Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k"}
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
@@ -252,7 +254,6 @@ def _drop_pages(view: np.ndarray) -> None:
 def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWeight:
     """raw [N, blocks, bytes]: GGUF blocks (32 weights, or 256 for the K-quants) as the block kernel's layout of
     blocks of 32 (BLOCK_FORMATS), without loss."""
-    n = raw.shape[0]
     if qtype == "Q4_1":  # d, m, 16 bytes of nibbles: already the kernel's layout
         weight = BlockWeight("q4", raw[..., 4:], _copy(raw[..., :4]).view(torch.int16), in_features)
     elif qtype == "Q4_0":  # d, nibbles; w = d (q - 8) = d q + m with m = -8 d (exact in float16)
@@ -272,7 +273,19 @@ def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWe
             weight = BlockWeight("q5", packed, scales.half().view(torch.int16), in_features)
         else:
             weight = BlockWeight("q5f", packed, scales.view(torch.int32), in_features)
-    elif qtype in ("Q4_K", "Q5_K"):
+    elif qtype in _K_QUANTS and (kernels := cpu_kernels.for_device(raw.device)) is not None:
+        packed, scales, super_scales = kernels.gguf_k_blocks(raw.contiguous(), qtype)  # one pass (block_repack.cpp)
+        weight = BlockWeight(_K_QUANTS[qtype], packed, scales, in_features, super_scales)
+    else:
+        weight = _k_block_weight_by_torch(qtype, raw, in_features)
+    return weight  # (views of ``raw`` where they can be: the kernel's panels are the one copy made of them)
+
+
+def _k_block_weight_by_torch(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWeight:
+    """``_to_block_weight`` of K-quant blocks by PyTorch ops: where the CPU kernels are not built, and the reference
+    they are tested against (tests/layers/test_block_repack.py)."""
+    n = raw.shape[0]
+    if qtype in ("Q4_K", "Q5_K"):
         # d, dmin (float16), 12 bytes of 6-bit sub-block scales and mins, [Q5_K: 32 bytes of fifth bits,] 128 bytes
         # of nibbles: byte l of each 32 holds weight l of sub-block 2j (low nibble) and of 2j + 1 (high).
         d, dmin = (raw[..., i: i + 2].contiguous().view(torch.float16) for i in (0, 2))
@@ -300,7 +313,7 @@ def _to_block_weight(qtype: str, raw: torch.Tensor, in_features: int) -> BlockWe
                                         in_features, d)
     else:
         raise ValueError(f"{qtype} has no block kernel layout")
-    return weight  # (views of ``raw`` where they can be: the kernel's panels are the one copy made of them)
+    return weight
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:

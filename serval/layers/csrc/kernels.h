@@ -45,5 +45,9 @@ at::Tensor silu_and_mul_v16(const at::Tensor& x);
 at::Tensor moe_expert_slots(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                             const at::Tensor& gate_up_t, const at::Tensor& down_t, int64_t first_expert);
 at::Tensor moe_sum_slots(const at::Tensor& slots, const at::Tensor& like);
+// block_repack.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& raw, const std::string& qtype);
+void block_panels_(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& super_scales,
+                   const std::string& format, at::Tensor panels, at::Tensor panel_scales);
 // decoder_layers.cpp: its classes' bindings
 void bind_decoder_layers(pybind11::module_& m);

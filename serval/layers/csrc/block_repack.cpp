@@ -1,0 +1,218 @@
+// Block re-layouts made once at load, each a single pass over the bytes with rows in parallel:
+//   gguf_k_blocks: a GGUF file's K-quant super-blocks (Q4_K, Q5_K, Q6_K) as BlockWeight's blocks of 32 (codes packed
+//     as model/gguf_file.py's _to_block_weight packs them, the file's scales as they are);
+//   block_panels_: BlockWeight's blocks as the panels of 16 columns that panel_linear.cpp reads (linear.py's
+//     BlockWeight.panels; the layout is described at the top of panel_linear.cpp).
+// Why: the same shuffles in PyTorch made several intermediate tensors a matrix and took most of a start (1B Q4_K_M:
+// ~5 s of ~8; 8B: ~44 s). The bytes are the same as the PyTorch reference's
+// (tests/layers/test_block_repack.py).
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+namespace {
+
+// A block's 32 codes (below 2^(4 + e)) in BlockWeight's packing: byte i of the first 16 holds code i (low nibble)
+// and code i + 16 (high); then 4 e bytes of the bits above the nibbles, code k's at bit e (k % (8 / e)) of byte
+// 16 + k / (8 / e).
+inline void pack_codes(const uint8_t* q, int e, uint8_t* out) {
+  for (int i = 0; i < 16; i++) out[i] = (q[i] & 15) | ((q[i + 16] & 15) << 4);
+  if (e == 0) return;
+  const int per_byte = 8 / e;
+  for (int j = 0; j < 4 * e; j++) {
+    uint8_t byte = 0;
+    for (int i = 0; i < per_byte; i++) byte |= (q[j * per_byte + i] >> 4) << (e * i);
+    out[16 + j] = byte;
+  }
+}
+
+// Q4_K's and Q5_K's 12 bytes of 6-bit sub-block scales and mins → sub-block s's (sc, mn).
+inline void k_scale_min(const uint8_t* b, int s, uint8_t* sc, uint8_t* mn) {
+  if (s < 4) {
+    *sc = b[s] & 63;
+    *mn = b[s + 4] & 63;
+  } else {
+    *sc = (b[s + 4] & 15) | ((b[s - 4] >> 6) << 4);
+    *mn = (b[s + 4] >> 4) | ((b[s] >> 6) << 4);
+  }
+}
+
+int extra_bits(const std::string& format) {
+  if (format == "q4" || format == "q4f" || format == "q4k") return 0;
+  if (format == "q5" || format == "q5f" || format == "q5k") return 1;
+  if (format == "q6f" || format == "q6k") return 2;
+  TORCH_CHECK(false, "no block format ", format);
+}
+
+bool is_k_format(const std::string& format) { return format == "q4k" || format == "q5k" || format == "q6k"; }
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.stride(2) == 1, what,
+              " must be a CPU tensor [rows, blocks, k] whose last dimension is contiguous");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& raw, const std::string& qtype) {
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 3 && raw.is_contiguous(),
+              "raw must be contiguous uint8 [rows, super-blocks, bytes]");
+  const int64_t n = raw.size(0), supers = raw.size(1), bytes = raw.size(2);
+  const int e = qtype == "Q4_K" ? 0 : qtype == "Q5_K" ? 1 : qtype == "Q6_K" ? 2 : -1;
+  TORCH_CHECK(e >= 0, "gguf_k_blocks reads Q4_K, Q5_K and Q6_K, not ", qtype);
+  TORCH_CHECK(bytes == (e == 0 ? 144 : e == 1 ? 176 : 210), qtype, " blocks have another size than ", bytes);
+  const int halves = e == 2 ? 1 : 2;
+  at::Tensor packed = at::empty({n, supers * 8, 16 + 4 * e}, raw.options());
+  at::Tensor scales = at::empty({n, supers * 8, 2}, raw.options().dtype(e == 2 ? at::kChar : at::kByte));
+  at::Tensor super_scales = at::empty({n, supers, halves}, raw.options().dtype(at::kShort));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst_packed = packed.data_ptr<uint8_t>();
+  uint8_t* dst_scales = static_cast<uint8_t*>(scales.data_ptr());
+  uint16_t* dst_supers = reinterpret_cast<uint16_t*>(super_scales.data_ptr<int16_t>());
+  const int64_t packed_bytes = 16 + 4 * e;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    uint8_t q[32];
+    for (int64_t r = begin; r < end; r++) {
+      for (int64_t s = 0; s < supers; s++) {
+        const uint8_t* b = src + (r * supers + s) * bytes;
+        const int64_t block0 = r * supers * 8 + s * 8;
+        uint16_t* supers_out = dst_supers + (r * supers + s) * halves;
+        if (e < 2) {  // d, dmin (float16), 12 bytes of scales and mins, [Q5_K: 32 bytes of fifth bits,] 128 of nibbles
+          uint16_t d, dmin;
+          std::memcpy(&d, b, 2);
+          std::memcpy(&dmin, b + 2, 2);
+          supers_out[0] = d;
+          supers_out[1] = dmin ^ 0x8000;  // -dmin: the sign bit flipped, as float16 negation does
+          const uint8_t* qs = b + bytes - 128;
+          for (int sub = 0; sub < 8; sub++) {  // byte 32 j + i: weight i of sub-blocks 2 j (low nibble) and 2 j + 1
+            const int shift = 4 * (sub % 2);
+            for (int i = 0; i < 32; i++) q[i] = (qs[32 * (sub / 2) + i] >> shift) & 15;
+            if (e == 1) {  // weight i of sub-block s: bit s of byte 16 + i
+              for (int i = 0; i < 32; i++) q[i] |= ((b[16 + i] >> sub) & 1) << 4;
+            }
+            pack_codes(q, e, dst_packed + (block0 + sub) * packed_bytes);
+            k_scale_min(b + 4, sub, dst_scales + (block0 + sub) * 2, dst_scales + (block0 + sub) * 2 + 1);
+          }
+        } else {  // 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, float16 d
+          for (int h = 0; h < 2; h++) {
+            for (int quarter = 0; quarter < 4; quarter++) {  // weight 128 h + 32 quarter + i
+              const uint8_t* ql = b + 64 * h + 32 * (quarter % 2);
+              const uint8_t* qh = b + 128 + 32 * h;
+              const int shift = 4 * (quarter / 2);
+              for (int i = 0; i < 32; i++) q[i] = ((ql[i] >> shift) & 15) | (((qh[i] >> (2 * quarter)) & 3) << 4);
+              pack_codes(q, e, dst_packed + (block0 + 4 * h + quarter) * packed_bytes);
+            }
+          }
+          std::memcpy(dst_scales + block0 * 2, b + 192, 16);
+          std::memcpy(supers_out, b + 208, 2);
+        }
+      }
+    }
+  });
+  return {packed, scales, super_scales};
+}
+
+void block_panels_(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& super_scales,
+                   const std::string& format, at::Tensor panels, at::Tensor panel_scales) {
+  check_rows(packed, "packed");
+  check_rows(scales, "scales");
+  TORCH_CHECK(packed.element_size() == 1 && panels.element_size() == 1, "packed and panels are bytes");
+  const int64_t n = packed.size(0), groups = packed.size(1), nb = packed.size(2), k = scales.size(2);
+  const int64_t p_count = panels.size(0);
+  TORCH_CHECK(panels.is_contiguous() && panel_scales.is_contiguous(), "the panels must be contiguous");
+  TORCH_CHECK(panels.dim() == 4 && panels.size(1) == groups && panels.size(2) == nb && panels.size(3) == 16 &&
+                  p_count * 16 >= n && scales.size(0) == n && scales.size(1) == groups,
+              "panels [P, G, bytes, 16] must hold the blocks [N, G, bytes]");
+  const bool q8 = format == "q8";
+  const bool k_format = is_k_format(format);
+  if (!q8) TORCH_CHECK(nb == 16 + 4 * extra_bits(format), format, " blocks have another size than ", nb);
+  const int64_t width = scales.element_size();
+  const int64_t supers = groups / 8;
+  int64_t halves = 0, per_super = 0;
+  const uint8_t* src_supers = nullptr;
+  int64_t super_stride0 = 0, super_stride1 = 0;
+  if (k_format) {
+    TORCH_CHECK(super_scales.has_value() && groups % 8 == 0 && width == 1, format,
+                " needs its super-block scales and whole super-blocks");
+    const at::Tensor& s = *super_scales;
+    check_rows(s, "super_scales");
+    TORCH_CHECK(s.element_size() == 2 && s.size(0) == n && s.size(1) == supers, "super_scales [N, G / 8, h] of int16");
+    halves = s.size(2);
+    per_super = halves * 32 + 256;
+    TORCH_CHECK(panel_scales.element_size() == 1 && panel_scales.numel() == p_count * supers * per_super,
+                "panel scales [P, G / 8, ", per_super, "] of bytes");
+    src_supers = static_cast<const uint8_t*>(s.data_ptr());
+    super_stride0 = s.stride(0) * 2;
+    super_stride1 = s.stride(1) * 2;
+  } else {
+    TORCH_CHECK(panel_scales.element_size() == width && panel_scales.numel() == p_count * groups * k * 16,
+                "panel scales [P, G, ", k, ", 16] of the scales' width");
+  }
+  const uint8_t* src = static_cast<const uint8_t*>(packed.data_ptr());
+  const int64_t stride0 = packed.stride(0), stride1 = packed.stride(1);
+  const uint8_t* src_scales = static_cast<const uint8_t*>(scales.data_ptr());
+  const int64_t scale_stride0 = scales.stride(0) * width, scale_stride1 = scales.stride(1) * width;
+  uint8_t* dst = static_cast<uint8_t*>(panels.data_ptr());
+  uint8_t* dst_scales = static_cast<uint8_t*>(panel_scales.data_ptr());
+  at::parallel_for(0, p_count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; p++) {
+      for (int64_t g = 0; g < groups; g++) {
+        uint8_t* out = dst + (p * groups + g) * nb * 16;
+        for (int64_t c = 0; c < 16; c++) {
+          const int64_t row = p * 16 + c;
+          if (row >= n) {  // rows past the weight's: zero weights
+            for (int64_t b = 0; b < nb; b++) out[b * 16 + c] = 0;
+            continue;
+          }
+          const uint8_t* block = src + row * stride0 + g * stride1;
+          if (q8) {
+            for (int64_t b = 0; b < nb; b++) out[b * 16 + c] = block[b];
+            continue;
+          }
+          // code k: the low nibble of byte k for k < 16, the high nibble of byte k - 16 after; a panel's byte i
+          // holds codes 2 i (low nibble) and 2 i + 1 (high); the high bits' bytes are the same
+          for (int64_t i = 0; i < 8; i++) {
+            out[i * 16 + c] = (block[2 * i] & 15) | ((block[2 * i + 1] & 15) << 4);
+            out[(i + 8) * 16 + c] = (block[2 * i] >> 4) | (block[2 * i + 1] & 0xF0);
+          }
+          for (int64_t b = 16; b < nb; b++) out[b * 16 + c] = block[b];
+        }
+        if (k_format) continue;
+        uint8_t* out_scales = dst_scales + (p * groups + g) * k * 16 * width;
+        for (int64_t c = 0; c < 16; c++) {
+          const int64_t row = p * 16 + c;
+          for (int64_t j = 0; j < k; j++) {
+            uint8_t* to = out_scales + (j * 16 + c) * width;
+            if (row < n) {
+              std::memcpy(to, src_scales + row * scale_stride0 + g * scale_stride1 + j * width, width);
+            } else {
+              std::memset(to, 0, width);
+            }
+          }
+        }
+      }
+      if (!k_format) continue;
+      for (int64_t s = 0; s < supers; s++) {  // per super-block: the columns' d (and -dmin), then the blocks' bytes
+        uint8_t* out = dst_scales + (p * supers + s) * per_super;
+        for (int64_t c = 0; c < 16; c++) {
+          const int64_t row = p * 16 + c;
+          for (int64_t j = 0; j < halves; j++) {
+            uint8_t* to = out + (j * 16 + c) * 2;
+            if (row < n) {
+              std::memcpy(to, src_supers + row * super_stride0 + s * super_stride1 + j * 2, 2);
+            } else {
+              to[0] = to[1] = 0;
+            }
+          }
+          for (int64_t b = 0; b < 8; b++) {
+            for (int64_t j = 0; j < 2; j++) {
+              out[halves * 32 + (b * 2 + j) * 16 + c] =
+                  row < n ? src_scales[row * scale_stride0 + (s * 8 + b) * scale_stride1 + j] : 0;
+            }
+          }
+        }
+      }
+    }
+  });
+}
