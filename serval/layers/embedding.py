@@ -8,6 +8,16 @@ from torch import nn
 from serval.layers.linear import BlockWeight, same_width_int
 
 
+def dense_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """``nn.Embedding(num_embeddings, embedding_dim)`` without gradients, its table drawn as nn.Embedding draws it
+    (the same values for the same seed), but left empty on the meta device (a load's model before its weights are
+    read): there the draw is a decomposition whose first call imports torch._dynamo, 1.7 s of every start."""
+    weight = torch.empty(num_embeddings, embedding_dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=weight, _freeze=True)
+
+
 class BlockEmbedding(nn.Module):
     """``nn.Embedding`` over a table [vocab, hidden] in blocks, laid out as the block kernel's panels
     (BlockWeight.panels): the rows of the ids asked, dequantized exactly (float32) and rounded once to ``dtype``, the

@@ -22,6 +22,7 @@ from torch import nn
 from serval.layers.activation import exact_gelu_lanes, gelu_tanh_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.attention.cpu_kernel import CpuKernelMetadata
+from serval.layers.embedding import dense_embedding
 from serval.layers.linear import BlockQuantLinear, Linear
 from serval.layers.norm import GemmaRMSNorm, exact_sum_lanes
 from serval.layers.rotary import RotaryEmbedding, RotaryStep
@@ -133,8 +134,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta, config.rope_scaling)
         self.rotary_local = RotaryEmbedding(config.head_dim, config.max_position,
                                             config.rope_local_theta or config.rope_theta)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = dense_embedding(config.vocab_size, config.hidden_size)
         kinds = config.layer_types or ["full_attention"] * config.num_layers
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, sliding=kind == "sliding_attention") for kind in kinds)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -18,7 +18,7 @@ from torch import nn
 from serval.layers.activation import silu_and_mul
 from serval.layers.attention import AttentionMetadata, paged_attention
 from serval.layers.attention.cpu_kernel import CpuKernelMetadata
-from serval.layers.embedding import BlockEmbedding
+from serval.layers.embedding import BlockEmbedding, dense_embedding
 from serval.layers.linear import BlockQuantLinear, BlockWeight, Linear
 from serval.layers.moe import SparseMoE
 from serval.layers.norm import RMSNorm
@@ -198,8 +198,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta, config.rope_scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = dense_embedding(config.vocab_size, config.hidden_size)
         kinds = config.layer_types or ["full_attention"] * config.num_layers
         sparse = set(config.moe_layers or ())
         self.layers = nn.ModuleList(

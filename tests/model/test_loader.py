@@ -84,3 +84,37 @@ def test_a_partial_rotary_factor_is_refused(tmp_path):
                                                       "partial_rotary_factor": 0.75}))
     with pytest.raises(ValueError, match="partial_rotary_factor is not supported"):
         read_hf_config(tmp_path)
+
+
+def test_a_models_dense_embedding_draws_nn_embeddings_values():
+    from torch import nn
+
+    from serval.layers.embedding import dense_embedding
+
+    torch.manual_seed(3)
+    want = nn.Embedding(100, 8).weight
+    torch.manual_seed(3)
+    got = dense_embedding(100, 8).weight
+    assert torch.equal(got, want) and not got.requires_grad
+
+
+def test_a_model_made_on_the_meta_device_imports_no_dynamo():
+    """A load builds its model on the meta device first; torch._dynamo (1.7 s to import) is no part of serving."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, torch\n"
+            "from serval.model.config import ModelConfig\n"
+            "from serval.model.gemma3 import Gemma3ForCausalLM\n"
+            "from serval.model.llama import LlamaForCausalLM\n"
+            "config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,"
+            " num_kv_heads=1, head_dim=16, max_position=64)\n"
+            "with torch.device('meta'):\n"
+            "    LlamaForCausalLM(config), Gemma3ForCausalLM(config)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
