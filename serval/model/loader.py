@@ -176,12 +176,17 @@ def _materialize(model: torch.nn.Module, device: str | torch.device) -> None:
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
                 if id(param) not in made:
-                    made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device=device),
-                                                         requires_grad=param.requires_grad)
+                    made[id(param)] = torch.nn.Parameter(_empty_as(param, device), requires_grad=param.requires_grad)
                 module._parameters[name] = made[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty_like(buffer, device=device)
+                module._buffers[name] = _empty_as(buffer, device)
+
+
+def _empty_as(meta: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """``torch.empty_like(meta, device=device)``: not by that call, whose meta-device form imports torch.fx's
+    symbolic shapes (0.3 s of a start)."""
+    return torch.empty_strided(meta.size(), meta.stride(), dtype=meta.dtype, device=device)
 
 
 @torch.no_grad()
