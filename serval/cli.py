@@ -269,11 +269,6 @@ def _bind(host: str, port: int):
 
 def _serve(args: argparse.Namespace, listener, engines: list) -> None:
     """Loads the engine (appended to ``engines``) and serves on ``listener`` until a signal or the engine's death."""
-    import uvicorn
-
-    from serval.server.app import create_app
-    from serval.server.connections import guarded_protocol
-
     tls = from_args(TLSConfig, args)
     tls.validate()  # before the model loads: a bad certificate fails in a second, with one line
     config = _engine_config(args)
@@ -284,12 +279,21 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
                                                   else min(logging.INFO, root_level))
     print(f"serval: loading {server_config.served_model_name} ...", file=sys.stderr, flush=True)
     if args.engine_in_process:
-        from serval.engine.async_engine import AsyncEngine as client
+        from serval.engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_config(config)
     else:  # the server's process imports neither the engine core nor torch
-        from serval.engine.core_client import CoreProcessClient as client
-    engine = client.from_config(config)
+        from serval.engine.core_client import CoreProcessClient
+
+        # The HTTP server's modules (1-2 s of imports) while the core loads, not before its process starts.
+        engine = CoreProcessClient.from_config(config, while_loading=_import_server_modules)
     engines.append(engine)
     engine.start()
+    import uvicorn
+
+    from serval.server.app import create_app
+    from serval.server.connections import guarded_protocol
+
     app = create_app(engine, server_config)
     scheme = "https" if tls.enabled else "http"
     print(f"serval: engine ready in {engine.load_time:.1f} s; serving on {scheme}://{args.host}:{args.port}",
@@ -308,6 +312,13 @@ def _serve(args: argparse.Namespace, listener, engines: list) -> None:
     _drain_on_sigterm(server, app, engine, args.shutdown_timeout)
     _exit_when_engine_dies(server, engine)
     server.run(sockets=[listener])
+
+
+def _import_server_modules() -> None:
+    import uvicorn  # noqa: F401
+
+    import serval.server.app  # noqa: F401
+    import serval.server.connections  # noqa: F401
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -91,8 +92,9 @@ def _alive(pid: int) -> bool:
 class CoreProcessClient(EngineClient):
     """The front end in this process (tokenize, detokenize, stop strings, outputs), the core in another."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        """Starts the core process and returns once it has loaded the model (raises RuntimeError if it fails)."""
+    def __init__(self, config: EngineConfig, while_loading: Callable[[], None] | None = None) -> None:
+        """Starts the core process and returns once it has loaded the model (raises RuntimeError if it fails);
+        ``while_loading``, the caller's own start (the HTTP server's imports), runs here meanwhile."""
         super().__init__()
         self.config = config
         self.context_policy = config.context_policy
@@ -123,6 +125,8 @@ class CoreProcessClient(EngineClient):
             # The front end (its checks, the tokenizer: seconds for a GGUF's first conversion) while the core loads.
             self.front = FrontEnd(config)
             self.tokenizer, self.sampling_defaults = self.front.tokenizer, self.front.sampling_defaults
+            if while_loading is not None:
+                while_loading()
             info = self._wait_ready()
         except BaseException:
             self._close(kill=True)
@@ -138,8 +142,8 @@ class CoreProcessClient(EngineClient):
         self._thread = threading.Thread(target=self._read_outputs, name="serval-core-outputs", daemon=True)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> CoreProcessClient:
-        return cls(config)
+    def from_config(cls, config: EngineConfig, while_loading: Callable[[], None] | None = None) -> CoreProcessClient:
+        return cls(config, while_loading)
 
     def _wait_ready(self) -> EngineCoreInfo:
         while True:

@@ -273,6 +273,22 @@ def test_a_core_that_cannot_load_is_an_error_naming_the_cause(monkeypatch):
     assert len(started) == 1 and started[0].wait(10) is not None
 
 
+@pytest.mark.slow
+@requires_model
+def test_the_callers_start_runs_while_the_core_loads(monkeypatch):
+    """`serve` imports its HTTP server while the core process loads, not before that process starts."""
+    started, seen = [], []
+    real_popen = core_client.subprocess.Popen
+    monkeypatch.setattr(core_client.subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k))
+                        or started[-1])
+    client = CoreProcessClient.from_config(_config(), while_loading=lambda: seen.append(
+        (len(started), started[0].poll())))
+    try:
+        assert seen == [(1, None)]  # once, the core's process started and running
+    finally:
+        client.shutdown()
+
+
 def test_frames_round_trip():
     params = SamplingParams(temperature=0.5, top_k=5, seed=3, stop=["\n\n"], stop_token_ids=[2], max_tokens=9,
                             logit_bias={17: -100.0, 49151: 5.5}, logprobs=2, prompt_logprobs=0)
