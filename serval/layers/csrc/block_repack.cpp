@@ -11,8 +11,49 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#if defined(__SSSE3__)
+#include <immintrin.h>
+#endif
 
 namespace {
+
+#if defined(__SSSE3__)
+// Byte b of row c → byte c of row b, for 16 rows of 16 bytes: four rounds of interleaving (8, 16, 32, 64 bits).
+inline void transpose_16x16(const __m128i in[16], __m128i out[16]) {
+  __m128i s1[16], s2[16], s3[16];
+  for (int i = 0; i < 8; i++) {  // s1[8 h + i]: rows 2 i, 2 i + 1; bytes 8 h to 8 h + 7
+    s1[i] = _mm_unpacklo_epi8(in[2 * i], in[2 * i + 1]);
+    s1[i + 8] = _mm_unpackhi_epi8(in[2 * i], in[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; h++) {  // s2[4 m + i]: rows 4 i to 4 i + 3; bytes 4 m to 4 m + 3
+    for (int i = 0; i < 4; i++) {
+      s2[h * 8 + i] = _mm_unpacklo_epi16(s1[h * 8 + 2 * i], s1[h * 8 + 2 * i + 1]);
+      s2[h * 8 + i + 4] = _mm_unpackhi_epi16(s1[h * 8 + 2 * i], s1[h * 8 + 2 * i + 1]);
+    }
+  }
+  for (int m = 0; m < 4; m++) {  // s3[2 d + i]: rows 8 i to 8 i + 7; bytes 2 d, 2 d + 1
+    for (int i = 0; i < 2; i++) {
+      s3[m * 4 + i] = _mm_unpacklo_epi32(s2[m * 4 + 2 * i], s2[m * 4 + 2 * i + 1]);
+      s3[m * 4 + i + 2] = _mm_unpackhi_epi32(s2[m * 4 + 2 * i], s2[m * 4 + 2 * i + 1]);
+    }
+  }
+  for (int d = 0; d < 8; d++) {
+    out[2 * d] = _mm_unpacklo_epi64(s3[2 * d], s3[2 * d + 1]);
+    out[2 * d + 1] = _mm_unpackhi_epi64(s3[2 * d], s3[2 * d + 1]);
+  }
+}
+
+// BlockWeight's 16 nibble bytes (byte i: codes i and i + 16) → a panel column's (byte i: codes 2 i and 2 i + 1).
+inline __m128i nibble_pairs(__m128i b) {
+  const __m128i evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+  const __m128i odds = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i e = _mm_shuffle_epi8(b, evens), o = _mm_shuffle_epi8(b, odds);
+  const __m128i first = _mm_or_si128(_mm_and_si128(e, low), _mm_slli_epi16(_mm_and_si128(o, low), 4));
+  const __m128i second = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(e, 4), low), _mm_andnot_si128(low, o));
+  return _mm_unpacklo_epi64(first, second);
+}
+#endif
 
 // A block's 32 codes (below 2^(4 + e)) in BlockWeight's packing: byte i of the first 16 holds code i (low nibble)
 // and code i + 16 (high); then 4 e bytes of the bits above the nibbles, code k's at bit e (k % (8 / e)) of byte
@@ -85,6 +126,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& r
           supers_out[0] = d;
           supers_out[1] = dmin ^ 0x8000;  // -dmin: the sign bit flipped, as float16 negation does
           const uint8_t* qs = b + bytes - 128;
+#if defined(__SSSE3__)
+          const __m128i low = _mm_set1_epi8(0x0F);
+          const __m128i qh0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16));
+          const __m128i qh1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32));
+          for (int sub = 0; sub < 8; sub++) {
+            const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (sub / 2)));
+            const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (sub / 2) + 16));
+            const __m128i nibbles = sub % 2 == 0
+                ? _mm_or_si128(_mm_and_si128(first, low), _mm_slli_epi16(_mm_and_si128(second, low), 4))
+                : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), low), _mm_andnot_si128(low, second));
+            uint8_t* out = dst_packed + (block0 + sub) * packed_bytes;
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out), nibbles);
+            if (e == 1) {  // bit s of byte 16 + i → bit i of the 32-bit little-endian word after the nibbles
+              const uint32_t bits = static_cast<uint32_t>(_mm_movemask_epi8(_mm_slli_epi16(qh0, 7 - sub))) |
+                                    static_cast<uint32_t>(_mm_movemask_epi8(_mm_slli_epi16(qh1, 7 - sub))) << 16;
+              std::memcpy(out + 16, &bits, 4);
+            }
+            k_scale_min(b + 4, sub, dst_scales + (block0 + sub) * 2, dst_scales + (block0 + sub) * 2 + 1);
+          }
+          continue;
+#endif
           for (int sub = 0; sub < 8; sub++) {  // byte 32 j + i: weight i of sub-blocks 2 j (low nibble) and 2 j + 1
             const int shift = 4 * (sub % 2);
             for (int i = 0; i < 32; i++) q[i] = (qs[32 * (sub / 2) + i] >> shift) & 15;
@@ -95,6 +157,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& r
             k_scale_min(b + 4, sub, dst_scales + (block0 + sub) * 2, dst_scales + (block0 + sub) * 2 + 1);
           }
         } else {  // 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, float16 d
+          std::memcpy(dst_scales + block0 * 2, b + 192, 16);
+          std::memcpy(supers_out, b + 208, 2);
+#if defined(__SSSE3__)
+          const __m128i low = _mm_set1_epi8(0x0F), two_bits = _mm_set1_epi8(3);
+          const __m128i by_4 = _mm_setr_epi8(1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4);
+          const __m128i by_16 = _mm_setr_epi16(1, 16, 1, 16, 1, 16, 1, 16);
+          for (int h = 0; h < 2; h++) {
+            for (int quarter = 0; quarter < 4; quarter++) {  // weight 128 h + 32 quarter + i
+              const uint8_t* ql = b + 64 * h + 32 * (quarter % 2);
+              const uint8_t* qh = b + 128 + 32 * h;
+              const int shift = 4 * (quarter / 2);
+              const __m128i first = _mm_and_si128(
+                  _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)), shift), low);
+              const __m128i second = _mm_and_si128(
+                  _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16)), shift), low);
+              uint8_t* out = dst_packed + (block0 + 4 * h + quarter) * packed_bytes;
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_or_si128(first, _mm_slli_epi16(second, 4)));
+              // the 2-bit pairs of codes 4 j to 4 j + 3 → byte 16 + j: x0 + 4 x1 + 16 x2 + 64 x3
+              __m128i pairs[2];
+              for (int half = 0; half < 2; half++) {
+                const __m128i x = _mm_and_si128(
+                    _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * half)), 2 * quarter),
+                    two_bits);
+                pairs[half] = _mm_madd_epi16(_mm_maddubs_epi16(x, by_4), by_16);
+              }
+              const __m128i words = _mm_packs_epi32(pairs[0], pairs[1]);
+              _mm_storel_epi64(reinterpret_cast<__m128i*>(out + 16), _mm_packus_epi16(words, words));
+            }
+          }
+          continue;
+#endif
           for (int h = 0; h < 2; h++) {
             for (int quarter = 0; quarter < 4; quarter++) {  // weight 128 h + 32 quarter + i
               const uint8_t* ql = b + 64 * h + 32 * (quarter % 2);
@@ -104,8 +197,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& r
               pack_codes(q, e, dst_packed + (block0 + 4 * h + quarter) * packed_bytes);
             }
           }
-          std::memcpy(dst_scales + block0 * 2, b + 192, 16);
-          std::memcpy(supers_out, b + 208, 2);
         }
       }
     }
@@ -159,6 +250,25 @@ void block_panels_(const at::Tensor& packed, const at::Tensor& scales, const c10
     for (int64_t p = begin; p < end; p++) {
       for (int64_t g = 0; g < groups; g++) {
         uint8_t* out = dst + (p * groups + g) * nb * 16;
+#if defined(__SSSE3__)
+        // 16 bytes of each of the 16 columns at a time, transposed: the first 16 (the nibbles, re-paired; q8's
+        // first half), then the last 16, of which the bytes past the first 16 are kept
+        __m128i columns[16], panel_rows[16];
+        for (int64_t start : {int64_t{0}, nb - 16}) {
+          for (int64_t c = 0; c < 16; c++) {
+            const int64_t row = p * 16 + c;
+            columns[c] = row < n ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + row * stride0 +
+                                                                                    g * stride1 + start))
+                                 : _mm_setzero_si128();
+            if (start == 0 && !q8) columns[c] = nibble_pairs(columns[c]);
+          }
+          transpose_16x16(columns, panel_rows);
+          for (int64_t b = start == 0 ? 0 : 32 - nb; b < 16; b++) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (start + b) * 16), panel_rows[b]);
+          }
+          if (nb == 16) break;
+        }
+#else
         for (int64_t c = 0; c < 16; c++) {
           const int64_t row = p * 16 + c;
           if (row >= n) {  // rows past the weight's: zero weights
@@ -178,6 +288,7 @@ void block_panels_(const at::Tensor& packed, const at::Tensor& scales, const c10
           }
           for (int64_t b = 16; b < nb; b++) out[b * 16 + c] = block[b];
         }
+#endif
         if (k_format) continue;
         uint8_t* out_scales = dst_scales + (p * groups + g) * k * 16 * width;
         for (int64_t c = 0; c < 16; c++) {
