@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import re
+import warnings
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
@@ -224,15 +225,25 @@ class GGUFModelFile:
                     or name.endswith("mlp.gate.weight")):
                 continue
             in_features, out_features = (int(d) for d in tensor.shape)
-            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-            _drop_pages(tensor.data)
+            if qtype.name in _K_QUANTS and cpu_kernels.for_device(torch.device("cpu")) is not None:
+                raw = _file_bytes(tensor.data)  # the kernel copies them out of the map: no copy of them first
+            else:  # the blocks' views of these bytes are kept
+                raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
             block = _SUPER_BLOCK if qtype.name.endswith("_K") else 32
             weight = _to_block_weight(qtype.name, raw.reshape(out_features, in_features // block, -1), in_features)
+            _drop_pages(tensor.data)
             if self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_heads)
             elif self.architecture in _ROPE_PERMUTED and name.endswith("k_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_kv_heads)
             yield name, weight
+
+
+def _file_bytes(view: np.ndarray) -> torch.Tensor:
+    """A tensor over ``view``, bytes of the read-only memory map, to be read only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(view)
 
 
 def _drop_pages(view: np.ndarray) -> None:
