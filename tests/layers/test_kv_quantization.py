@@ -115,3 +115,13 @@ def _with_real_caches(cache):
     def call(q, k, v, _k_cache, _v_cache, meta, scale):
         return paged_attention(q, k, v, cache[0], cache[1], meta, scale)
     return call
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_a_cpu_kv_cache_is_zeros_in_one_block_of_memory_on_a_cache_line(dtype):
+    """Made by the OS's zeroed pages (no 1 GiB of zeros written at start), it is still torch.zeros's tensor."""
+    cache = new_kv_cache(2, 5, 16, 3, 64, dtype, "cpu")
+    want = torch.zeros(2, 2, 5, 16, 3, 64 + (4 if dtype in (torch.int8, torch.float8_e4m3fn) else 0), dtype=dtype)
+    assert cache.dtype == dtype and cache.shape == want.shape and cache.is_contiguous()
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8)) and cache.data_ptr() % 64 == 0
+    cache[1, 1, 4, 15, 2, -1] = 1  # writable to its last element
