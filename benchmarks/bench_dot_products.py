@@ -1,12 +1,13 @@
-"""The block kernel's two ways to multiply bfloat16 activations with q4/q8 blocks (EngineConfig.block_dot_products):
-float32 FMAs on the decoded weights ("fma", csrc/panel_linear.cpp) against bfloat16 dot products on the codes
-("bf16", csrc/bf16_dot_linear.cpp). One thread, its CPU time (time.thread_time), the two alternated in one process,
-medians of rounds, so that other work on a shared machine moves the ratios little.
+"""The block kernel's two ways to multiply bfloat16 activations with q4, q4k, q6k and q8 blocks
+(EngineConfig.block_dot_products): float32 FMAs on the decoded weights ("fma", csrc/panel_linear.cpp) against
+bfloat16 dot products on the codes ("bf16", csrc/bf16_dot_linear.cpp). One thread, its CPU time (time.thread_time),
+the two alternated in one process, medians of rounds, so that other work on a shared machine moves the ratios little.
 
-    .venv/bin/python benchmarks/bench_dot_products.py [--rows 1,4,16,64,128] [--batch 1,16] [--rounds 5]
+    .venv/bin/python benchmarks/bench_dot_products.py [--model F.gguf] [--rows 1,4,16,64,128] [--batch 1,16]
+        [--rounds 5]
 
-1. The embedded model's distinct linears (layer 0's fused q/k/v, o, gate/up, down, and the Q8_0 head) at each row
-   count: microseconds a call, fma -> bf16.
+1. The model's (default: the embedded one's) distinct linears (layer 0's fused q/k/v, o, gate/up, down, the
+   head, and any other block formats' in later layers) at each row count: microseconds a call, fma -> bf16.
 2. The offline decode step (LLMEngine, greedy, speculation off) at each batch size: milliseconds a step, and
    whether the two kernels' greedy tokens agree (they differ in float32 rounding, so near-ties may part).
 """
@@ -83,6 +84,7 @@ def bench_steps(engine: LLMEngine, batch: int, steps: int, rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a GGUF file or model directory (default: the embedded model)")
     parser.add_argument("--rows", default="1,4,16,64,128")
     parser.add_argument("--batch", default="1,16")
     parser.add_argument("--rounds", type=int, default=5)
@@ -90,7 +92,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {describe_hardware()}; 1 thread", flush=True)
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", speculative=SpeculativeConfig(method=None)))
+    model = {} if args.model is None else {"model": args.model}
+    engine = LLMEngine(EngineConfig(**model, dtype="bfloat16", speculative=SpeculativeConfig(method=None)))
     print(f"--block-dot-products auto chose {engine.core.dot_products} here", flush=True)
     if not cpu_kernels.load() or not cpu_kernels.load().block_bf16_dot_kernel_available():
         raise SystemExit("no bfloat16 dot-product kernel on this CPU (it needs AVX-512 BF16)")

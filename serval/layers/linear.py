@@ -415,7 +415,7 @@ def _as_floats(scales: torch.Tensor, fmt: str) -> torch.Tensor:
     return scales.view(torch.float32 if fmt in FLOAT32_SCALES else torch.float16)
 
 
-BF16_DOT_FORMATS = ("q4", "q4k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
+BF16_DOT_FORMATS = ("q4", "q4k", "q6k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
 # How csrc/decoder_layers.cpp's PanelLinear multiplies a part.
 MULTIPLY_FMA, MULTIPLY_BF16_DOT, MULTIPLY_INT8 = 0, 1, 2
 
@@ -460,8 +460,8 @@ class BlockQuantLinear(nn.Module):
         # from the three settings below.
         self.kernel = None
         self._kernels_module = None
-        # "bf16": bfloat16 activations times q4, q4k and q8 blocks by bfloat16 dot products; set by use_dot_products
-        # (EngineConfig.block_dot_products)
+        # "bf16": bfloat16 activations times q4, q4k, q6k and q8 blocks by bfloat16 dot products; set by
+        # use_dot_products (EngineConfig.block_dot_products)
         self._dot_products = "fma"
         # float32 results where the kernel computes them so (the logits: in bfloat16, scores 1/8 apart tie)
         self._float_output = False
@@ -641,7 +641,7 @@ def use_activation_quantization(model: nn.Module, method: str) -> int:
 
 
 def use_dot_products(model: nn.Module, choice: str) -> str:
-    """Sets how ``model``'s block linears multiply bfloat16 activations with q4, q4k and q8 blocks
+    """Sets how ``model``'s block linears multiply bfloat16 activations with q4, q4k, q6k and q8 blocks
     (EngineConfig.block_dot_products): "fma", float32 FMAs on the decoded weights; "bf16", bfloat16 dot products
     on the codes; "auto", "bf16" where it measured faster on this CPU (``bf16_dot_products_faster``). Returns the
     choice made ("fma" where the model has no such linear on the CPU or the kernel was not compiled)."""

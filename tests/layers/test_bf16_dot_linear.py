@@ -1,5 +1,6 @@
 """The block kernel's bfloat16 dot products (csrc/bf16_dot_linear.cpp, EngineConfig.block_dot_products "bf16"):
-bfloat16 activations times the q4, q4k and q8 codes, exact products summed in float32, the scales once per block.
+bfloat16 activations times the q4, q4k, q6k and q8 codes, exact products summed in float32, the scales once per block
+(q6k: per sub-block of 16).
 Against float64 on the same weights it errs by float32 rounding only, as the float32 FMA kernel does; a row alone
 equals the row in any batch (the in-register path up to 6 rows and the decoded-once path above it run the same
 steps); and BlockQuantLinear takes it only where it was chosen (use_dot_products)."""
@@ -30,7 +31,7 @@ def reference(weight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 37])
 @pytest.mark.parametrize("shape", [(200, 576), (37, 80)])  # a short last panel; a K the blocks pad
 def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, rows, shape):
@@ -53,7 +54,7 @@ def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, ro
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_row_is_the_same_whatever_the_batch(fmt, threads):
     """Rows 0-39 in batches of every size from 1 to 40 (the 6-row tile, its remainders and the decoded-once path),
@@ -80,15 +81,15 @@ def test_bad_calls_are_refused():
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernels.block_panel_linear_bf16_dot(torch.ones(2, 64), *panels, "q4", 64, False)
     q5 = random_blocks("Q5_1", 64, 64)
-    with pytest.raises(RuntimeError, match="q4, q4k or q8"):
+    with pytest.raises(RuntimeError, match="q4, q4k, q6k or q8"):
         kernels.block_panel_linear_bf16_dot(torch.ones(2, 64, dtype=torch.bfloat16), *q5.panels(), q5.format, 64,
                                             False)
 
 
 @needs_bf16_dot
 def test_the_linear_takes_the_kernel_it_is_set_to():
-    """use_dot_products sets every q4/q4k/q8 block linear; "bf16" gives the dot-product kernel's bits for bfloat16 rows
-    (float32 rows stay on the FMA kernel: their rounding to bfloat16 would change the numerics), "fma" the FMA
+    """use_dot_products sets every q4/q4k/q6k/q8 block linear; "bf16" gives the dot-product kernel's bits for bfloat16
+    rows (float32 rows stay on the FMA kernel: their rounding to bfloat16 would change the numerics), "fma" the FMA
     kernel's; "auto" resolves to one of them; other names are refused."""
     weight = random_blocks("q4", 96, 576, seed=5)
     model = torch.nn.Sequential(BlockQuantLinear(weight))

@@ -1,16 +1,20 @@
-// y = x W^T for bfloat16 activations on panel_linear.cpp's q4, q4k and q8 blocks (the same panel bytes and scales), with
+// y = x W^T for bfloat16 activations on panel_linear.cpp's q4, q4k, q6k and q8 blocks (the same panel bytes and scales), with
 // AVX-512 BF16 dot products: vdpbf16ps does two multiply-adds per 32-bit lane and instruction where a float32 FMA
 // does one, and its codes take 4 vector instructions a pair of input positions to form where panel_linear.cpp's
 // float32 weights take 7 (measured on an AMD EPYC Zen 4: benchmarks/README.md, "bfloat16 dot products").
 //
-// Nothing is rounded before the sums: the file's integer codes are bfloat16 values exactly (q8: |q| <= 128; q4 as
+// Nothing is rounded before the sums: the file's integer codes are bfloat16 values exactly (q8: |q| <= 128; q4, q6k as
 // 128 + q, whose 7 mantissa bits are q), a bfloat16 activation times such a code is exact in float32, and the scales
-// are applied once per block. Per row, block b of 32 inputs and output n (every step float32, from y = 0):
+// are applied once per block (q6k: per half block, its sub-blocks of 16). Per row, block b of 32 inputs and output n
+// (every step float32, from y = 0):
 //   s = 16 steps s = vdpbf16ps(s, (c_2p, c_2p+1), (x_2p, x_2p+1)) over the pairs p in order, from s = 0
 //   q8 (w = d q, c = q):                    y = fma(d, s, y)
 //   q4, q4k (w = d q + m, c = 128 + q):     y = fma(d, s, y); y = fma(m - 128 d, xsum_b, y)
-// (q4k: d and m are the super-block's float16 d and -dmin times the block's 6-bit sc and mn, exact in float32.)
-// over the blocks in order, with xsum_b the row's block sum (one fixed reduction). So a row's bits depend on its own
+//   q6k (w = d (q - 32), c = 128 + q):      per half h, s over its 8 pairs: y = fma(d_h, s, y); y = fma(-160 d_h, xsum_bh, y)
+// (q4k: d and m are the super-block's float16 d and -dmin times the block's 6-bit sc and mn, exact in float32; q6k:
+// d_h is the super-block's d times the half's int8 sc, and -160 d_h, both exact.)
+// over the blocks in order, with xsum_b (xsum_bh) the row's sum over the block (half block), one fixed reduction. So
+// a row's bits depend on its own
 // values only, whatever the number of rows, the tile or the thread: the decoded-in-registers path (few rows) and the
 // decoded-once path (many) run the same steps. They differ from panel_linear.cpp's float32 chain by float32
 // rounding alone (tests/layers/test_bf16_dot_linear.py).
@@ -37,6 +41,8 @@ using namespace serval_blocks;
 constexpr int64_t kLanes = 16, kCols = 2 * kLanes;  // a tile: two panels of 16 columns side by side
 constexpr int kTileRows = 6;  // 12 sums + 12 block sums + 2 code vectors + a broadcast of 32 registers
 constexpr int kPairs = kBlock / 2;
+// Runs of pairs that share a scale: q6k's two sub-blocks of 16 positions, the others' whole block.
+constexpr int halves(int f) { return f == kQ6K ? 2 : 1; }
 
 inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
@@ -49,6 +55,15 @@ inline __m512i pair_codes(const uint8_t* q, int pair) {
     const __m512i b = _mm512_cvtepu8_epi32(load_bytes(q + pair * 16));
     const __m512i nibbles = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F),
                                                       0xA8);  // (A | B) & C
+    if constexpr (F == kQ6K) {
+      // Bits 4-5 of positions 2p and 2p + 1 lie in row 16 + p / 2 at bits 4 (p % 2) and 4 (p % 2) + 2: moved to
+      // bits 4-5 and 20-21 of the lane, above the nibbles.
+      const __m512i h = _mm512_cvtepu8_epi32(load_bytes(q + (16 + pair / 2) * 16));
+      const __m512i even = pair % 2 ? h : _mm512_slli_epi32(h, 4);
+      const __m512i odd = _mm512_slli_epi32(h, pair % 2 ? 14 : 18);
+      const __m512i top = _mm512_ternarylogic_epi32(even, odd, _mm512_set1_epi32(0x00300030), 0xA8);
+      return _mm512_ternarylogic_epi32(nibbles, top, _mm512_set1_epi32(0x43004300), 0xFE);  // A | B | C
+    }
     return _mm512_or_si512(nibbles, _mm512_set1_epi32(0x43004300));
   } else {  // q8: rows 2p and 2p + 1; an integer of at most 8 bits is a float32 whose high half is its bfloat16
     const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(q + 2 * pair * 16))));
@@ -58,7 +73,7 @@ inline __m512i pair_codes(const uint8_t* q, int pair) {
   }
 }
 
-inline __m512 halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 float16s(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 unsigned_bytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load_bytes(p))); }
 
 // The panels of a weight: panel P's block g starts at packed + (P G + g) block_bytes; its scales at
@@ -67,27 +82,32 @@ inline __m512 unsigned_bytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm51
 struct Panels {
   const uint8_t* packed;
   const uint8_t* scales;
-  int64_t groups, block_bytes, scale_bytes;
+  int64_t groups, block_bytes, scale_bytes, super_block_bytes;
   const uint8_t* codes(int64_t tile, int c, int64_t g) const { return packed + ((2 * tile + c) * groups + g) * block_bytes; }
   const uint8_t* scale(int64_t tile, int c, int64_t g) const { return scales + ((2 * tile + c) * groups + g) * scale_bytes; }
   const uint8_t* super_block(int64_t tile, int c, int64_t g) const {
-    return scales + (((2 * tile + c) * groups + g) / kSuperBlocks) * super_bytes(kQ4K);
+    return scales + (((2 * tile + c) * groups + g) / kSuperBlocks) * super_block_bytes;
   }
 };
 
-// A block's scales for one panel: d, and for q4 and q4k m - 128 d (one rounding), the coefficient of the row's block
-// sum.
+// A block's (q6k: half block's) scales for one panel: d, and for q4 and q4k m - 128 d (one rounding), for q6k -160 d
+// (exact), the coefficient of the row's sum over it.
 template <int F>
-inline void panel_scales(const Panels& w, int64_t tile, int c, int64_t g, __m512& d, __m512& offset) {
-  if constexpr (F == kQ4K) {
+inline void panel_scales(const Panels& w, int64_t tile, int c, int64_t g, int half, __m512& d, __m512& offset) {
+  if constexpr (F == kQ6K) {
+    const uint8_t* super = w.super_block(tile, c, g);
+    const uint8_t* block = super + super_rows(kQ6K) * 32 + (g % kSuperBlocks) * scale_rows(kQ6K) * 16;
+    d = _mm512_mul_ps(float16s(super), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(block + half * 16))));
+    offset = _mm512_mul_ps(d, _mm512_set1_ps(-160.f));
+  } else if constexpr (F == kQ4K) {
     const uint8_t* super = w.super_block(tile, c, g);
     const uint8_t* block = super + super_rows(kQ4K) * 32 + (g % kSuperBlocks) * scale_rows(kQ4K) * 16;
-    d = _mm512_mul_ps(halves(super), unsigned_bytes(block));
-    offset = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), _mm512_mul_ps(halves(super + 32), unsigned_bytes(block + 16)));
+    d = _mm512_mul_ps(float16s(super), unsigned_bytes(block));
+    offset = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), _mm512_mul_ps(float16s(super + 32), unsigned_bytes(block + 16)));
   } else {
     const uint8_t* s = w.scale(tile, c, g);
-    d = halves(s);
-    offset = F == kQ4 ? _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), halves(s + 32)) : _mm512_setzero_ps();
+    d = float16s(s);
+    offset = F == kQ4 ? _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), float16s(s + 32)) : _mm512_setzero_ps();
   }
 }
 
@@ -97,8 +117,8 @@ template <int F>
 struct FromPanels {
   const Panels& w;
   int64_t tile, ahead;
-  void scales(int64_t g, __m512 d[2], __m512 offset[2]) const {
-    for (int c = 0; c < 2; ++c) panel_scales<F>(w, tile, c, g, d[c], offset[c]);
+  void scales(int64_t g, int half, __m512 d[2], __m512 offset[2]) const {
+    for (int c = 0; c < 2; ++c) panel_scales<F>(w, tile, c, g, half, d[c], offset[c]);
   }
   // Asks for the same block of the tile ``ahead`` while this one computes (panel_linear.cpp's prefetch_block).
   __attribute__((always_inline)) void prefetch(int64_t g) const {
@@ -113,12 +133,13 @@ struct FromPanels {
   __m512i codes(int64_t g, int pair, int c) const { return pair_codes<F>(w.codes(tile, c, g), pair); }
 };
 
-// A tile decoded: per block, its 16 pairs' code vectors [16][2] and its scales [2 (d, offset)][2][16].
-constexpr int64_t kBufferedBlock = kPairs * kCols + 2 * kCols;  // 32-bit words
+// A tile decoded: per block, its 16 pairs' code vectors [16][2] and per half its scales [2 (d, offset)][2][16].
+constexpr int64_t buffered_block(int f) { return kPairs * kCols + halves(f) * 2 * kCols; }  // 32-bit words
+template <int F>
 struct FromBuffer {
   const uint32_t* tile;
-  void scales(int64_t g, __m512 d[2], __m512 offset[2]) const {
-    const float* s = reinterpret_cast<const float*>(tile + g * kBufferedBlock + kPairs * kCols);
+  void scales(int64_t g, int half, __m512 d[2], __m512 offset[2]) const {
+    const float* s = reinterpret_cast<const float*>(tile + g * buffered_block(F) + kPairs * kCols + half * 2 * kCols);
     for (int c = 0; c < 2; ++c) {
       d[c] = _mm512_loadu_ps(s + c * kLanes);
       offset[c] = _mm512_loadu_ps(s + kCols + c * kLanes);
@@ -126,23 +147,25 @@ struct FromBuffer {
   }
   void prefetch(int64_t) const {}
   __m512i codes(int64_t g, int pair, int c) const {
-    return _mm512_loadu_si512(tile + g * kBufferedBlock + (pair * 2 + c) * kLanes);
+    return _mm512_loadu_si512(tile + g * buffered_block(F) + (pair * 2 + c) * kLanes);
   }
 };
 
 template <int F>
 void decode_tile(const Panels& w, int64_t tile, uint32_t* out) {
   for (int64_t g = 0; g < w.groups; ++g) {
-    uint32_t* block = out + g * kBufferedBlock;
+    uint32_t* block = out + g * buffered_block(F);
     for (int pair = 0; pair < kPairs; ++pair)
       for (int c = 0; c < 2; ++c)
         _mm512_storeu_si512(block + (pair * 2 + c) * kLanes, pair_codes<F>(w.codes(tile, c, g), pair));
-    float* s = reinterpret_cast<float*>(block + kPairs * kCols);
-    for (int c = 0; c < 2; ++c) {
-      __m512 d, offset;
-      panel_scales<F>(w, tile, c, g, d, offset);
-      _mm512_storeu_ps(s + c * kLanes, d);
-      _mm512_storeu_ps(s + kCols + c * kLanes, offset);
+    for (int half = 0; half < halves(F); ++half) {
+      float* s = reinterpret_cast<float*>(block + kPairs * kCols + half * 2 * kCols);
+      for (int c = 0; c < 2; ++c) {
+        __m512 d, offset;
+        panel_scales<F>(w, tile, c, g, half, d, offset);
+        _mm512_storeu_ps(s + c * kLanes, d);
+        _mm512_storeu_ps(s + kCols + c * kLanes, offset);
+      }
     }
   }
 }
@@ -150,34 +173,39 @@ void decode_tile(const Panels& w, int64_t tile, uint32_t* out) {
 inline void store_out(float* y, __m512 v, int64_t count) { _mm512_mask_storeu_ps(y, serval::first_mask16(count), v); }
 inline void store_out(uint16_t* y, __m512 v, int64_t count) { serval::store_bfloat16(y, v, count); }
 
-// R rows (x bfloat16 with ldx per row, xsum [R][G] their block sums) times one tile's columns n0 ...
+// R rows (x bfloat16 with ldx per row, xsum [R][G halves(F)] their block (half block) sums) times one tile's columns
+// n0 ...
 template <int F, int R, typename Source, typename Out>
 void tile_rows(const Source& source, int64_t groups, const uint16_t* x, int64_t ldx, const float* xsum, Out* y,
                int64_t N, int64_t n0) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  constexpr int H = halves(F), kRun = kPairs / H;
   for (int64_t g = 0; g < groups; ++g) {
     source.prefetch(g);
-    __m512 sums[R][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
     const uint16_t* xg = x + g * kBlock;
-    for (int pair = 0; pair < kPairs; ++pair) {
-      const __m512bh codes[2] = {(__m512bh)source.codes(g, pair, 0), (__m512bh)source.codes(g, pair, 1)};
-      for (int r = 0; r < R; ++r) {
-        int32_t word;
-        std::memcpy(&word, xg + r * ldx + 2 * pair, sizeof(word));
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(word);
-        for (int c = 0; c < 2; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], codes[c], xb);
+    for (int half = 0; half < H; ++half) {
+      __m512 sums[R][2];
+      for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+      for (int pair = half * kRun; pair < (half + 1) * kRun; ++pair) {
+        const __m512bh codes[2] = {(__m512bh)source.codes(g, pair, 0), (__m512bh)source.codes(g, pair, 1)};
+        for (int r = 0; r < R; ++r) {
+          int32_t word;
+          std::memcpy(&word, xg + r * ldx + 2 * pair, sizeof(word));
+          const __m512bh xb = (__m512bh)_mm512_set1_epi32(word);
+          for (int c = 0; c < 2; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], codes[c], xb);
+        }
       }
+      // The scales only now: held through the pairs' loop, they left too few registers for the sums (spills).
+      __m512 d[2], offset[2];
+      source.scales(g, half, d, offset);
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 2; ++c) {
+          acc[r][c] = _mm512_fmadd_ps(d[c], sums[r][c], acc[r][c]);
+          if constexpr (F != kQ8)
+            acc[r][c] = _mm512_fmadd_ps(offset[c], _mm512_set1_ps(xsum[(r * groups + g) * H + half]), acc[r][c]);
+        }
     }
-    // The scales only now: held through the pairs' loop, they left too few registers for the sums (spills).
-    __m512 d[2], offset[2];
-    source.scales(g, d, offset);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 2; ++c) {
-        acc[r][c] = _mm512_fmadd_ps(d[c], sums[r][c], acc[r][c]);
-        if constexpr (F != kQ8) acc[r][c] = _mm512_fmadd_ps(offset[c], _mm512_set1_ps(xsum[r * groups + g]), acc[r][c]);
-      }
   }
   const int64_t cols = std::min<int64_t>(kCols, N - n0);
   for (int r = 0; r < R; ++r)
@@ -204,16 +232,29 @@ void gemm(const uint16_t* x, int64_t M, int64_t ldx, const float* xsum, const Pa
       return;
     }
     // Many rows: each tile's codes decoded once for all of them.
-    uint32_t* buffer = reinterpret_cast<uint32_t*>(serval::scratch(0, G * kBufferedBlock));
+    uint32_t* buffer = reinterpret_cast<uint32_t*>(serval::scratch(0, G * buffered_block(F)));
+    const int64_t sums_per_row = G * halves(F);
     for (int64_t t = begin; t < end; ++t) {
       decode_tile<F>(w, t, buffer);
-      const FromBuffer source{buffer};
+      const FromBuffer<F> source{buffer};
       int64_t r0 = 0;
       for (; r0 + kTileRows <= M; r0 += kTileRows)
-        tile_rows<F, kTileRows>(source, G, x + r0 * ldx, ldx, xsum + r0 * G, y + r0 * N, N, t * kCols);
-      some_rows<F, kTileRows - 1>(M - r0, source, G, x + r0 * ldx, ldx, xsum + r0 * G, y + r0 * N, N, t * kCols);
+        tile_rows<F, kTileRows>(source, G, x + r0 * ldx, ldx, xsum + r0 * sums_per_row, y + r0 * N, N, t * kCols);
+      some_rows<F, kTileRows - 1>(M - r0, source, G, x + r0 * ldx, ldx, xsum + r0 * sums_per_row, y + r0 * N, N,
+                                  t * kCols);
     }
   });
+}
+
+inline __m512 widened(const uint16_t* p) {  // 16 bfloat16 values as float32: exact
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Each row's sums over its half blocks (q6k), [M][2 G]: the 16 values widened to float32, then
+// _mm512_reduce_add_ps (one fixed tree).
+void half_block_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, float* out) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t h = 0; h < 2 * G; ++h) out[r * 2 * G + h] = _mm512_reduce_add_ps(widened(x + r * ldx + h * kBlock / 2));
 }
 
 // Each row's block sums, [M][G]: the 32 values widened to float32, the two halves added lane by lane, then
@@ -222,9 +263,7 @@ void block_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, float* out
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < G; ++g) {
       const uint16_t* p = x + r * ldx + g * kBlock;
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
-      out[r * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      out[r * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(widened(p), widened(p + 16)));
     }
 }
 #endif
@@ -239,13 +278,13 @@ bool block_bf16_dot_kernel_available() {
 #endif
 }
 
-// x [M, K] bfloat16; panels and scales of format q4 or q8 as block_panel_linear takes them. Returns y [M, N]
+// x [M, K] bfloat16; panels and scales of format q4, q4k, q6k or q8 as block_panel_linear takes them. Returns y [M, N]
 // bfloat16, or float32 with float_output.
 at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                                        const std::string& format, int64_t out_features, bool float_output) {
   const BlockCall call = check_block_call(x, panels, scales, format, out_features);
-  TORCH_CHECK(call.format == kQ4 || call.format == kQ4K || call.format == kQ8,
-              "block_panel_linear_bf16_dot: q4, q4k or q8 blocks, not ", format);
+  TORCH_CHECK(call.format == kQ4 || call.format == kQ4K || call.format == kQ6K || call.format == kQ8,
+              "block_panel_linear_bf16_dot: q4, q4k, q6k or q8 blocks, not ", format);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "block_panel_linear_bf16_dot: x must be bfloat16");
 #if defined(SERVAL_BF16_DOT_KERNEL)
   const int64_t M = call.rows, K = call.in_features, N = call.out_features, G = call.groups, padded = G * kBlock;
@@ -261,13 +300,15 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
     xs = rows;
     ldx = padded;
   }
-  float* xsum = serval::scratch(2, M * G);
-  if (call.format != kQ8) block_sums(xs, M, ldx, G, xsum);
+  float* xsum = serval::scratch(2, M * G * 2);
+  if (call.format == kQ6K) half_block_sums(xs, M, ldx, G, xsum);
+  else if (call.format != kQ8) block_sums(xs, M, ldx, G, xsum);
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), G,
-                 block_rows(call.format) * 16, scale_rows(call.format) * 16 * 2};
+                 block_rows(call.format) * 16, scale_rows(call.format) * 16 * 2, super_bytes(call.format)};
   auto run = [&](auto* y) {
     if (call.format == kQ4) gemm<kQ4>(xs, M, ldx, xsum, w, N, y);
     else if (call.format == kQ4K) gemm<kQ4K>(xs, M, ldx, xsum, w, N, y);
+    else if (call.format == kQ6K) gemm<kQ6K>(xs, M, ldx, xsum, w, N, y);
     else gemm<kQ8>(xs, M, ldx, xsum, w, N, y);
   };
   if (float_output) {

@@ -22,7 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kernel") = "auto", no_gil());
   m.def("block_int8_kernel_available", &block_int8_kernel_available, "whether block_panel_linear_int8 was compiled");
   m.def("block_panel_linear_bf16_dot", &block_panel_linear_bf16_dot,
-        "block_panel_linear for bfloat16 x on q4, q4k and q8 blocks with bfloat16 dot products on the codes", no_gil());
+        "block_panel_linear for bfloat16 x on q4, q4k, q6k and q8 blocks with bfloat16 dot products on the codes", no_gil());
   m.def("block_bf16_dot_kernel_available", &block_bf16_dot_kernel_available,
         "whether block_panel_linear_bf16_dot was compiled (AVX-512 BF16)");
   m.def("block_int8_amx_available", &block_int8_amx_available,

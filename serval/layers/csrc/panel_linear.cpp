@@ -32,7 +32,7 @@
 // benchmarks/README.md: 1.3-2x at 1 to 256 rows with AVX-512, 1-2.7x with AVX2 (equal at one row), on an Intel Xeon.
 // On an AMD Zen 4, whose float32 FMAs run at half the rate of its bfloat16 dot products, bf16_dot_linear.cpp (dot
 // products on the integer codes, into float32 sums per block: no horizontal sums, nothing rounded) is 1.5-1.9x this
-// kernel on q4 and q8 blocks; EngineConfig.block_dot_products picks between them by measurement.
+// kernel on q4, q4k, q6k and q8 blocks; EngineConfig.block_dot_products picks between them by measurement.
 // Batch invariance: row r's output n is acc = fma(x[r][k], w[k][n], acc) for k = 0, 1, ..., K - 1, whatever
 // the number of rows, the tile or the thread: decoding inline (few rows) or into a panel buffer (many) gives
 // the same float32 weights.
