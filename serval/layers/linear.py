@@ -340,12 +340,15 @@ class BlockWeight:
             packed = torch.cat([nibbles, picked[..., 16:]], dim=-1)
         if format in K_FORMATS:
             supers, halves = groups // (SUPER_BLOCK // BLOCK_SIZE), 1 if format == "q6k" else 2
-            per_panel = scales.view(torch.uint8).view(scales.shape[0], supers, -1)
+            # Only the panels the rows are in: reshaping all of them copied a whole head's scales (18 MB at a 128k
+            # vocabulary) for every lookup of an embedding.
+            used, which = torch.unique(panel, return_inverse=True)
+            per_panel = scales.view(torch.uint8).view(scales.shape[0], supers, -1)[used]
             d = per_panel[..., : halves * 32].reshape(-1, supers, halves, 32).view(torch.int16)
-            sub = per_panel[..., halves * 32:].reshape(-1, groups, 2, 16)[panel, :, :, column]
+            sub = per_panel[..., halves * 32:].reshape(-1, groups, 2, 16)[which, :, :, column]
             return BlockWeight(format, packed.contiguous(),
                                sub.view(torch.int8 if format == "q6k" else torch.uint8).contiguous(), in_features,
-                               d[panel, :, :, column].contiguous())
+                               d[which, :, :, column].contiguous())
         bits = torch.int32 if format in FLOAT32_SCALES else torch.int16
         return BlockWeight(format, packed.contiguous(), scales.view(bits)[panel, :, :, column].contiguous(),
                            in_features)
