@@ -69,17 +69,20 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 #   with a busy neighbor:  default 2.2-8.9 (3.1);  spin 1000: 34-43 (39),  10000: 6.5-24;  passive 31-106 (78)
 #   no neighbor:           default 4.2-25 (7.8);   spin 1000: 27-31 (29),  10000: 7.9-19;  passive 43-98 (61)
 #   no neighbor, batch 8:  default 7.0-7.3;        spin 1000: 53-70;                       passive 69-87
-# Passive was the fastest in every case, so no spin at all. (A machine with idle cores of its own was not available
-# to measure: there a short spin may save a wake-up per parallel region; GOMP_SPINCOUNT=N in the environment
-# chooses one.) libgomp reads these once, when it loads with torch, so they are set in the environment before
-# that: by `import serval` in its own process, which the engine core's and the ranks' processes inherit and, fresh
-# interpreters, also run first.
-WAIT_POLICY = {"OMP_WAIT_POLICY": "passive"}
+# Passive was the fastest there. On the same machine idle but for the server (a later sitting), a short spin pays: a
+# sleeping thread's wake-up at each of a decode step's ~100 parallel regions cost a 1B Q4_K_M's one stream 12%.
+# benchmarks/bench_neighbor.py (serve, 1B Q4_K_M, 8 requests of 64 tokens, one round each, tok/s alone / with one
+# busy neighbor): passive 23.7 / 14.1 (one stream), 58.7 / 34.9 (decode-heavy); GOMP_SPINCOUNT=1000 26.6 / 13.6,
+# 60.8 / 34.0; 10000 27.0 / 8.7, 61.5 / 27.3. So a spin of 1000 (a few microseconds): most of the wake-ups saved
+# alone, almost nothing lost beside a neighbor (0.51x alone where 10000 fell to 0.32x). libgomp reads these once,
+# when it loads with torch, so they are set in the environment before that: by `import serval` in its own process,
+# which the engine core's and the ranks' processes inherit and, fresh interpreters, also run first.
+WAIT_POLICY = {"GOMP_SPINCOUNT": "1000"}
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def wait_environment(environ: dict | None = None) -> dict[str, str]:
-    """The variables a process needs in its environment (before torch loads) for passive waits: none where the
+    """The variables a process needs in its environment (before torch loads) for short-spin waits: none where the
     user chose a wait policy or spin count already."""
     environ = os.environ if environ is None else environ
     return {} if any(name in environ for name in _WAIT_VARIABLES) else dict(WAIT_POLICY)
@@ -165,7 +168,7 @@ class ThreadPlan:
     quota: float | None  # CPUs' worth of time the cgroup allows; None: no limit
     omp_num_threads: int | None  # set by the user: taken as it is
     waits: str  # how idle threads wait, and why
-    waits_too_late: bool = False  # torch loaded before `import serval` could ask for passive waits
+    waits_too_late: bool = False  # torch loaded before `import serval` could ask for short-spin waits
 
     def describe(self) -> str:
         """E.g. 'threads: 2 (affinity 2 CPUs, cgroup quota none, OMP_NUM_THREADS unset); waits: passive (...)'."""
@@ -189,8 +192,8 @@ def plan_threads(environ: dict | None = None, affinity: int | None = None, quota
     policy, spin = environ.get("OMP_WAIT_POLICY"), environ.get("GOMP_SPINCOUNT")
     too_late = _waits_too_late if waits_too_late is None else waits_too_late
     if too_late:
-        wait = ("libgomp's default, spin then sleep (torch was imported before serval: set OMP_WAIT_POLICY=passive "
-                "in the environment to wait without spinning)")
+        wait = ("libgomp's default, spin then sleep (torch was imported before serval: set GOMP_SPINCOUNT=1000 "
+                "in the environment for a short spin)")
     elif spin:  # libgomp takes a spin count over the policy
         wait = f"spin {spin} times, then sleep (GOMP_SPINCOUNT={spin})"
     elif policy:
