@@ -1,7 +1,8 @@
-// y = x W^T for bfloat16 activations on panel_linear.cpp's q4, q4k, q6k and q8 blocks (the same panel bytes and scales), with
-// AVX-512 BF16 dot products: vdpbf16ps does two multiply-adds per 32-bit lane and instruction where a float32 FMA
-// does one, and its codes take 4 vector instructions a pair of input positions to form where panel_linear.cpp's
-// float32 weights take 7 (measured on an AMD EPYC Zen 4: benchmarks/README.md, "bfloat16 dot products").
+// y = x W^T for bfloat16 activations on panel_linear.cpp's q4, q4k, q6k and q8 blocks (the same panel bytes and
+// scales), with AVX-512 BF16 dot products: vdpbf16ps does two multiply-adds per 32-bit lane and instruction where a
+// float32 FMA does one, and its q4 codes take 4 vector instructions a pair of input positions to form (2.5 with
+// AVX-512 VBMI, two_pair_codes) where panel_linear.cpp's float32 weights take 7 (measured on an AMD EPYC Zen 4:
+// benchmarks/README.md, "bfloat16 dot products" and "Loading at real sizes").
 //
 // Nothing is rounded before the sums: the file's integer codes are bfloat16 values exactly (q8: |q| <= 128; q4, q6k as
 // 128 + q, whose 7 mantissa bits are q), a bfloat16 activation times such a code is exact in float32, and the scales
