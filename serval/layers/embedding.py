@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serval.layers.linear import BlockWeight, same_width_int
+from serval.layers.linear import BlockWeight, dequantized_panel_rows, same_width_int
 
 
 def dense_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
@@ -49,9 +49,8 @@ class BlockEmbedding(nn.Module):
         return cls(head.formats[0], head.panels0, head.panel_scales0, head.out_features, head.in_features, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = BlockWeight.from_panels(self.format, self.panels, self.scales, input_ids.reshape(-1),
-                                       self.embedding_dim)
-        return rows.dequantize().to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+        rows = dequantized_panel_rows(self.format, self.panels, self.scales, input_ids.reshape(-1), self.embedding_dim)
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
 
 def embedding_dtype(embedding: nn.Module) -> torch.dtype:

@@ -418,6 +418,17 @@ def _as_floats(scales: torch.Tensor, fmt: str) -> torch.Tensor:
     return scales.view(torch.float32 if fmt in FLOAT32_SCALES else torch.float16)
 
 
+def dequantized_panel_rows(format: str, panels: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
+                           in_features: int) -> torch.Tensor:
+    """Rows ``rows`` (int64 ids) of a weight laid out in panels (``BlockWeight.panels``; the scales as stored or as
+    their integer bits), dequantized exactly, float32 [R, in_features]: by the CPU kernel where it runs, else by
+    ``BlockWeight.from_panels``. The same values either way (tests/layers/test_block_quant_linear.py)."""
+    kernels = _panel_kernels(panels.device)
+    if kernels is not None:
+        return kernels.block_panel_rows(panels, _as_floats(scales, format), format, rows, in_features)
+    return BlockWeight.from_panels(format, panels, scales, rows, in_features).dequantize()
+
+
 BF16_DOT_FORMATS = ("q4", "q4k", "q6k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
 # How csrc/decoder_layers.cpp's PanelLinear multiplies a part.
 MULTIPLY_FMA, MULTIPLY_BF16_DOT, MULTIPLY_INT8 = 0, 1, 2

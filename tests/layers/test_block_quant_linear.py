@@ -272,3 +272,23 @@ def test_an_untied_embedding_in_blocks_gives_the_dequantized_rows(fmt):
     embedding = BlockEmbedding.of_blocks(weight, torch.bfloat16)
     ids = torch.tensor([[0, 5], [69, 33]])
     assert torch.equal(embedding(ids), weight.dequantize()[ids].to(torch.bfloat16))
+
+
+@needs_panels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("in_features", [512, 80])  # a K the blocks pad
+def test_the_kernels_rows_of_the_panels_are_the_dequantized_rows(fmt, in_features):
+    """An embedding's lookup by the CPU kernel (csrc/panel_linear.cpp's block_panel_rows) gives each row's weights
+    as dequantize does, bit for bit, as does the PyTorch path it replaces: ids in both panels of a tile, in a short
+    last panel, repeated, and none."""
+    weight = random_blocks(fmt, 70, in_features)
+    panels, scales = weight.panels()
+    ids = torch.tensor([0, 5, 16, 31, 32, 69, 33, 5])
+    want = weight.dequantize()[ids]
+    width = weight.in_features  # (the GGUF formats' random blocks fill whole blocks)
+    got = linear_module.dequantized_panel_rows(weight.format, panels, scales, ids, width)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    by_torch = BlockWeight.from_panels(weight.format, panels, scales, ids, width).dequantize()
+    assert torch.equal(by_torch, want)
+    empty = linear_module.dequantized_panel_rows(weight.format, panels, scales, ids[:0], width)
+    assert empty.shape == (0, width)

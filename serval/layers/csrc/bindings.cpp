@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place, by position", no_gil());
   m.def("silu_and_mul_v16", &silu_and_mul_v16, "silu_and_mul, bfloat16 16 lanes at a time (the same bits)", no_gil());
   m.def("block_panel_linear", &block_panel_linear, "x W^T with W in 16-column panels of blocks (q4, q8)", no_gil());
+  m.def("block_panel_rows", &block_panel_rows, "rows of a weight in panels, dequantized to float32", no_gil());
   m.def("block_panel_kernel_available", &block_panel_kernel_available, "whether block_panel_linear was compiled");
   m.def("dense_panel_linear", &dense_panel_linear, "x W^T with W bfloat16 or float32, given as W^T [K, N]", no_gil());
   m.def("block_panel_linear_int8", &block_panel_linear_int8,

@@ -15,6 +15,8 @@ void quantize_kv_(const at::Tensor& x, at::Tensor cache, const at::Tensor& slot_
 void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& slot_mapping);
 // panel_linear.cpp
+at::Tensor block_panel_rows(const at::Tensor& panels, const at::Tensor& scales, const std::string& format,
+                            const at::Tensor& rows, int64_t in_features);
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                               const std::string& format, int64_t out_features, bool float_output);
 bool block_panel_kernel_available();

@@ -550,6 +550,63 @@ at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
 #endif
 }
 
+// Rows of a weight in panels (block_panel_linear's panels and scales), dequantized to float32 [R, in_features]:
+// row ``rows[r]`` of W, as decode_block gives the weights to the kernel, so the values of BlockWeight.dequantize
+// (one rounding each; tests/layers/test_block_quant_linear.py). An embedding's lookup (layers/embedding.py): each
+// row's blocks are decoded with their tile's other columns and only its own kept, some microseconds a row where
+// the same done by PyTorch ops took half a millisecond for one token.
+at::Tensor block_panel_rows(const at::Tensor& panels, const at::Tensor& scales, const std::string& format,
+                            const at::Tensor& rows, int64_t in_features) {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows: int64 [R]");
+  const at::Tensor ids = rows.contiguous();
+  const int64_t R = ids.size(0), height = panels.size(0) * 16;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < height, "row ", id[r], " is not in the panels");
+  const BlockCall call = check_block_call(at::empty({0, in_features}), panels, scales, format, height);
+  const int f = call.format;
+  at::Tensor out = at::empty({R, in_features}, at::kFloat);
+#if defined(SERVAL_PANEL_KERNEL)
+  TORCH_CHECK(!dense(f), "block_panel_rows reads block formats");
+  const int64_t scale_size = scales.element_size(), groups = call.groups;
+  const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), groups,
+                 block_rows(f) * 16, scale_rows(f) * 16 * scale_size, scale_size,
+                 k_scales(f) ? super_bytes(f) : 0, super_rows(f) * 32};
+  float* y = out.data_ptr<float>();
+  auto decode = [&](auto format) {
+    constexpr int F = decltype(format)::value;
+    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+      alignas(64) float block[kBlock * kCols];
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t tile = id[r] / kCols, column = id[r] % kCols;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* q[2];
+          const uint8_t* s[2];
+          const uint16_t* h[2];
+          w.block(tile, g, q, s, h);
+          decode_block<F>(q, s, h, block);
+          for (int64_t k = 0; k < kBlock && g * kBlock + k < in_features; ++k)
+            y[r * in_features + g * kBlock + k] = block[k * kCols + column];
+        }
+      }
+    });
+  };
+  switch (f) {
+    case kQ8: decode(std::integral_constant<int, kQ8>()); break;
+    case kQ4: decode(std::integral_constant<int, kQ4>()); break;
+    case kQ5: decode(std::integral_constant<int, kQ5>()); break;
+    case kQ4F: decode(std::integral_constant<int, kQ4F>()); break;
+    case kQ5F: decode(std::integral_constant<int, kQ5F>()); break;
+    case kQ6F: decode(std::integral_constant<int, kQ6F>()); break;
+    case kQ4K: decode(std::integral_constant<int, kQ4K>()); break;
+    case kQ5K: decode(std::integral_constant<int, kQ5K>()); break;
+    default: decode(std::integral_constant<int, kQ6K>()); break;
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "block_panel_rows needs AVX2 with FMA and F16C, or AVX-512 (check block_panel_kernel_available())");
+#endif
+}
+
 // x [M, K] (float32 or bfloat16) times a dense weight given as weight_t = W^T [K, N], contiguous, bfloat16 or
 // float32 (Linear's weight laid out for this kernel: layers/linear.py). Each output is one float32 FMA chain over k
 // in order, as the block formats': no row padding. Returns y [M, N] in x's dtype, or float32 with float_output.
