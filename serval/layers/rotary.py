@@ -70,9 +70,9 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
             return
         angles, scale = _angles(head_dim, max_position, theta, scaling)
-        emb = torch.cat([angles, angles], dim=-1).float()
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        angles = angles.float()  # both halves of a row rotate by the same angles: cos and sin of one half, twice
+        self.register_buffer("cos", (angles.cos() * scale).repeat(1, 2), persistent=False)
+        self.register_buffer("sin", (angles.sin() * scale).repeat(1, 2), persistent=False)
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
         """The step's rotation, shared by every layer. The CPU kernel reads the tables by position; the PyTorch

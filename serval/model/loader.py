@@ -35,10 +35,22 @@ from serval.model.parallel import PipelineStage, TensorParallelShard
 
 logger = logging.getLogger(__name__)
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 try:  # glibc's malloc_trim (not on musl or macOS: nothing to trim there)
     _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
 except (OSError, AttributeError):
     _malloc_trim = None
+try:  # glibc 2.33+: the heap's free bytes
+    _mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    _mallinfo2.restype = _MallInfo2
+except (OSError, AttributeError):
+    _mallinfo2 = None
+# Free heap a load keeps for its next tensors before it gives it back (_trim_heap).
+_KEPT_FREE_HEAP = 256 << 20
 
 # ModelConfig.architecture (a GGUF file's, or the family model/hf_config.py reads) → its model definition.
 _MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
@@ -154,18 +166,24 @@ def _dense_weights(path: Path, config: ModelConfig, gguf: GGUFModelFile | None, 
 
 
 def _heap_trimmed(items: Iterator) -> Iterator:
-    """``items``, with the C heap trimmed after each (_trim_heap)."""
+    """``items``, with the C heap trimmed after each once its free part passes _KEPT_FREE_HEAP (_trim_heap)."""
     for item in items:
         yield item
-        _trim_heap()
+        _trim_heap(_KEPT_FREE_HEAP)
 
 
-def _trim_heap() -> None:
-    """Gives the pages of the C heap that are free back to the OS. glibc keeps a freed allocation under its mmap
-    threshold (which grows to 32 MiB as large ones are freed) for reuse, so a load's transient copies, a tensor at a
-    time, would otherwise add up to hundreds of MB of resident memory that nothing uses (measured at 1B: 260 MB)."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+def _trim_heap(keep: int = 0) -> None:
+    """Gives the pages of the C heap that are free back to the OS, if more than ``keep`` bytes are free. glibc keeps
+    a freed allocation under its mmap threshold (which grows to 32 MiB as large ones are freed) for reuse, so a
+    load's transient copies, a tensor at a time, would otherwise add up to hundreds of MB of resident memory that
+    nothing uses (measured at 1B: 260 MB). Trimming after every tensor gave each next one fresh pages to fault in:
+    an 8B Q4_K_M's load took 9.9 s against 6.0 s untrimmed (peak RSS 5.4 against 6.2 GB); keeping up to 256 MiB
+    for reuse, benchmarks/README.md has both ("Loading at real sizes")."""
+    if _malloc_trim is None:
+        return
+    if keep and _mallinfo2 is not None and _mallinfo2().fordblks <= keep:
+        return
+    _malloc_trim(0)
 
 
 def _materialize(model: torch.nn.Module, device: str | torch.device) -> None:

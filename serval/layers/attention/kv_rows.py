@@ -10,8 +10,8 @@ the unquantized keys, so decodes and prefills see the same values.
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 # The 8-bit cache formats: the code dtype and its largest magnitude (a row's largest |value| maps to it).
@@ -36,17 +36,19 @@ def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
 
 
 def _zeros_from_the_os(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU, made by calloc (numpy's zeros): a large one maps fresh pages,
-    which the OS hands out zeroed as each is first written, where torch.zeros writes every byte at once (1 GiB of
-    cache: 1.2 s of a start). Its first byte on a cache line, as torch's allocator places a tensor's (calloc's is 16
-    bytes past a page's start: every row of 128 bfloat16 values would then span five lines instead of four)."""
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, made by an anonymous memory map: fresh pages, which the OS
+    hands out zeroed as each is first written, where torch.zeros writes every byte at once (1 GiB of cache: 1.2 s of
+    a start). In pages of 4 KiB: numpy's zeros (calloc) asked for transparent huge pages, and each first write to a
+    2 MiB page then zeroed all of it, two a layer for a request's first tokens (a 1B's first request: 80 ms against
+    33 for the next, 35 of them in the kernel's clear_page; tests/layers/test_kv_rows.py). Page-aligned, so each
+    row starts on a cache line."""
     nbytes = math.prod(shape) * dtype.itemsize
-    memory = np.zeros(nbytes + _CACHE_LINE, dtype=np.uint8)
-    start = -memory.ctypes.data % _CACHE_LINE
-    return torch.from_numpy(memory[start: start + nbytes]).view(dtype).view(shape)
-
-
-_CACHE_LINE = 64
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # (where the OS gives huge pages unasked)
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
