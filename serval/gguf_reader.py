@@ -30,6 +30,23 @@ DEFAULT_ALIGNMENT = 32
 # Tensor types stored as plain numbers (ggml type → numpy); every other type is blocks of bytes.
 _PLAIN_TENSOR_TYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64,
                        28: np.float64}
+# ggml's tensor types that Serval reads: id → (name, weights a block, bytes a block), as the gguf package's
+# GGMLQuantizationType and GGML_QUANT_SIZES give them (tests/test_gguf_reader.py), without importing that package
+# (0.1 s of every start); other ids are looked up there.
+_GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+               6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84),
+               11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+               24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8)}
+
+
+def ggml_type(tensor_type: int) -> tuple[str, int, int]:
+    """(name, weights a block, bytes a block) of a ggml tensor type id; ValueError for an id ggml does not know."""
+    if tensor_type in _GGML_TYPES:
+        return _GGML_TYPES[tensor_type]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(tensor_type)
+    return (qtype.name, *GGML_QUANT_SIZES[qtype])
 
 
 @dataclass
@@ -179,13 +196,11 @@ class GGUFContents:
 
 def _tensor_bytes(shape: tuple[int, ...], tensor_type: int, path: Path, name: str) -> int:
     """Bytes of a tensor's data in the file."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     count = int(np.prod(shape, dtype=np.int64))
     if tensor_type in _PLAIN_TENSOR_TYPES:
         return count * np.dtype(_PLAIN_TENSOR_TYPES[tensor_type]).itemsize
     try:
-        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor_type)]
+        _, block_size, type_size = ggml_type(tensor_type)
     except ValueError:
         raise ModelFileError(f"{path}: tensor {name} has an unknown ggml type {tensor_type}") from None
     return count // block_size * type_size
@@ -193,15 +208,13 @@ def _tensor_bytes(shape: tuple[int, ...], tensor_type: int, path: Path, name: st
 
 def _tensor_view(file_bytes: np.ndarray, start: int, shape: tuple[int, ...], tensor_type: int,
                  name: str) -> np.ndarray:
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     rows_first = tuple(reversed(shape))
     if tensor_type in _PLAIN_TENSOR_TYPES:
         dtype = np.dtype(_PLAIN_TENSOR_TYPES[tensor_type])
         count = int(np.prod(shape, dtype=np.int64))
         return file_bytes[start: start + count * dtype.itemsize].view(dtype).reshape(rows_first)
     try:
-        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor_type)]
+        _, block_size, type_size = ggml_type(tensor_type)
     except ValueError:
         raise ValueError(f"tensor {name}: unknown ggml type {tensor_type}") from None
     row_bytes = shape[0] // block_size * type_size

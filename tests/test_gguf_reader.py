@@ -11,7 +11,7 @@ from gguf.quants import quantize
 from tiny_models import gguf_tokenizer_fields, tiny_family, write_gguf
 
 from serval import tokenizer as tokenizer_module
-from serval.gguf_reader import GGUFContents
+from serval.gguf_reader import _GGML_TYPES, GGUFContents, ggml_type
 from serval.model.registry import resolve_model_path
 from serval.tokenizer import Tokenizer
 
@@ -123,3 +123,13 @@ def test_a_converted_gguf_tokenizer_is_cached_and_reads_back_the_same(tmp_path, 
     assert Tokenizer.load(tmp_path / "c.gguf").render_chat(messages) == "Be brief."
     assert conversions == [MODEL_PATH.name, "a.gguf", "c.gguf"]
     assert len(list((tmp_path / "tokenizers").iterdir())) == 3
+
+
+def test_the_ggml_types_serval_knows_are_the_gguf_packages():
+    """Serval's own table of ggml types (so that a start need not import the gguf package) names and sizes each as
+    the package does, and an id outside it is looked up there."""
+    for type_id, (name, block, size) in _GGML_TYPES.items():
+        qtype = gguf.GGMLQuantizationType(type_id)
+        assert (name, block, size) == (qtype.name, *gguf.GGML_QUANT_SIZES[qtype])
+    iq4 = gguf.GGMLQuantizationType.IQ4_XS
+    assert ggml_type(int(iq4)) == ("IQ4_XS", *gguf.GGML_QUANT_SIZES[iq4])

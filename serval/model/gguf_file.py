@@ -15,10 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
-from serval.gguf_reader import GGUFContents
+from serval.gguf_reader import GGUFContents, ggml_type
 from serval.layers import cpu_kernels
 from serval.layers.linear import BlockWeight
 from serval.model.config import ModelConfig
@@ -183,21 +181,20 @@ class GGUFModelFile:
         tensor = next((t for t in self.reader.tensors if t.name == name), None)
         if tensor is None:
             return None
-        values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
-        return np.array(values, dtype=np.float64).reshape(-1).tolist()
+        return np.array(_dequantized(tensor), dtype=np.float64).reshape(-1).tolist()
 
     def weights(self, config: ModelConfig, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor) pairs, one dequantized at a time, but those named in ``skip`` (read
         as blocks). q/k rows of "llama" files are put back from llama.cpp's RoPE order."""
         for tensor in self.reader.tensors:
-            qtype = GGMLQuantizationType(tensor.tensor_type)
-            if qtype.name not in SUPPORTED_TYPES:
-                raise ValueError(f"{self.path.name}: tensor {tensor.name} has unsupported type {qtype.name}")
+            qtype = ggml_type(tensor.tensor_type)[0]
+            if qtype not in SUPPORTED_TYPES:
+                raise ValueError(f"{self.path.name}: tensor {tensor.name} has unsupported type {qtype}")
             name = _hf_name(tensor.name, self.architecture)
             if name is None or name in skip:
                 continue
             shape = tuple(int(d) for d in reversed(tensor.shape))
-            array = np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+            array = np.array(_dequantized(tensor), dtype=np.float32).reshape(shape)
             _drop_pages(tensor.data)
             weight = torch.from_numpy(array)
             if ".experts." in name:  # stacked [experts, rows, columns]: each expert's matrix under its own name
@@ -218,25 +215,36 @@ class GGUFModelFile:
         """(Hugging Face name, BlockWeight) of every matrix stored in a type of BLOCK_FORMATS: its blocks as stored,
         repacked without loss for the block kernel (rows put back from llama.cpp's RoPE order like weights())."""
         for tensor in self.reader.tensors:
-            qtype = GGMLQuantizationType(tensor.tensor_type)
+            qtype = ggml_type(tensor.tensor_type)[0]
             name = _hf_name(tensor.name, self.architecture)
             # (A router stays dense, in the model's dtype: it is small, and its top-k choice is sensitive.)
-            if (name is None or qtype.name not in BLOCK_FORMATS or len(tensor.shape) != 2
+            if (name is None or qtype not in BLOCK_FORMATS or len(tensor.shape) != 2
                     or name.endswith("mlp.gate.weight")):
                 continue
             in_features, out_features = (int(d) for d in tensor.shape)
-            if qtype.name in _K_QUANTS and cpu_kernels.for_device(torch.device("cpu")) is not None:
+            if qtype in _K_QUANTS and cpu_kernels.for_device(torch.device("cpu")) is not None:
                 raw = _file_bytes(tensor.data)  # the kernel copies them out of the map: no copy of them first
             else:  # the blocks' views of these bytes are kept
                 raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-            block = _SUPER_BLOCK if qtype.name.endswith("_K") else 32
-            weight = _to_block_weight(qtype.name, raw.reshape(out_features, in_features // block, -1), in_features)
+            block = _SUPER_BLOCK if qtype.endswith("_K") else 32
+            weight = _to_block_weight(qtype, raw.reshape(out_features, in_features // block, -1), in_features)
             _drop_pages(tensor.data)
             if self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_heads)
             elif self.architecture in _ROPE_PERMUTED and name.endswith("k_proj.weight"):
                 weight = _unpermute_blocks(weight, config.num_kv_heads)
             yield name, weight
+
+
+def _dequantized(tensor) -> np.ndarray:
+    """A GGUF tensor's values: a plain one's as they are, a quantized one's by the gguf package's dequantize
+    (imported only here: 0.1 s of a start that reads none)."""
+    if tensor.data.dtype in (np.float32, np.float16):
+        return tensor.data
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
 
 
 def _file_bytes(view: np.ndarray) -> torch.Tensor:

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from gguf import GGMLQuantizationType
 
 from serval.config import EngineConfig
 from serval.distributed import ParallelGroup
+from serval.gguf_reader import ggml_type
 from serval.layers import cpu_kernels
 from serval.layers.fp8_linear import check_fp8_device, quantize_linears_to_fp8
 from serval.layers.linear import (
@@ -250,7 +250,7 @@ def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dt
         return checkpoint.method
     if path.suffix != ".gguf":
         return "none"
-    types = {GGMLQuantizationType(t.tensor_type).name for t in GGUFModelFile(path).reader.tensors}
+    types = {ggml_type(t.tensor_type)[0] for t in GGUFModelFile(path).reader.tensors}
     return "gguf" if types & BLOCK_FORMATS.keys() else "none"
 
 
@@ -258,7 +258,7 @@ def has_4bit_blocks(path: Path) -> bool:
     """Whether a GGUF file stores matrices in 4-bit blocks (Q4_0, Q4_1) that the CPU kernel reads in place."""
     if path.suffix != ".gguf":
         return False
-    types = {GGMLQuantizationType(t.tensor_type).name for t in GGUFModelFile(path).reader.tensors}
+    types = {ggml_type(t.tensor_type)[0] for t in GGUFModelFile(path).reader.tensors}
     return bool(types & {"Q4_0", "Q4_1"})
 
 
