@@ -188,6 +188,11 @@ class BlockWeight:
     def out_features(self) -> int:
         return self.packed.shape[0]
 
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """(blocks a row, bytes a block of codes): what parts fused into one matrix must share."""
+        return tuple(self.packed.shape[1:])
+
     @staticmethod
     def from_codes(format: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int,
                    super_scales: torch.Tensor | None = None) -> BlockWeight:
@@ -370,7 +375,7 @@ class BlockWeight:
     @staticmethod
     def concat(parts: list[BlockWeight]) -> BlockWeight:
         """The rows of ``parts`` stacked (for the fused q/k/v and gate/up matrices)."""
-        if len({(p.format, p.in_features, p.packed.shape[1:]) for p in parts}) != 1:
+        if len({(p.format, p.in_features, p.block_shape) for p in parts}) != 1:
             raise ValueError("block weights of different formats or widths cannot be fused")
         if len(parts) == 1:
             return parts[0]
@@ -396,7 +401,7 @@ class BlockWeight:
             else:
                 runs.append([part])
         for run in runs:
-            if len({(p.in_features, p.packed.shape[1:]) for p in run}) != 1:
+            if len({(p.in_features, p.block_shape) for p in run}) != 1:
                 raise ValueError("block weights of different formats or widths cannot be fused")
         return runs
 

@@ -68,6 +68,7 @@ BLOCK_FORMATS = {"Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q8_0":
                  "Q6_K": "q6k"}
 _SUPER_BLOCK = 256  # weights per K-quant block (Q4_K, Q5_K, Q6_K)
 _K_QUANTS = {"Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k"}
+_EXTRA_BITS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # code bits above the nibbles
 _GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
@@ -222,18 +223,21 @@ class GGUFModelFile:
                     or name.endswith("mlp.gate.weight")):
                 continue
             in_features, out_features = (int(d) for d in tensor.shape)
+            heads = None
+            if self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
+                heads = config.num_heads
+            elif self.architecture in _ROPE_PERMUTED and name.endswith("k_proj.weight"):
+                heads = config.num_kv_heads
             if qtype in _K_QUANTS and cpu_kernels.for_device(torch.device("cpu")) is not None:
-                raw = _file_bytes(tensor.data)  # the kernel copies them out of the map: no copy of them first
-            else:  # the blocks' views of these bytes are kept
-                raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+                # read from the map by the kernel when the weight's panels are made, in one pass
+                order = None if heads is None else _unpermute_rope(torch.arange(out_features)[:, None], heads)[:, 0]
+                yield name, FileKBlocks(qtype, tensor.data, in_features, order)
+                continue
+            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # the blocks' views of these bytes are kept
             block = _SUPER_BLOCK if qtype.endswith("_K") else 32
             weight = _to_block_weight(qtype, raw.reshape(out_features, in_features // block, -1), in_features)
             _drop_pages(tensor.data)
-            if self.architecture in _ROPE_PERMUTED and name.endswith("q_proj.weight"):
-                weight = _unpermute_blocks(weight, config.num_heads)
-            elif self.architecture in _ROPE_PERMUTED and name.endswith("k_proj.weight"):
-                weight = _unpermute_blocks(weight, config.num_kv_heads)
-            yield name, weight
+            yield name, weight if heads is None else _unpermute_blocks(weight, heads)
 
 
 def _dequantized(tensor) -> np.ndarray:
@@ -245,6 +249,62 @@ def _dequantized(tensor) -> np.ndarray:
     from gguf.quants import dequantize
 
     return dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
+
+
+class FileKBlocks(BlockWeight):
+    """A K-quant matrix (Q4_K, Q5_K, Q6_K) still in the file's super-blocks, rows ``order`` of them (a RoPE
+    un-permute) or all in turn. Its panels are written straight from the file's map in one pass
+    (csrc/block_repack.cpp's gguf_k_panels_; the bytes of gguf_k_blocks then block_panels_, tests/model/
+    test_gguf_file.py), the file's pages given back after; anything else that reads its blocks (a tensor-parallel
+    slice, a fused matrix cut apart) gets them made once, as _to_block_weight makes them. Made only where the CPU
+    kernels are built."""
+
+    def __init__(self, qtype: str, view: np.ndarray, in_features: int, order: torch.Tensor | None = None) -> None:
+        rows = int(view.shape[0])
+        self.format = _K_QUANTS[qtype]
+        self.in_features = in_features
+        self.known_codes = None
+        self._qtype = qtype
+        self._view = view  # bytes of the file's map, [rows, row bytes]
+        self._raw = _file_bytes(view).reshape(rows, in_features // _SUPER_BLOCK, -1)
+        self._order = order
+        self._blocks: BlockWeight | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self._raw.shape[0] if self._order is None else self._order.shape[0]
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return self._raw.shape[1] * (_SUPER_BLOCK // 32), 16 + 4 * _EXTRA_BITS[self._qtype]
+
+    def _made(self) -> BlockWeight:
+        if self._blocks is None:
+            weight = _to_block_weight(self._qtype, self._raw, self.in_features)
+            if self._order is not None:
+                weight = BlockWeight(weight.format, weight.packed[self._order], weight.scales[self._order],
+                                     weight.in_features, weight.super_scales[self._order])
+            self._blocks = weight
+            _drop_pages(self._view)
+        return self._blocks
+
+    packed = property(lambda self: self._made().packed)
+    scales = property(lambda self: self._made().scales)
+    super_scales = property(lambda self: self._made().super_scales)
+
+    def panels(self, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._blocks is not None:
+            return self._blocks.panels(into)
+        q, scales = self._empty_panels(-(-self.out_features // 32) * 2) if into is None else into
+        cpu_kernels.load().gguf_k_panels_(self._raw, self._qtype, self._order, q, scales)
+        _drop_pages(self._view)
+        return q, scales
+
+    def _empty_panels(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        groups, block_bytes = self.block_shape
+        halves = 1 if self._qtype == "Q6_K" else 2  # float16 rows a super-block: d (and -dmin)
+        return (torch.empty(count, groups, block_bytes, 16, dtype=torch.uint8),
+                torch.empty(count, self._raw.shape[1], halves * 32 + 256, dtype=torch.uint8))
 
 
 def _file_bytes(view: np.ndarray) -> torch.Tensor:

@@ -89,3 +89,34 @@ def test_the_panels_of_a_real_files_matrix_are_the_torch_paths_bytes():
             assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
             seen += 1
     assert seen == 2
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("reordered", [False, True])
+def test_k_quant_panels_straight_from_the_file_are_the_two_passes_bytes(qtype, reordered):
+    """A load's K-quant matrix (gguf_file.py's FileKBlocks) writes its panels from the file's super-blocks in one
+    pass (gguf_k_panels_): the bytes of the blocks of 32 (gguf_k_blocks) laid out as panels (block_panels_), rows
+    reordered as Llama's q/k are (llama.cpp's RoPE order undone), alone or as a part of a fused matrix; its blocks,
+    when something reads them, are the two-pass path's too."""
+    from serval.model.gguf_file import FileKBlocks, _unpermute_rope
+
+    view = random_gguf_bytes(qtype, 70, 512)
+    order = _unpermute_rope(torch.arange(70)[:, None], 5)[:, 0] if reordered else None
+    blocks = _to_block_weight(qtype, gguf_blocks(qtype, 70, 512), 512)
+    if reordered:
+        blocks = BlockWeight(blocks.format, blocks.packed[order], blocks.scales[order], 512,
+                             blocks.super_scales[order])
+    got, want = FileKBlocks(qtype, view, 512, order).panels(), blocks.panels()
+    assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+    # the last of three parts of a fused matrix, written into its rows of the fused panels
+    other = _to_block_weight(qtype, gguf_blocks(qtype, 64, 512, seed=3), 512)
+    fused = BlockWeight.panels_of([other, other, FileKBlocks(qtype, view, 512, order)])
+    assert same_bytes(fused[0], BlockWeight.panels_of([other, other, blocks])[0])
+    assert same_bytes(fused[1], BlockWeight.panels_of([other, other, blocks])[1])
+    lazy = FileKBlocks(qtype, view, 512, order)
+    assert (lazy.format, lazy.in_features, lazy.out_features) == (blocks.format, 512, 70)
+    for name in ("packed", "scales", "super_scales"):
+        assert same_bytes(getattr(lazy, name), getattr(blocks, name)), name
+    cut, want_cut = FileKBlocks(qtype, view, 512, order).slice(slice(3, 60), slice(256, 512)), blocks.slice(
+        slice(3, 60), slice(256, 512))  # a tensor-parallel rank's slice
+    assert same_bytes(cut.panels()[0], want_cut.panels()[0]) and same_bytes(cut.panels()[1], want_cut.panels()[1])

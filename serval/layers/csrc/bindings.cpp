@@ -38,6 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_sum_slots", &moe_sum_slots, "a MoE layer's k slots a token summed in slot order, in x's dtype", no_gil());
   m.def("gguf_k_blocks", &gguf_k_blocks, "a GGUF file's Q4_K, Q5_K or Q6_K blocks as (packed, scales, super_scales)",
         no_gil());
+  m.def("gguf_k_panels_", &gguf_k_panels_,
+        "a GGUF file's Q4_K, Q5_K or Q6_K blocks [N, S, bytes] written as panels of 16 columns, rows in an order",
+        py::arg("raw"), py::arg("qtype"), py::arg("rows"), py::arg("panels"), py::arg("panel_scales"), no_gil());
   m.def("block_panels_", &block_panels_, "blocks [N, G, bytes] written as panels of 16 columns", no_gil());
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (float32)", no_gil());
   bind_decoder_layers(m);

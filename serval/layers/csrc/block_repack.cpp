@@ -2,7 +2,9 @@
 //   gguf_k_blocks: a GGUF file's K-quant super-blocks (Q4_K, Q5_K, Q6_K) as BlockWeight's blocks of 32 (codes packed
 //     as model/gguf_file.py's _to_block_weight packs them, the file's scales as they are);
 //   block_panels_: BlockWeight's blocks as the panels of 16 columns that panel_linear.cpp reads (linear.py's
-//     BlockWeight.panels; the layout is described at the top of panel_linear.cpp).
+//     BlockWeight.panels; the layout is described at the top of panel_linear.cpp);
+//   gguf_k_panels_: the two in one pass for a GGUF K-quant matrix, a panel's 16 rows at a time through blocks
+//     of 32 held in cache (a load's model/gguf_file.py FileKBlocks): 1.6 GB less memory traffic at 1B.
 // Why: the same shuffles in PyTorch made several intermediate tensors a matrix and took most of a start (1B Q4_K_M:
 // ~5 s of ~8; 8B: ~44 s). The bytes are the same as the PyTorch reference's
 // (tests/layers/test_block_repack.py).
@@ -11,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <vector>
 #if defined(__SSSE3__)
 #include <immintrin.h>
 #endif
@@ -94,6 +97,200 @@ void check_rows(const at::Tensor& t, const char* what) {
               " must be a CPU tensor [rows, blocks, k] whose last dimension is contiguous");
 }
 
+// One row of a GGUF K-quant matrix (its super-blocks at src) as BlockWeight's blocks of 32: the codes packed
+// (dst_packed, 16 + 4 e bytes a block), each block's two scale bytes (dst_scales: Q4_K, Q5_K sc and mn; Q6_K the
+// int8 sc of its halves) and each super-block's float16 d (and -dmin) (dst_supers).
+void k_row_blocks(const uint8_t* src, int64_t supers, int64_t bytes, int e, uint8_t* dst_packed, uint8_t* dst_scales,
+                  uint16_t* dst_supers) {
+  const int halves = e == 2 ? 1 : 2;
+  const int64_t packed_bytes = 16 + 4 * e;
+  uint8_t q[32];
+  for (int64_t s = 0; s < supers; s++) {
+    const uint8_t* b = src + s * bytes;
+    const int64_t block0 = s * 8;
+    uint16_t* supers_out = dst_supers + s * halves;
+    if (e < 2) {  // d, dmin (float16), 12 bytes of scales and mins, [Q5_K: 32 bytes of fifth bits,] 128 of nibbles
+      uint16_t d, dmin;
+      std::memcpy(&d, b, 2);
+      std::memcpy(&dmin, b + 2, 2);
+      supers_out[0] = d;
+      supers_out[1] = dmin ^ 0x8000;  // -dmin: the sign bit flipped, as float16 negation does
+      const uint8_t* qs = b + bytes - 128;
+#if defined(__SSSE3__)
+      const __m128i low = _mm_set1_epi8(0x0F);
+      const __m128i qh0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16));
+      const __m128i qh1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32));
+      for (int sub = 0; sub < 8; sub++) {
+        const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (sub / 2)));
+        const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (sub / 2) + 16));
+        const __m128i nibbles = sub % 2 == 0
+            ? _mm_or_si128(_mm_and_si128(first, low), _mm_slli_epi16(_mm_and_si128(second, low), 4))
+            : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), low), _mm_andnot_si128(low, second));
+        uint8_t* out = dst_packed + (block0 + sub) * packed_bytes;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), nibbles);
+        if (e == 1) {  // bit s of byte 16 + i → bit i of the 32-bit little-endian word after the nibbles
+          const uint32_t bits = static_cast<uint32_t>(_mm_movemask_epi8(_mm_slli_epi16(qh0, 7 - sub))) |
+                                static_cast<uint32_t>(_mm_movemask_epi8(_mm_slli_epi16(qh1, 7 - sub))) << 16;
+          std::memcpy(out + 16, &bits, 4);
+        }
+        k_scale_min(b + 4, sub, dst_scales + (block0 + sub) * 2, dst_scales + (block0 + sub) * 2 + 1);
+      }
+      continue;
+#endif
+      for (int sub = 0; sub < 8; sub++) {  // byte 32 j + i: weight i of sub-blocks 2 j (low nibble) and 2 j + 1
+        const int shift = 4 * (sub % 2);
+        for (int i = 0; i < 32; i++) q[i] = (qs[32 * (sub / 2) + i] >> shift) & 15;
+        if (e == 1) {  // weight i of sub-block s: bit s of byte 16 + i
+          for (int i = 0; i < 32; i++) q[i] |= ((b[16 + i] >> sub) & 1) << 4;
+        }
+        pack_codes(q, e, dst_packed + (block0 + sub) * packed_bytes);
+        k_scale_min(b + 4, sub, dst_scales + (block0 + sub) * 2, dst_scales + (block0 + sub) * 2 + 1);
+      }
+    } else {  // 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, float16 d
+      std::memcpy(dst_scales + block0 * 2, b + 192, 16);
+      std::memcpy(supers_out, b + 208, 2);
+#if defined(__SSSE3__)
+      const __m128i low = _mm_set1_epi8(0x0F), two_bits = _mm_set1_epi8(3);
+      const __m128i by_4 = _mm_setr_epi8(1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4);
+      const __m128i by_16 = _mm_setr_epi16(1, 16, 1, 16, 1, 16, 1, 16);
+      for (int h = 0; h < 2; h++) {
+        for (int quarter = 0; quarter < 4; quarter++) {  // weight 128 h + 32 quarter + i
+          const uint8_t* ql = b + 64 * h + 32 * (quarter % 2);
+          const uint8_t* qh = b + 128 + 32 * h;
+          const int shift = 4 * (quarter / 2);
+          const __m128i first = _mm_and_si128(
+              _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)), shift), low);
+          const __m128i second = _mm_and_si128(
+              _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16)), shift), low);
+          uint8_t* out = dst_packed + (block0 + 4 * h + quarter) * packed_bytes;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_or_si128(first, _mm_slli_epi16(second, 4)));
+          // the 2-bit pairs of codes 4 j to 4 j + 3 → byte 16 + j: x0 + 4 x1 + 16 x2 + 64 x3
+          __m128i pairs[2];
+          for (int half = 0; half < 2; half++) {
+            const __m128i x = _mm_and_si128(
+                _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * half)), 2 * quarter),
+                two_bits);
+            pairs[half] = _mm_madd_epi16(_mm_maddubs_epi16(x, by_4), by_16);
+          }
+          const __m128i words = _mm_packs_epi32(pairs[0], pairs[1]);
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(out + 16), _mm_packus_epi16(words, words));
+        }
+      }
+      continue;
+#endif
+      for (int h = 0; h < 2; h++) {
+        for (int quarter = 0; quarter < 4; quarter++) {  // weight 128 h + 32 quarter + i
+          const uint8_t* ql = b + 64 * h + 32 * (quarter % 2);
+          const uint8_t* qh = b + 128 + 32 * h;
+          const int shift = 4 * (quarter / 2);
+          for (int i = 0; i < 32; i++) q[i] = ((ql[i] >> shift) & 15) | (((qh[i] >> (2 * quarter)) & 3) << 4);
+          pack_codes(q, e, dst_packed + (block0 + 4 * h + quarter) * packed_bytes);
+        }
+      }
+    }
+  }
+}
+
+// Where block_panels_ reads a weight's blocks: rows [N, G, bytes] (packed), [N, G, k] (scales) and the K formats'
+// [N, G / 8, h] (supers), each row at its stride; row r (r < n) of the weight at row r - row0 of these.
+struct PanelSource {
+  const uint8_t* src;
+  const uint8_t* src_scales;
+  const uint8_t* src_supers;
+  int64_t stride0, stride1, scale_stride0, scale_stride1, super_stride0, super_stride1;
+  int64_t n, row0, groups, nb, k, width, supers, halves, per_super;
+  bool q8, k_format;
+};
+
+// Panel p (rows 16 p to 16 p + 15) of a weight, its bytes and scales written at dst and dst_scales (the panels'
+// and panel scales' tensors, panel p at its offset).
+void write_panel(const PanelSource& in, int64_t p, uint8_t* dst, uint8_t* dst_scales) {
+  const uint8_t* src = in.src;
+  const uint8_t* src_scales = in.src_scales;
+  const uint8_t* src_supers = in.src_supers;
+  const int64_t stride0 = in.stride0, stride1 = in.stride1, scale_stride0 = in.scale_stride0;
+  const int64_t scale_stride1 = in.scale_stride1, super_stride0 = in.super_stride0, super_stride1 = in.super_stride1;
+  const int64_t n = in.n, row0 = in.row0, groups = in.groups, nb = in.nb, k = in.k, width = in.width;
+  const int64_t supers = in.supers, halves = in.halves, per_super = in.per_super;
+  const bool q8 = in.q8, k_format = in.k_format;
+  for (int64_t g = 0; g < groups; g++) {
+    uint8_t* out = dst + (p * groups + g) * nb * 16;
+#if defined(__SSSE3__)
+    // 16 bytes of each of the 16 columns at a time, transposed: the first 16 (the nibbles, re-paired; q8's
+    // first half), then the last 16, of which the bytes past the first 16 are kept
+    __m128i columns[16], panel_rows[16];
+    for (int64_t start : {int64_t{0}, nb - 16}) {
+      for (int64_t c = 0; c < 16; c++) {
+        const int64_t row = p * 16 + c;
+        columns[c] = row < n ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (row - row0) * stride0 +
+                                                                                g * stride1 + start))
+                             : _mm_setzero_si128();
+        if (start == 0 && !q8) columns[c] = nibble_pairs(columns[c]);
+      }
+      transpose_16x16(columns, panel_rows);
+      for (int64_t b = start == 0 ? 0 : 32 - nb; b < 16; b++) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (start + b) * 16), panel_rows[b]);
+      }
+      if (nb == 16) break;
+    }
+#else
+    for (int64_t c = 0; c < 16; c++) {
+      const int64_t row = p * 16 + c;
+      if (row >= n) {  // rows past the weight's: zero weights
+        for (int64_t b = 0; b < nb; b++) out[b * 16 + c] = 0;
+        continue;
+      }
+      const uint8_t* block = src + (row - row0) * stride0 + g * stride1;
+      if (q8) {
+        for (int64_t b = 0; b < nb; b++) out[b * 16 + c] = block[b];
+        continue;
+      }
+      // code k: the low nibble of byte k for k < 16, the high nibble of byte k - 16 after; a panel's byte i
+      // holds codes 2 i (low nibble) and 2 i + 1 (high); the high bits' bytes are the same
+      for (int64_t i = 0; i < 8; i++) {
+        out[i * 16 + c] = (block[2 * i] & 15) | ((block[2 * i + 1] & 15) << 4);
+        out[(i + 8) * 16 + c] = (block[2 * i] >> 4) | (block[2 * i + 1] & 0xF0);
+      }
+      for (int64_t b = 16; b < nb; b++) out[b * 16 + c] = block[b];
+    }
+#endif
+    if (k_format) continue;
+    uint8_t* out_scales = dst_scales + (p * groups + g) * k * 16 * width;
+    for (int64_t c = 0; c < 16; c++) {
+      const int64_t row = p * 16 + c;
+      for (int64_t j = 0; j < k; j++) {
+        uint8_t* to = out_scales + (j * 16 + c) * width;
+        if (row < n) {
+          std::memcpy(to, src_scales + (row - row0) * scale_stride0 + g * scale_stride1 + j * width, width);
+        } else {
+          std::memset(to, 0, width);
+        }
+      }
+    }
+  }
+  if (!k_format) return;
+  for (int64_t s = 0; s < supers; s++) {  // per super-block: the columns' d (and -dmin), then the blocks' bytes
+    uint8_t* out = dst_scales + (p * supers + s) * per_super;
+    for (int64_t c = 0; c < 16; c++) {
+      const int64_t row = p * 16 + c;
+      for (int64_t j = 0; j < halves; j++) {
+        uint8_t* to = out + (j * 16 + c) * 2;
+        if (row < n) {
+          std::memcpy(to, src_supers + (row - row0) * super_stride0 + s * super_stride1 + j * 2, 2);
+        } else {
+          to[0] = to[1] = 0;
+        }
+      }
+      for (int64_t b = 0; b < 8; b++) {
+        for (int64_t j = 0; j < 2; j++) {
+          out[halves * 32 + (b * 2 + j) * 16 + c] =
+              row < n ? src_scales[(row - row0) * scale_stride0 + (s * 8 + b) * scale_stride1 + j] : 0;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& raw, const std::string& qtype) {
@@ -113,93 +310,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& r
   uint16_t* dst_supers = reinterpret_cast<uint16_t*>(super_scales.data_ptr<int16_t>());
   const int64_t packed_bytes = 16 + 4 * e;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    uint8_t q[32];
-    for (int64_t r = begin; r < end; r++) {
-      for (int64_t s = 0; s < supers; s++) {
-        const uint8_t* b = src + (r * supers + s) * bytes;
-        const int64_t block0 = r * supers * 8 + s * 8;
-        uint16_t* supers_out = dst_supers + (r * supers + s) * halves;
-        if (e < 2) {  // d, dmin (float16), 12 bytes of scales and mins, [Q5_K: 32 bytes of fifth bits,] 128 of nibbles
-          uint16_t d, dmin;
-          std::memcpy(&d, b, 2);
-          std::memcpy(&dmin, b + 2, 2);
-          supers_out[0] = d;
-          supers_out[1] = dmin ^ 0x8000;  // -dmin: the sign bit flipped, as float16 negation does
-          const uint8_t* qs = b + bytes - 128;
-#if defined(__SSSE3__)
-          const __m128i low = _mm_set1_epi8(0x0F);
-          const __m128i qh0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16));
-          const __m128i qh1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32));
-          for (int sub = 0; sub < 8; sub++) {
-            const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (sub / 2)));
-            const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (sub / 2) + 16));
-            const __m128i nibbles = sub % 2 == 0
-                ? _mm_or_si128(_mm_and_si128(first, low), _mm_slli_epi16(_mm_and_si128(second, low), 4))
-                : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), low), _mm_andnot_si128(low, second));
-            uint8_t* out = dst_packed + (block0 + sub) * packed_bytes;
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(out), nibbles);
-            if (e == 1) {  // bit s of byte 16 + i → bit i of the 32-bit little-endian word after the nibbles
-              const uint32_t bits = static_cast<uint32_t>(_mm_movemask_epi8(_mm_slli_epi16(qh0, 7 - sub))) |
-                                    static_cast<uint32_t>(_mm_movemask_epi8(_mm_slli_epi16(qh1, 7 - sub))) << 16;
-              std::memcpy(out + 16, &bits, 4);
-            }
-            k_scale_min(b + 4, sub, dst_scales + (block0 + sub) * 2, dst_scales + (block0 + sub) * 2 + 1);
-          }
-          continue;
-#endif
-          for (int sub = 0; sub < 8; sub++) {  // byte 32 j + i: weight i of sub-blocks 2 j (low nibble) and 2 j + 1
-            const int shift = 4 * (sub % 2);
-            for (int i = 0; i < 32; i++) q[i] = (qs[32 * (sub / 2) + i] >> shift) & 15;
-            if (e == 1) {  // weight i of sub-block s: bit s of byte 16 + i
-              for (int i = 0; i < 32; i++) q[i] |= ((b[16 + i] >> sub) & 1) << 4;
-            }
-            pack_codes(q, e, dst_packed + (block0 + sub) * packed_bytes);
-            k_scale_min(b + 4, sub, dst_scales + (block0 + sub) * 2, dst_scales + (block0 + sub) * 2 + 1);
-          }
-        } else {  // 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, float16 d
-          std::memcpy(dst_scales + block0 * 2, b + 192, 16);
-          std::memcpy(supers_out, b + 208, 2);
-#if defined(__SSSE3__)
-          const __m128i low = _mm_set1_epi8(0x0F), two_bits = _mm_set1_epi8(3);
-          const __m128i by_4 = _mm_setr_epi8(1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4, 1, 4);
-          const __m128i by_16 = _mm_setr_epi16(1, 16, 1, 16, 1, 16, 1, 16);
-          for (int h = 0; h < 2; h++) {
-            for (int quarter = 0; quarter < 4; quarter++) {  // weight 128 h + 32 quarter + i
-              const uint8_t* ql = b + 64 * h + 32 * (quarter % 2);
-              const uint8_t* qh = b + 128 + 32 * h;
-              const int shift = 4 * (quarter / 2);
-              const __m128i first = _mm_and_si128(
-                  _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)), shift), low);
-              const __m128i second = _mm_and_si128(
-                  _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16)), shift), low);
-              uint8_t* out = dst_packed + (block0 + 4 * h + quarter) * packed_bytes;
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_or_si128(first, _mm_slli_epi16(second, 4)));
-              // the 2-bit pairs of codes 4 j to 4 j + 3 → byte 16 + j: x0 + 4 x1 + 16 x2 + 64 x3
-              __m128i pairs[2];
-              for (int half = 0; half < 2; half++) {
-                const __m128i x = _mm_and_si128(
-                    _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * half)), 2 * quarter),
-                    two_bits);
-                pairs[half] = _mm_madd_epi16(_mm_maddubs_epi16(x, by_4), by_16);
-              }
-              const __m128i words = _mm_packs_epi32(pairs[0], pairs[1]);
-              _mm_storel_epi64(reinterpret_cast<__m128i*>(out + 16), _mm_packus_epi16(words, words));
-            }
-          }
-          continue;
-#endif
-          for (int h = 0; h < 2; h++) {
-            for (int quarter = 0; quarter < 4; quarter++) {  // weight 128 h + 32 quarter + i
-              const uint8_t* ql = b + 64 * h + 32 * (quarter % 2);
-              const uint8_t* qh = b + 128 + 32 * h;
-              const int shift = 4 * (quarter / 2);
-              for (int i = 0; i < 32; i++) q[i] = ((ql[i] >> shift) & 15) | (((qh[i] >> (2 * quarter)) & 3) << 4);
-              pack_codes(q, e, dst_packed + (block0 + 4 * h + quarter) * packed_bytes);
-            }
-          }
-        }
-      }
-    }
+    for (int64_t r = begin; r < end; r++)
+      k_row_blocks(src + r * supers * bytes, supers, bytes, e, dst_packed + r * supers * 8 * packed_bytes,
+                   dst_scales + r * supers * 8 * 2, dst_supers + r * supers * halves);
   });
   return {packed, scales, super_scales};
 }
@@ -246,84 +359,55 @@ void block_panels_(const at::Tensor& packed, const at::Tensor& scales, const c10
   const int64_t scale_stride0 = scales.stride(0) * width, scale_stride1 = scales.stride(1) * width;
   uint8_t* dst = static_cast<uint8_t*>(panels.data_ptr());
   uint8_t* dst_scales = static_cast<uint8_t*>(panel_scales.data_ptr());
+  const PanelSource in{src, src_scales, src_supers, stride0, stride1, scale_stride0, scale_stride1, super_stride0,
+                       super_stride1, n, 0, groups, nb, k, width, supers, halves, per_super, q8, k_format};
   at::parallel_for(0, p_count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; p++) write_panel(in, p, dst, dst_scales);
+  });
+}
+
+void gguf_k_panels_(const at::Tensor& raw, const std::string& qtype, const c10::optional<at::Tensor>& rows,
+                    at::Tensor panels, at::Tensor panel_scales) {
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 3 && raw.is_contiguous(),
+              "raw must be contiguous uint8 [rows, super-blocks, bytes]");
+  const int64_t n = raw.size(0), supers = raw.size(1), bytes = raw.size(2);
+  const int e = qtype == "Q4_K" ? 0 : qtype == "Q5_K" ? 1 : qtype == "Q6_K" ? 2 : -1;
+  TORCH_CHECK(e >= 0, "gguf_k_panels_ reads Q4_K, Q5_K and Q6_K, not ", qtype);
+  TORCH_CHECK(bytes == (e == 0 ? 144 : e == 1 ? 176 : 210), qtype, " blocks have another size than ", bytes);
+  const int64_t groups = supers * 8, nb = 16 + 4 * e, halves = e == 2 ? 1 : 2, per_super = halves * 32 + 256;
+  at::Tensor order;
+  if (rows.has_value()) {
+    order = rows->contiguous();
+    TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 1, "rows: int64 [R]");
+  }
+  const int64_t count = rows.has_value() ? order.size(0) : n;
+  const int64_t* from = rows.has_value() ? order.data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; from != nullptr && r < count; ++r)
+    TORCH_CHECK(from[r] >= 0 && from[r] < n, "rows: ", from[r], " is not a row of the ", n);
+  const int64_t p_count = panels.size(0);
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 4 &&
+                  panels.size(1) == groups && panels.size(2) == nb && panels.size(3) == 16 && p_count * 16 >= count,
+              "panels [P, G, ", nb, ", 16] (uint8, contiguous) must hold the ", count, " rows");
+  TORCH_CHECK(panel_scales.element_size() == 1 && panel_scales.is_contiguous() &&
+                  panel_scales.numel() == p_count * supers * per_super,
+              "panel scales [P, G / 8, ", per_super, "] of bytes");
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = static_cast<uint8_t*>(panels.data_ptr());
+  uint8_t* dst_scales = static_cast<uint8_t*>(panel_scales.data_ptr());
+  at::parallel_for(0, p_count, 1, [&](int64_t begin, int64_t end) {
+    // A panel's 16 rows as blocks of 32 (a few KB a row: they stay in cache between the two steps).
+    std::vector<uint8_t> packed(16 * groups * nb), scales(16 * groups * 2);
+    std::vector<uint16_t> supers_of(16 * supers * halves);
     for (int64_t p = begin; p < end; p++) {
-      for (int64_t g = 0; g < groups; g++) {
-        uint8_t* out = dst + (p * groups + g) * nb * 16;
-#if defined(__SSSE3__)
-        // 16 bytes of each of the 16 columns at a time, transposed: the first 16 (the nibbles, re-paired; q8's
-        // first half), then the last 16, of which the bytes past the first 16 are kept
-        __m128i columns[16], panel_rows[16];
-        for (int64_t start : {int64_t{0}, nb - 16}) {
-          for (int64_t c = 0; c < 16; c++) {
-            const int64_t row = p * 16 + c;
-            columns[c] = row < n ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + row * stride0 +
-                                                                                    g * stride1 + start))
-                                 : _mm_setzero_si128();
-            if (start == 0 && !q8) columns[c] = nibble_pairs(columns[c]);
-          }
-          transpose_16x16(columns, panel_rows);
-          for (int64_t b = start == 0 ? 0 : 32 - nb; b < 16; b++) {
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (start + b) * 16), panel_rows[b]);
-          }
-          if (nb == 16) break;
-        }
-#else
-        for (int64_t c = 0; c < 16; c++) {
-          const int64_t row = p * 16 + c;
-          if (row >= n) {  // rows past the weight's: zero weights
-            for (int64_t b = 0; b < nb; b++) out[b * 16 + c] = 0;
-            continue;
-          }
-          const uint8_t* block = src + row * stride0 + g * stride1;
-          if (q8) {
-            for (int64_t b = 0; b < nb; b++) out[b * 16 + c] = block[b];
-            continue;
-          }
-          // code k: the low nibble of byte k for k < 16, the high nibble of byte k - 16 after; a panel's byte i
-          // holds codes 2 i (low nibble) and 2 i + 1 (high); the high bits' bytes are the same
-          for (int64_t i = 0; i < 8; i++) {
-            out[i * 16 + c] = (block[2 * i] & 15) | ((block[2 * i + 1] & 15) << 4);
-            out[(i + 8) * 16 + c] = (block[2 * i] >> 4) | (block[2 * i + 1] & 0xF0);
-          }
-          for (int64_t b = 16; b < nb; b++) out[b * 16 + c] = block[b];
-        }
-#endif
-        if (k_format) continue;
-        uint8_t* out_scales = dst_scales + (p * groups + g) * k * 16 * width;
-        for (int64_t c = 0; c < 16; c++) {
-          const int64_t row = p * 16 + c;
-          for (int64_t j = 0; j < k; j++) {
-            uint8_t* to = out_scales + (j * 16 + c) * width;
-            if (row < n) {
-              std::memcpy(to, src_scales + row * scale_stride0 + g * scale_stride1 + j * width, width);
-            } else {
-              std::memset(to, 0, width);
-            }
-          }
-        }
+      for (int64_t c = 0; c < 16 && p * 16 + c < count; c++) {
+        const int64_t r = p * 16 + c, source = from != nullptr ? from[r] : r;
+        k_row_blocks(src + source * supers * bytes, supers, bytes, e, packed.data() + c * groups * nb,
+                     scales.data() + c * groups * 2, supers_of.data() + c * supers * halves);
       }
-      if (!k_format) continue;
-      for (int64_t s = 0; s < supers; s++) {  // per super-block: the columns' d (and -dmin), then the blocks' bytes
-        uint8_t* out = dst_scales + (p * supers + s) * per_super;
-        for (int64_t c = 0; c < 16; c++) {
-          const int64_t row = p * 16 + c;
-          for (int64_t j = 0; j < halves; j++) {
-            uint8_t* to = out + (j * 16 + c) * 2;
-            if (row < n) {
-              std::memcpy(to, src_supers + row * super_stride0 + s * super_stride1 + j * 2, 2);
-            } else {
-              to[0] = to[1] = 0;
-            }
-          }
-          for (int64_t b = 0; b < 8; b++) {
-            for (int64_t j = 0; j < 2; j++) {
-              out[halves * 32 + (b * 2 + j) * 16 + c] =
-                  row < n ? src_scales[row * scale_stride0 + (s * 8 + b) * scale_stride1 + j] : 0;
-            }
-          }
-        }
-      }
+      const PanelSource in{packed.data(), scales.data(), reinterpret_cast<const uint8_t*>(supers_of.data()),
+                           groups * nb, nb, groups * 2, 2, supers * halves * 2, halves * 2, count, p * 16, groups, nb,
+                           2, 1, supers, halves, per_super, false, true};
+      write_panel(in, p, dst, dst_scales);
     }
   });
 }

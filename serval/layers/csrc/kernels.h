@@ -49,6 +49,8 @@ at::Tensor moe_expert_slots(const at::Tensor& x, const at::Tensor& ids, const at
 at::Tensor moe_sum_slots(const at::Tensor& slots, const at::Tensor& like);
 // block_repack.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& raw, const std::string& qtype);
+void gguf_k_panels_(const at::Tensor& raw, const std::string& qtype, const c10::optional<at::Tensor>& rows,
+                    at::Tensor panels, at::Tensor panel_scales);
 void block_panels_(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& super_scales,
                    const std::string& format, at::Tensor panels, at::Tensor panel_scales);
 // decoder_layers.cpp: its classes' bindings
