@@ -291,15 +291,23 @@ void write_panel(const PanelSource& in, int64_t p, uint8_t* dst, uint8_t* dst_sc
   }
 }
 
+// The code bits above the nibbles (0, 1, 2) of a GGUF K-quant type, after checking its raw super-blocks [rows,
+// super-blocks, bytes].
+int k_quant_extra_bits(const at::Tensor& raw, const std::string& qtype) {
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 3 && raw.is_contiguous(),
+              "raw must be contiguous uint8 [rows, super-blocks, bytes]");
+  const int e = qtype == "Q4_K" ? 0 : qtype == "Q5_K" ? 1 : qtype == "Q6_K" ? 2 : -1;
+  TORCH_CHECK(e >= 0, "K-quant blocks are Q4_K, Q5_K or Q6_K, not ", qtype);
+  TORCH_CHECK(raw.size(2) == (e == 0 ? 144 : e == 1 ? 176 : 210), qtype, " blocks have another size than ",
+              raw.size(2));
+  return e;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_k_blocks(const at::Tensor& raw, const std::string& qtype) {
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 3 && raw.is_contiguous(),
-              "raw must be contiguous uint8 [rows, super-blocks, bytes]");
+  const int e = k_quant_extra_bits(raw, qtype);
   const int64_t n = raw.size(0), supers = raw.size(1), bytes = raw.size(2);
-  const int e = qtype == "Q4_K" ? 0 : qtype == "Q5_K" ? 1 : qtype == "Q6_K" ? 2 : -1;
-  TORCH_CHECK(e >= 0, "gguf_k_blocks reads Q4_K, Q5_K and Q6_K, not ", qtype);
-  TORCH_CHECK(bytes == (e == 0 ? 144 : e == 1 ? 176 : 210), qtype, " blocks have another size than ", bytes);
   const int halves = e == 2 ? 1 : 2;
   at::Tensor packed = at::empty({n, supers * 8, 16 + 4 * e}, raw.options());
   at::Tensor scales = at::empty({n, supers * 8, 2}, raw.options().dtype(e == 2 ? at::kChar : at::kByte));
@@ -368,12 +376,8 @@ void block_panels_(const at::Tensor& packed, const at::Tensor& scales, const c10
 
 void gguf_k_panels_(const at::Tensor& raw, const std::string& qtype, const c10::optional<at::Tensor>& rows,
                     at::Tensor panels, at::Tensor panel_scales) {
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 3 && raw.is_contiguous(),
-              "raw must be contiguous uint8 [rows, super-blocks, bytes]");
+  const int e = k_quant_extra_bits(raw, qtype);
   const int64_t n = raw.size(0), supers = raw.size(1), bytes = raw.size(2);
-  const int e = qtype == "Q4_K" ? 0 : qtype == "Q5_K" ? 1 : qtype == "Q6_K" ? 2 : -1;
-  TORCH_CHECK(e >= 0, "gguf_k_panels_ reads Q4_K, Q5_K and Q6_K, not ", qtype);
-  TORCH_CHECK(bytes == (e == 0 ? 144 : e == 1 ? 176 : 210), qtype, " blocks have another size than ", bytes);
   const int64_t groups = supers * 8, nb = 16 + 4 * e, halves = e == 2 ? 1 : 2, per_super = halves * 32 + 256;
   at::Tensor order;
   if (rows.has_value()) {
