@@ -254,10 +254,10 @@ def _dequantized(tensor) -> np.ndarray:
 class FileKBlocks(BlockWeight):
     """A K-quant matrix (Q4_K, Q5_K, Q6_K) still in the file's super-blocks, rows ``order`` of them (a RoPE
     un-permute) or all in turn. Its panels are written straight from the file's map in one pass
-    (csrc/block_repack.cpp's gguf_k_panels_; the bytes of gguf_k_blocks then block_panels_, tests/model/
-    test_gguf_file.py), the file's pages given back after; anything else that reads its blocks (a tensor-parallel
-    slice, a fused matrix cut apart) gets them made once, as _to_block_weight makes them. Made only where the CPU
-    kernels are built."""
+    (csrc/block_repack.cpp's gguf_k_panels_; the bytes of gguf_k_blocks then block_panels_,
+    tests/layers/test_block_repack.py), the file's pages given back after; anything else that reads its blocks
+    (a tensor-parallel slice, a fused matrix cut apart) gets them made once, as _to_block_weight makes them. Made
+    only where the CPU kernels are built."""
 
     def __init__(self, qtype: str, view: np.ndarray, in_features: int, order: torch.Tensor | None = None) -> None:
         rows = int(view.shape[0])
@@ -296,7 +296,7 @@ class FileKBlocks(BlockWeight):
         if self._blocks is not None:
             return self._blocks.panels(into)
         q, scales = self._empty_panels(-(-self.out_features // 32) * 2) if into is None else into
-        cpu_kernels.load().gguf_k_panels_(self._raw, self._qtype, self._order, q, scales)
+        cpu_kernels.for_device(self._raw.device).gguf_k_panels_(self._raw, self._qtype, self._order, q, scales)
         _drop_pages(self._view)
         return q, scales
 
