@@ -40,7 +40,7 @@ def _zeros_from_the_os(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     hands out zeroed as each is first written, where torch.zeros writes every byte at once (1 GiB of cache: 1.2 s of
     a start). In pages of 4 KiB: numpy's zeros (calloc) asked for transparent huge pages, and each first write to a
     2 MiB page then zeroed all of it, two a layer for a request's first tokens (a 1B's first request: 80 ms against
-    33 for the next, 35 of them in the kernel's clear_page; tests/layers/test_kv_rows.py). Page-aligned, so each
+    33 for the next, 35 of them in the kernel's clear_page; tests/layers/test_kv_quantization.py). Page-aligned, so each
     row starts on a cache line."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
