@@ -1,24 +1,25 @@
 // y = x W^T for bfloat16 activations on panel_linear.cpp's q4, q4k, q6k and q8 blocks (the same panel bytes and
 // scales), with AVX-512 BF16 dot products: vdpbf16ps does two multiply-adds per 32-bit lane and instruction where a
-// float32 FMA does one, and its q4 codes take 4 vector instructions a pair of input positions to form (2.5 with
-// AVX-512 VBMI, two_pair_codes) where panel_linear.cpp's float32 weights take 7 (measured on an AMD EPYC Zen 4:
+// float32 FMA does one, and its q4 codes take 2 vector instructions a pair of input positions to form
+// (four_pair_codes) where panel_linear.cpp's float32 weights take 7 (measured on an AMD EPYC Zen 4:
 // benchmarks/README.md, "bfloat16 dot products" and "Loading at real sizes").
 //
 // Nothing is rounded before the sums: the file's integer codes are bfloat16 values exactly (q8: |q| <= 128; q4, q6k as
 // 128 + q, whose 7 mantissa bits are q), a bfloat16 activation times such a code is exact in float32, and the scales
 // are applied once per block (q6k: per half block, its sub-blocks of 16). Per row, block b of 32 inputs and output n
 // (every step float32, from y = 0):
-//   s = 16 steps s = vdpbf16ps(s, (c_2p, c_2p+1), (x_2p, x_2p+1)) over the pairs p in order, from s = 0
+//   s = 16 steps s = vdpbf16ps(s, (c_a, c_b), (x_a, x_b)) over the block's pairs of positions (a, b) in order, from
+//       s = 0: q8's (2p, 2p + 1) for p = 0 .. 15, the nibble formats' (8i + k, 8i + k + 4) for i, then k = 0 .. 3
 //   q8 (w = d q, c = q):                    y = fma(d, s, y)
 //   q4, q4k (w = d q + m, c = 128 + q):     y = fma(d, s, y); y = fma(m - 128 d, xsum_b, y)
-//   q6k (w = d (q - 32), c = 128 + q):      per half h, s over its 8 pairs: y = fma(d_h, s, y); y = fma(-160 d_h, xsum_bh, y)
+//   q6k (w = d (q - 32), c = 128 + q):      per half h, s over its 8 pairs (i = 2h, 2h + 1):
+//                                           y = fma(d_h, s, y); y = fma(-160 d_h, xsum_bh, y)
 // (q4k: d and m are the super-block's float16 d and -dmin times the block's 6-bit sc and mn, exact in float32; q6k:
 // d_h is the super-block's d times the half's int8 sc, and -160 d_h, both exact.)
 // over the blocks in order, with xsum_b (xsum_bh) the row's sum over the block (half block), one fixed reduction. So
-// a row's bits depend on its own
-// values only, whatever the number of rows, the tile or the thread: the decoded-in-registers path (few rows) and the
-// decoded-once path (many) run the same steps. They differ from panel_linear.cpp's float32 chain by float32
-// rounding alone (tests/layers/test_bf16_dot_linear.py).
+// a row's bits depend on its own values only, whatever the number of rows, the tile or the thread: the
+// decoded-in-registers path (few rows) and the decoded-once path (many) run the same steps. They differ from
+// panel_linear.cpp's float32 chain by float32 rounding alone (tests/layers/test_bf16_dot_linear.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -47,31 +48,13 @@ constexpr int halves(int f) { return f == kQ6K ? 2 : 1; }
 
 inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
-// Pair p of a block's codes for one panel's 16 columns: lane j holds column j's (c_2p, c_2p+1) as bfloat16.
-template <int F>
-inline __m512i pair_codes(const uint8_t* q, int pair) {
-  if constexpr (F != kQ8) {
-    // Byte j holds q_2p (low nibble) and q_2p+1 (high). (b | b << 12) & 0x000F000F puts them at bits 0-3 and
-    // 16-19; 0x4300 is bfloat16 128, so each half is then 128 + q.
-    const __m512i b = _mm512_cvtepu8_epi32(load_bytes(q + pair * 16));
-    const __m512i nibbles = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F),
-                                                      0xA8);  // (A | B) & C
-    if constexpr (F == kQ6K) {
-      // Bits 4-5 of positions 2p and 2p + 1 lie in row 16 + p / 2 at bits 4 (p % 2) and 4 (p % 2) + 2: moved to
-      // bits 4-5 and 20-21 of the lane, above the nibbles.
-      const __m512i h = _mm512_cvtepu8_epi32(load_bytes(q + (16 + pair / 2) * 16));
-      const __m512i even = pair % 2 ? h : _mm512_slli_epi32(h, 4);
-      const __m512i odd = _mm512_slli_epi32(h, pair % 2 ? 14 : 18);
-      const __m512i top = _mm512_ternarylogic_epi32(even, odd, _mm512_set1_epi32(0x00300030), 0xA8);
-      return _mm512_ternarylogic_epi32(nibbles, top, _mm512_set1_epi32(0x43004300), 0xFE);  // A | B | C
-    }
-    return _mm512_or_si512(nibbles, _mm512_set1_epi32(0x43004300));
-  } else {  // q8: rows 2p and 2p + 1; an integer of at most 8 bits is a float32 whose high half is its bfloat16
-    const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(q + 2 * pair * 16))));
-    const __m512i odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(q + (2 * pair + 1) * 16))));
-    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)),
-                                     0xF8);  // A | (B & C)
-  }
+// Pair p of a block's q8 codes for one panel's 16 columns: lane j holds column j's (c_2p, c_2p+1) as bfloat16 (rows
+// 2p and 2p + 1; an integer of at most 8 bits is a float32 whose high half is its bfloat16).
+inline __m512i q8_pair_codes(const uint8_t* q, int pair) {
+  const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(q + 2 * pair * 16))));
+  const __m512i odd = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(q + (2 * pair + 1) * 16))));
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)),
+                                   0xF8);  // A | (B & C)
 }
 
 #if defined(__AVX512VBMI__)
@@ -80,60 +63,71 @@ struct Bytes64 {
   __m512i load() const { return _mm512_load_si512(b); }
 };
 
-// A byte permutation's index vector: output byte 4 j + k (lane j) from byte ``from_k + j`` of the first source, or
-// (from_k < 0) byte 0 of the second. Tables made at compile time: a static made at run time put a guard in the loop.
-constexpr Bytes64 lane_bytes(int from0, int from1, int from2, int from3) {
+// vpermb's index vectors, made at compile time (a static made at run time put a guard in the loop). Lane j of the
+// result: of 4 rows of 16 bytes, column j's byte of each row in order; of 2 rows, column j's byte of the first at
+// byte 0 and of the second at byte 2, bytes 1 and 3 from byte 63 (zero).
+constexpr Bytes64 column_bytes() {
   Bytes64 index{};
-  const int from[4] = {from0, from1, from2, from3};
   for (int j = 0; j < 16; ++j)
-    for (int k = 0; k < 4; ++k) index.b[4 * j + k] = static_cast<uint8_t>(from[k] < 0 ? 64 : from[k] + j);
+    for (int k = 0; k < 4; ++k) index.b[4 * j + k] = static_cast<uint8_t>(16 * k + j);
   return index;
 }
-
-// Per byte of each quarter of a vector, a window of 8 bits of its 64-bit word (vpmultishiftqb's control): the byte
-// itself moved right by shift_q bits (left where negative), its neighbors' bits filling the rest.
-constexpr Bytes64 byte_windows(int shift0, int shift1, int shift2, int shift3) {
-  Bytes64 control{};
-  const int shift[4] = {shift0, shift1, shift2, shift3};
-  for (int i = 0; i < 64; ++i) control.b[i] = static_cast<uint8_t>((8 * (i % 8) + shift[i / 16] + 64) % 64);
-  return control;
-}
-constexpr Bytes64 kNibbleWindows = byte_windows(0, 0, 4, 4), kTopWindows = byte_windows(-4, 0, -2, 2);
-constexpr Bytes64 kFirstPair = lane_bytes(0, -1, 32, -1), kSecondPair = lane_bytes(16, -1, 48, -1);
-#endif
-
-// Pairs p and p + 1 (p even) of a block's codes for one panel's 16 columns, as pair_codes gives them (the same
-// values, so the same sums). With AVX-512 VBMI the nibble formats take byte-wide steps for both pairs: the two rows'
-// 32 bytes in each half of a vector, the low nibbles kept in one half and the high ones shifted down in the other,
-// the bits above them (q6k) shifted in from their bit-plane row, then one byte permutation per pair puts each
-// column's two codes in its lane beside the bytes of bfloat16 128 (0x43): 2.5 vector instructions a pair for q4 and
-// q4k where pair_codes takes 4, and 4 for q6k where it takes about 6.5.
-template <int F>
-inline void two_pair_codes(const uint8_t* q, int pair, __m512i out[2]) {
-#if defined(__AVX512VBMI__)
-  if constexpr (F != kQ8) {
-    // Quarters of ``rows``: the low nibbles of rows p and p + 1, then their high nibbles.
-    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + pair * 16)));
-    __m512i rows = _mm512_multishift_epi64_epi8(kNibbleWindows.load(), both);
-    if constexpr (F == kQ6K) {
-      // Row 16 + p / 2 holds bits 4-5 of positions 2p, 2p + 1, 2p + 2, 2p + 3 at bits 0, 2, 4 and 6 of each
-      // column's byte: each moved to bits 4-5 of its quarter's bytes (left 4, none, left 2, right 2).
-      const __m512i top = _mm512_multishift_epi64_epi8(
-          kTopWindows.load(), _mm512_broadcast_i32x4(load_bytes(q + (16 + pair / 2) * 16)));
-      rows = _mm512_ternarylogic_epi32(rows, _mm512_and_si512(top, _mm512_set1_epi8(0x30)), _mm512_set1_epi8(0x0F),
-                                       0xEC);  // (A & C) | B
-    } else {
-      rows = _mm512_and_si512(rows, _mm512_set1_epi8(0x0F));
-    }
-    // Lane j: (position 2p's code, 0x43, position 2p + 1's code, 0x43), and so for the second pair.
-    const __m512i bias = _mm512_set1_epi8(0x43);
-    out[0] = _mm512_permutex2var_epi8(rows, kFirstPair.load(), bias);
-    out[1] = _mm512_permutex2var_epi8(rows, kSecondPair.load(), bias);
-    return;
+constexpr Bytes64 column_bytes_of_two_rows() {
+  Bytes64 index{};
+  for (int j = 0; j < 16; ++j) {
+    index.b[4 * j] = static_cast<uint8_t>(j);
+    index.b[4 * j + 2] = static_cast<uint8_t>(16 + j);
+    index.b[4 * j + 1] = index.b[4 * j + 3] = 63;
   }
+  return index;
+}
+constexpr Bytes64 kColumnBytes = column_bytes(), kColumnBytesOfTwoRows = column_bytes_of_two_rows();
 #endif
-  out[0] = pair_codes<F>(q, pair);
-  out[1] = pair_codes<F>(q, pair + 1);
+
+// Pairs p .. p + 3 (p a multiple of 4) of a block's codes for one panel's 16 columns, as 4 vectors: vector k's lane
+// j holds column j's codes of positions 2p + k and 2p + k + 4 as bfloat16 (q8: positions 2(p + k) and 2(p + k) + 1).
+// The nibble formats' x rows are permuted to match (permuted_rows). Their 4 byte rows (2 positions each: byte j of
+// row p holds column j's code 2p in the low nibble and 2p + 1 in the high) are transposed by one byte permutation
+// (AVX-512 VBMI), so that lane j holds position 2p + m at bits 4m; vector k is then that shifted right by 4k, masked
+// to bits 0-3 and 16-19 and joined to 0x4300 (bfloat16 128) in each half: 128 + q, exact. q6k's bits 4-5 (row
+// 16 + p / 2 for positions 2p .. 2p + 3 at bits 2m, the next row for the next 4) are put at bits 2m and 16 + 2m by a
+// second permutation and shifted to bits 4-5 and 20-21. 2 vector instructions a vector for q4 and q4k, 4 for q6k,
+// where one pair at a time took 2.5 and 4 with 1.5 byte permutations (measured on an AMD EPYC Zen 4: one row, in
+// cache, 1 thread, Q4_K 18.8 → 21.4 GB/s; benchmarks/README.md).
+template <int F>
+inline void four_pair_codes(const uint8_t* q, int pair, __m512i out[4]) {
+  if constexpr (F == kQ8) {
+    for (int k = 0; k < 4; ++k) out[k] = q8_pair_codes(q, pair + k);
+  } else {
+    const __m512i low_bits = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+    const __m512i top_bits = _mm512_set1_epi32(0x00300030);
+#if defined(__AVX512VBMI__)
+    const __m512i columns = _mm512_permutexvar_epi8(kColumnBytes.load(), _mm512_loadu_si512(q + pair * 16));
+    __m512i high = _mm512_setzero_si512();
+    if constexpr (F == kQ6K)
+      high = _mm512_permutexvar_epi8(kColumnBytesOfTwoRows.load(), _mm512_zextsi256_si512(_mm256_loadu_si256(
+                                                                      reinterpret_cast<const __m256i*>(q + (16 + pair / 2) * 16))));
+#else  // the same lanes from bytes widened one row at a time
+    const __m512i columns = _mm512_or_si512(
+        _mm512_or_si512(_mm512_cvtepu8_epi32(load_bytes(q + pair * 16)),
+                        _mm512_slli_epi32(_mm512_cvtepu8_epi32(load_bytes(q + (pair + 1) * 16)), 8)),
+        _mm512_or_si512(_mm512_slli_epi32(_mm512_cvtepu8_epi32(load_bytes(q + (pair + 2) * 16)), 16),
+                        _mm512_slli_epi32(_mm512_cvtepu8_epi32(load_bytes(q + (pair + 3) * 16)), 24)));
+    __m512i high = _mm512_setzero_si512();
+    if constexpr (F == kQ6K)
+      high = _mm512_or_si512(_mm512_cvtepu8_epi32(load_bytes(q + (16 + pair / 2) * 16)),
+                             _mm512_slli_epi32(_mm512_cvtepu8_epi32(load_bytes(q + (17 + pair / 2) * 16)), 16));
+#endif
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      out[k] = _mm512_ternarylogic_epi32(k ? _mm512_srli_epi32(columns, 4 * k) : columns, low_bits, bias,
+                                         0xEA);  // (A & B) | C
+      if constexpr (F == kQ6K) {
+        const __m512i top = k < 2 ? _mm512_slli_epi32(high, 4 - 2 * k) : k == 2 ? high : _mm512_srli_epi32(high, 2);
+        out[k] = _mm512_ternarylogic_epi32(out[k], top, top_bits, 0xF8);  // A | (B & C)
+      }
+    }
+  }
 }
 
 inline __m512 float16s(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -193,7 +187,7 @@ struct FromPanels {
                    _MM_HINT_T0);
     }
   }
-  void two_pairs(int64_t g, int pair, int c, __m512i out[2]) const { two_pair_codes<F>(w.codes(tile, c, g), pair, out); }
+  void four_pairs(int64_t g, int pair, int c, __m512i out[4]) const { four_pair_codes<F>(w.codes(tile, c, g), pair, out); }
 };
 
 // A tile decoded: per block, its 16 pairs' code vectors [16][2] and per half its scales [2 (d, offset)][2][16].
@@ -209,8 +203,8 @@ struct FromBuffer {
     }
   }
   void prefetch(int64_t) const {}
-  void two_pairs(int64_t g, int pair, int c, __m512i out[2]) const {
-    for (int i = 0; i < 2; ++i) out[i] = _mm512_loadu_si512(tile + g * buffered_block(F) + ((pair + i) * 2 + c) * kLanes);
+  void four_pairs(int64_t g, int pair, int c, __m512i out[4]) const {
+    for (int i = 0; i < 4; ++i) out[i] = _mm512_loadu_si512(tile + g * buffered_block(F) + ((pair + i) * 2 + c) * kLanes);
   }
 };
 
@@ -218,11 +212,11 @@ template <int F>
 void decode_tile(const Panels& w, int64_t tile, uint32_t* out) {
   for (int64_t g = 0; g < w.groups; ++g) {
     uint32_t* block = out + g * buffered_block(F);
-    for (int pair = 0; pair < kPairs; pair += 2)
+    for (int pair = 0; pair < kPairs; pair += 4)
       for (int c = 0; c < 2; ++c) {
-        __m512i codes[2];
-        two_pair_codes<F>(w.codes(tile, c, g), pair, codes);
-        for (int i = 0; i < 2; ++i) _mm512_storeu_si512(block + ((pair + i) * 2 + c) * kLanes, codes[i]);
+        __m512i codes[4];
+        four_pair_codes<F>(w.codes(tile, c, g), pair, codes);
+        for (int i = 0; i < 4; ++i) _mm512_storeu_si512(block + ((pair + i) * 2 + c) * kLanes, codes[i]);
       }
     for (int half = 0; half < halves(F); ++half) {
       float* s = reinterpret_cast<float*>(block + kPairs * kCols + half * 2 * kCols);
@@ -253,11 +247,11 @@ void tile_rows(const Source& source, int64_t groups, const uint16_t* x, int64_t 
     for (int half = 0; half < H; ++half) {
       __m512 sums[R][2];
       for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-      for (int pair = half * kRun; pair < (half + 1) * kRun; pair += 2) {
-        __m512i codes[2][2];  // [column vector][pair p, p + 1]
-        for (int c = 0; c < 2; ++c) source.two_pairs(g, pair, c, codes[c]);
-        for (int i = 0; i < 2; ++i)  // pair p, then p + 1: each sum's steps in pair order
+#pragma GCC unroll 4
+      for (int pair = half * kRun; pair < (half + 1) * kRun; pair += 4) {
+        __m512i codes[2][4];  // [column vector][code vector k of pairs p .. p + 3]
+        for (int c = 0; c < 2; ++c) source.four_pairs(g, pair, c, codes[c]);
+        for (int i = 0; i < 4; ++i)  // vector 0, 1, 2, 3: each sum's steps in that order
           for (int r = 0; r < R; ++r) {
             int32_t word;
             std::memcpy(&word, xg + r * ldx + 2 * (pair + i), sizeof(word));
@@ -326,6 +320,16 @@ void half_block_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, float
     for (int64_t h = 0; h < 2 * G; ++h) out[r * 2 * G + h] = _mm512_reduce_add_ps(widened(x + r * ldx + h * kBlock / 2));
 }
 
+// x's rows [M][K] with each 8 positions' two halves interleaved, into out [M][padded]: positions 8s + k and
+// 8s + k + 4 side by side, as four_pair_codes pairs the nibble formats' codes.
+void permuted_rows(const uint16_t* x, int64_t M, int64_t ldx, int64_t padded, uint16_t* out) {
+  const __m512i order = _mm512_set_epi16(31, 27, 30, 26, 29, 25, 28, 24, 23, 19, 22, 18, 21, 17, 20, 16,
+                                         15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < padded; k += 32)
+      _mm512_storeu_si512(out + r * padded + k, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(x + r * ldx + k)));
+}
+
 // Each row's block sums, [M][G]: the 32 values widened to float32, the two halves added lane by lane, then
 // _mm512_reduce_add_ps (one fixed tree).
 void block_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, float* out) {
@@ -372,6 +376,12 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
   float* xsum = serval::scratch(2, M * G * 2);
   if (call.format == kQ6K) half_block_sums(xs, M, ldx, G, xsum);
   else if (call.format != kQ8) block_sums(xs, M, ldx, G, xsum);
+  if (call.format != kQ8) {
+    uint16_t* permuted = reinterpret_cast<uint16_t*>(serval::scratch(3, (M * padded + 1) / 2));
+    permuted_rows(xs, M, ldx, padded, permuted);
+    xs = permuted;
+    ldx = padded;
+  }
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), G,
                  block_rows(call.format) * 16, scale_rows(call.format) * 16 * 2, super_bytes(call.format)};
   auto run = [&](auto* y) {
