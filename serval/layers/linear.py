@@ -28,6 +28,7 @@ from torch import nn
 
 from serval.config import ACTIVATION_QUANTIZATION_CHOICES, BLOCK_DOT_PRODUCT_CHOICES
 from serval.layers import cpu_kernels
+from serval.layers.host_memory import empty_in_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -300,15 +301,16 @@ class BlockWeight:
         return q, scales
 
     def _empty_panels(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uninitialized (panels, scales) of ``count`` panels of this weight's format and width."""
+        """Uninitialized (panels, scales) of ``count`` panels of this weight's format and width, in huge pages (each
+        decode step streams them)."""
         groups = self.packed.shape[1]
         if self.format in K_FORMATS:
             supers = groups // (SUPER_BLOCK // BLOCK_SIZE)
-            scales = torch.empty(count, supers, self.super_scales.shape[-1] * 32 + 256, dtype=torch.uint8)
+            scales = empty_in_huge_pages((count, supers, self.super_scales.shape[-1] * 32 + 256), torch.uint8)
         else:
             floats = torch.float32 if self.format in FLOAT32_SCALES else torch.float16
-            scales = torch.empty(count, groups, self.scales.shape[-1], 16, dtype=floats)
-        return torch.empty(count, groups, self.packed.shape[-1], 16, dtype=torch.uint8), scales
+            scales = empty_in_huge_pages((count, groups, self.scales.shape[-1], 16), floats)
+        return empty_in_huge_pages((count, groups, self.packed.shape[-1], 16), torch.uint8), scales
 
     @staticmethod
     def panels_of(parts: list[BlockWeight]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ import torch
 
 from serval.gguf_reader import GGUFContents, ggml_type
 from serval.layers import cpu_kernels
+from serval.layers.host_memory import empty_in_huge_pages
 from serval.layers.linear import BlockWeight
 from serval.model.config import ModelConfig
 
@@ -303,8 +304,8 @@ class FileKBlocks(BlockWeight):
     def _empty_panels(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         groups, block_bytes = self.block_shape
         halves = 1 if self._qtype == "Q6_K" else 2  # float16 rows a super-block: d (and -dmin)
-        return (torch.empty(count, groups, block_bytes, 16, dtype=torch.uint8),
-                torch.empty(count, self._raw.shape[1], halves * 32 + 256, dtype=torch.uint8))
+        return (empty_in_huge_pages((count, groups, block_bytes, 16), torch.uint8),
+                empty_in_huge_pages((count, self._raw.shape[1], halves * 32 + 256), torch.uint8))
 
 
 def _file_bytes(view: np.ndarray) -> torch.Tensor:
