@@ -628,10 +628,18 @@ def lay_out_for_cpu_kernels(model: nn.Module, bfloat16_linears: bool | None = No
         for weight in weights:
             if (weight.dtype in DENSE_KERNEL_DTYPES and not weight.transpose(-1, -2).is_contiguous()
                     and _panel_kernels(weight.device) is not None):
-                weight.data = weight.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+                weight.data = _transposed_in_huge_pages(weight.data)
                 module.min_rows = None
                 laid += 1
     return laid
+
+
+def _transposed_in_huge_pages(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [..., out, in] as the [..., out, in] view of its W^T [..., in, out] row-major, in huge pages (each
+    decode step streams it)."""
+    laid = empty_in_huge_pages((*weight.shape[:-2], weight.shape[-1], weight.shape[-2]), weight.dtype)
+    laid.copy_(weight.transpose(-1, -2))
+    return laid.transpose(-1, -2)
 
 
 def largest_row_padding(model: nn.Module) -> int:

@@ -10,7 +10,7 @@ from test_block_quant_linear import random_blocks
 
 from serval.layers import cpu_kernels
 from serval.layers.host_memory import HUGE_PAGE, empty_in_huge_pages
-from serval.layers.linear import BlockQuantLinear
+from serval.layers.linear import BlockQuantLinear, Linear, lay_out_for_cpu_kernels
 
 
 def vm_flags(address: int) -> list[str]:
@@ -52,3 +52,16 @@ def test_a_block_linears_panels_are_in_huge_pages():
     layer = BlockQuantLinear(random_blocks("Q4_K", 4096, 2048))
     assert layer.panels0.nbytes > HUGE_PAGE
     assert "hg" in vm_flags(layer.panels0.data_ptr())
+
+
+@needs_advice
+def test_a_dense_linears_weight_laid_out_for_the_kernel_is_in_huge_pages():
+    """lay_out_for_cpu_kernels's W^T copy (4 MiB of bfloat16 here) is advised into huge pages, the same values."""
+    if cpu_kernels.for_device(torch.device("cpu")) is None:
+        pytest.skip("no CPU kernels here: the weight is not laid out")
+    layer = Linear(2048, 1024)
+    layer.weight.data = torch.randn(1024, 2048).bfloat16()
+    before = layer.weight.detach().clone()
+    assert lay_out_for_cpu_kernels(layer, bfloat16_linears=True) == 1
+    assert torch.equal(layer.weight, before) and layer.weight.t().is_contiguous()
+    assert "hg" in vm_flags(layer.weight.data_ptr())
