@@ -110,13 +110,18 @@ def _engine_of(replica_id: str) -> psutil.Process:
     raise AssertionError(f"no serval serve process for replica {replica_id}")
 
 
-def _waiting(engine: psutil.Process) -> float:
-    """serval:num_requests_waiting of a replica's `serval serve`."""
+def _running_and_waiting(engine: psutil.Process) -> tuple[float, float]:
+    """serval:num_requests_running and serval:num_requests_waiting of a replica's `serval serve`."""
     cmdline = engine.cmdline()
     port = cmdline[cmdline.index("--port") + 1]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("serval:num_requests_waiting"))
+    return tuple(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+                 for name in ("serval:num_requests_running", "serval:num_requests_waiting"))
+
+
+def _held_behind_a_full_batch(engine: psutil.Process) -> bool:
+    running, waiting = _running_and_waiting(engine)
+    return running >= 4 and waiting >= 2  # REPLICA_FLAGS' --max-num-seqs 4
 
 
 def test_a_replica_killed_mid_load_loses_no_request_silently_and_is_replaced(app):
@@ -147,17 +152,23 @@ def test_a_replica_killed_mid_load_loses_no_request_silently_and_is_replaced(app
     threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
     for thread in threads:
         thread.start()
-    # The victim: a replica streaming at least one request and holding at least one it has not started (16
-    # requests over 2 replicas running 4 each: one of them has some waiting).
-    streaming: set[str] = set()
+    # The victim: a replica streaming at least one request and holding at least two it has not started behind a
+    # full batch (16 requests over 2 replicas running 4 each: at least 8 wait at first). A request that has only
+    # just arrived waits for a step, and one behind a batch with room starts at the next: either could start streaming
+    # between the check and the kill, and the retry path would go untested (one fresh-clone CI run: the chosen
+    # replica's one waiting request had started by then, retried_requests 0). Each engine process is found once,
+    # so the kill follows the check at once.
+    streaming: dict[str, psutil.Process] = {}
     deadline = time.monotonic() + 120
     victim_id = None
     while victim_id is None:
-        assert time.monotonic() < deadline, "no replica was streaming one request while holding another"
+        assert time.monotonic() < deadline, "no replica was streaming one request while holding two behind a full batch"
         with contextlib.suppress(queue.Empty):
-            streaming.add(first_chunks.get(timeout=0.2)[1])
-        victim_id = next((r for r in streaming if _waiting(_engine_of(r)) > 0), None)
-    engine = _engine_of(victim_id)
+            replica = first_chunks.get(timeout=0.2)[1]
+            if replica not in streaming:
+                streaming[replica] = _engine_of(replica)
+        victim_id = next((r for r, e in streaming.items() if _held_behind_a_full_batch(e)), None)
+    engine = streaming[victim_id]
     victim = engine.parent()
     assert victim.cmdline()[0].startswith("ray::ServeReplica:serval:")
     victim.kill()
