@@ -57,8 +57,9 @@ def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, ro
 @pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_row_is_the_same_whatever_the_batch(fmt, threads):
-    """Rows 0-39 in batches of every size from 1 to 40 (the 6-row tile, its remainders and the decoded-once path),
-    on one thread and on two: every row's bits equal its bits alone."""
+    """Rows 0-39 in batches of every size from 1 to 40 (the 6-row tile, its remainders, passes of 6 rows over codes
+    decoded in registers up to 16 or 32 rows, and the decoded-once path above), on one thread and on two: every row's
+    bits equal its bits alone."""
     weight = random_blocks(fmt, 300, 576, seed=3)
     panels, fmt = weight.panels(), weight.format
     x = activations(40, weight.in_features, torch.bfloat16, seed=4)

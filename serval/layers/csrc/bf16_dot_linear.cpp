@@ -43,6 +43,12 @@ using namespace serval_blocks;
 constexpr int64_t kLanes = 16, kCols = 2 * kLanes;  // a tile: two panels of 16 columns side by side
 constexpr int kTileRows = 6;  // 12 sums + 12 block sums + 2 code vectors + a broadcast of 32 registers
 constexpr int kPairs = kBlock / 2;
+constexpr int64_t kPrefetchBlocks = 4;  // FromPanels::prefetch's distance
+// Up to how many rows a tile's codes are decoded in registers, once per pass of kTileRows rows, rather than once into
+// a buffer that the passes read: the buffer (a few hundred KB a tile at K = 4,096) is written to and read back from
+// L2, which measured slower up to 32 rows (Q4_K at 8 rows 1.4x, 16 rows 1.2x) and for q6k up to 16 (its codes cost
+// more to decode; at 32 rows the buffer measured 1.1x faster) on an AMD EPYC Zen 4 (benchmarks/README.md).
+constexpr int64_t decoded_in_registers_up_to(int f) { return f == kQ6K ? 16 : 32; }
 // Runs of pairs that share a scale: q6k's two sub-blocks of 16 positions, the others' whole block.
 constexpr int halves(int f) { return f == kQ6K ? 2 : 1; }
 
@@ -174,17 +180,35 @@ template <int F>
 struct FromPanels {
   const Panels& w;
   int64_t tile, ahead;
+  bool prefetching;
   void scales(int64_t g, int half, __m512 d[2], __m512 offset[2]) const {
     for (int c = 0; c < 2; ++c) panel_scales<F>(w, tile, c, g, half, d[c], offset[c]);
   }
-  // Asks for the same block of the tile ``ahead`` while this one computes (panel_linear.cpp's prefetch_block).
+  // Asks for the block kPrefetchBlocks past g while block g computes: of this tile, or past its end of the tile
+  // ``ahead`` (none where ahead is this tile, its thread's last). The hardware prefetcher alone, or asking for the
+  // same block of the next tile (panel_linear.cpp's prefetch_block), read one row's 8B-sized weights out of cache at
+  // 35-36 GB/s on 2 threads of an AMD EPYC Zen 4, where a plain read ran 55-60; 4 blocks ahead, 41-44
+  // (benchmarks/README.md, "Prefetch distance"). Always inlined (a function of prefetches alone is deleted by GCC).
   __attribute__((always_inline)) void prefetch(int64_t g) const {
+    if (!prefetching) return;
+    int64_t at = tile, block = g + kPrefetchBlocks;
+    if (block >= w.groups) {
+      if (ahead == tile) return;
+      at = ahead;
+      block -= w.groups;
+      if (block >= w.groups) return;  // fewer blocks a panel than the distance
+    }
     for (int c = 0; c < 2; ++c) {
       for (int64_t b = 0; b < w.block_bytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w.codes(ahead, c, g) + b), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(k_scales(F) ? w.super_block(ahead, c, g) + super_rows(F) * 32 +
-                                                 (g % kSuperBlocks) * scale_rows(F) * 16 : w.scale(ahead, c, g)),
-                   _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.codes(at, c, block) + b), _MM_HINT_T0);
+      if constexpr (k_scales(F)) {
+        const uint8_t* super = w.super_block(at, c, block);
+        _mm_prefetch(reinterpret_cast<const char*>(super + super_rows(F) * 32 + (block % kSuperBlocks) * scale_rows(F) * 16),
+                     _MM_HINT_T0);
+        if (block % kSuperBlocks == 0) _mm_prefetch(reinterpret_cast<const char*>(super), _MM_HINT_T0);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale(at, c, block)), _MM_HINT_T0);
+      }
     }
   }
   void four_pairs(int64_t g, int pair, int c, __m512i out[4]) const { four_pair_codes<F>(w.codes(tile, c, g), pair, out); }
@@ -289,9 +313,13 @@ template <int F, typename Out>
 void gemm(const uint16_t* x, int64_t M, int64_t ldx, const float* xsum, const Panels& w, int64_t N, Out* y) {
   const int64_t tiles = (N + kCols - 1) / kCols, G = w.groups;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    if (M <= kTileRows) {
+    if (M <= decoded_in_registers_up_to(F)) {
+      const int64_t sums_per_row = G * halves(F);
       for (int64_t t = begin; t < end; ++t)
-        some_rows<F, kTileRows>(M, FromPanels<F>{w, t, std::min(t + 1, end - 1)}, G, x, ldx, xsum, y, N, t * kCols);
+        for (int64_t r0 = 0; r0 < M; r0 += kTileRows)  // the first pass prefetches; the later ones find the tile cached
+          some_rows<F, kTileRows>(std::min<int64_t>(kTileRows, M - r0),
+                                  FromPanels<F>{w, t, std::min(t + 1, end - 1), r0 == 0}, G, x + r0 * ldx, ldx,
+                                  xsum + r0 * sums_per_row, y + r0 * N, N, t * kCols);
       return;
     }
     // Many rows: each tile's codes decoded once for all of them.
