@@ -29,9 +29,11 @@ Only ratios from one run mean anything: a shared machine's speed drifts between 
 The roofline: one decode step reads every weight matrix of the GGUF once (MoE: only the experts a token uses), plus
 one row of the token embedding; KV-cache reads are left out (they grow with the context). The report gives those
 bytes per token, a measured memory bandwidth (a multi-threaded torch sum over a 1 GiB buffer, with as many
-threads as the servers get), and for each one-stream row the fraction of that roofline reached: decode tok/s
-(1000 / TPOT p50) x bytes per token / bandwidth. Serval may hold the weights in another form than the file (e.g.
-bf16 from a Q4 file), so its fraction is against the file's bytes, the same bar for every server.
+threads as the servers get; once at the start, and again just after each one-stream row, since a shared machine's
+rate drifts by half from one minute to the next), and for each one-stream row the fraction of the roofline that
+row's own measure gives: decode tok/s (1000 / TPOT p50) x bytes per token / bandwidth. Serval may hold the weights
+in another form than the file (e.g. bf16 from a Q4 file), so its fraction is against the file's bytes, the same
+bar for every server.
 
 `--isa avx2` runs the suite as an AVX2-only CPU (AMD EPYC Zen 2/3) would, on a machine with AVX-512: Serval's
 kernels built for AVX2 (SERVAL_CPU_ISA), PyTorch, MKL and oneDNN held to AVX2 (so no native bfloat16: `--dtype
@@ -264,6 +266,9 @@ def run_server(server: Server, workloads: list[Workload], log_dir: Path, timeout
             s = report["summary"]
             result["workloads"][w.name] = {"description": report["description"], "summary": s}
             shown = ", ".join(f"{label} {_fmt(_value(s, key))}" for label, key, _ in w.metrics)
+            if w.concurrency == 1:  # this row's own roofline: the memory's rate drifts from one minute to the next
+                bandwidth = result["workloads"][w.name]["bandwidth"] = measure_bandwidth(server_threads())
+                shown += f", bandwidth just after {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s"
             print(f"   {w.name}: {s['completed']}/{s['num_requests']} ok, {shown}", flush=True)
             for error in s["errors"]:
                 print(f"   error: {error}", flush=True)
@@ -340,17 +345,21 @@ def measure_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
 def roofline_rows(results: dict, workloads: list[Workload], server_list: list[Server], per_token: dict,
                   bandwidth: dict) -> list[dict]:
     """For each one-stream workload and server: decode tok/s (1000 / TPOT p50) and its share of the bandwidth
-    roofline (bandwidth / bytes per token)."""
-    roofline = bandwidth["bytes_per_s"] / per_token["bytes_per_token"]
+    roofline (bandwidth / bytes per token), against the bandwidth measured just after that row (``bandwidth``, the
+    run's first measure, where there is none)."""
     rows = []
     for w in workloads:
         if w.concurrency != 1:
             continue
         for s in server_list:
-            tpot = _value(results[s.name]["workloads"].get(w.name, {}).get("summary", {}), "tpot_ms.p50")
+            result = results[s.name]["workloads"].get(w.name, {})
+            tpot = _value(result.get("summary", {}), "tpot_ms.p50")
             if tpot:
+                measured = result.get("bandwidth", bandwidth)["bytes_per_s"]
+                roofline = measured / per_token["bytes_per_token"]
                 rows.append({"workload": w.name, "server": s.name, "decode_tok_s": 1000 / tpot,
-                             "roofline_tok_s": roofline, "fraction": 1000 / tpot / roofline})
+                             "bandwidth_bytes_per_s": measured, "roofline_tok_s": roofline,
+                             "fraction": 1000 / tpot / roofline})
     return rows
 
 
@@ -362,7 +371,8 @@ def print_roofline(per_token: dict, bandwidth: dict, rows: list[dict]) -> None:
           f"{bandwidth['bytes_per_s'] / per_token['bytes_per_token']:.1f} tok/s at most")
     for row in rows:
         print(f"   {row['workload']:<14}{row['server']:<28}{row['decode_tok_s']:8.1f} tok/s decode  "
-              f"{100 * row['fraction']:5.1f}% of the roofline")
+              f"{100 * row['fraction']:5.1f}% of the roofline at {row['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+              f"(measured just after the row)")
 
 
 def ratio_table(results: dict, workloads: list[Workload], server_list: list[Server]) -> list[dict]:

@@ -1,6 +1,6 @@
 """benchmarks/configs/ and benchmarks/make_sized_models.py: the configs have their published sizes and stay small,
 the random checkpoints load in transformers with every tensor named as the real checkpoints name them, and
-run_peers.py counts a GGUF's bytes per decoded token."""
+run_peers.py counts a GGUF's bytes per decoded token and holds each one-stream row to its own bandwidth measure."""
 
 from __future__ import annotations
 
@@ -87,3 +87,21 @@ def test_bytes_per_token_counts_every_tensor_and_the_tied_output_matrix():
     row = int(embedding.n_bytes) // int(embedding.shape[-1])
     assert counted["bytes_per_token"] == sum(int(t.n_bytes) for t in tensors.values()) + row
     assert counted["kv_reads"] == "excluded" and counted["kv_bytes_per_position"] > 0
+
+
+def test_each_one_stream_rows_roofline_is_its_own_bandwidth_measure():
+    """The fraction of the roofline a one-stream row reached is against the bandwidth measured just after that row
+    (a shared machine's rate drifts), and against the run's first measure for a row without its own."""
+    peers = load_script("run_peers")
+    single = peers.Workload("single", None, 1, [])
+    busy = peers.Workload("decode-heavy", None, 8, [])
+    servers = [peers.Server("serval", []), peers.Server("llama.cpp", [])]
+    results = {
+        "serval": {"workloads": {"single": {"summary": {"tpot_ms": {"p50": 25.0}},
+                                            "bandwidth": {"bytes_per_s": 40e9}},
+                                 "decode-heavy": {"summary": {"tpot_ms": {"p50": 100.0}}}}},
+        "llama.cpp": {"workloads": {"single": {"summary": {"tpot_ms": {"p50": 50.0}}}}},
+    }
+    rows = peers.roofline_rows(results, [single, busy], servers, {"bytes_per_token": 1e9}, {"bytes_per_s": 80e9})
+    assert [(r["server"], r["decode_tok_s"], r["fraction"]) for r in rows] == [
+        ("serval", 40.0, pytest.approx(1.0)), ("llama.cpp", 20.0, pytest.approx(0.25))]
