@@ -88,7 +88,8 @@ def first_answer(command: list[str], port: int, model_name: str, timeout_s: floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", action="append", default=None, help="a GGUF file (repeatable; default: embedded)")
+    parser.add_argument("--model", action="append", default=None,
+                        help="a GGUF file or an embedded model's name (repeatable; default: the embedded default)")
     parser.add_argument("--llama-server", default=str(ROOT.parent / "peers" / "llamacpp" / "bin" / "llama-server"))
     parser.add_argument("--serval-flags", default="", help="extra flags for `serval serve`")
     parser.add_argument("--llama-ctx", type=int, default=8192,
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load.json"))
     args = parser.parse_args()
-    models = [Path(m) for m in args.model] if args.model else [resolve_model_path(None)]
+    models = [resolve_model_path(m) for m in args.model or [None]]  # an embedded name, a file, a directory
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu_model()}, {cpu_capability()}, {os.cpu_count()} cores", flush=True)
