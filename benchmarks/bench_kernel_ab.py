@@ -1,15 +1,17 @@
 """The block kernels of this checkout against those of another git revision, in one process on one thread: CPU time
 of this thread (time.thread_time), the two builds alternated so that a slow spell of a shared machine hits both.
 
-    .venv/bin/python benchmarks/bench_kernel_ab.py --base main [--rows 1,2,4,16] [--rounds 5] [--steps 48]
+    .venv/bin/python benchmarks/bench_kernel_ab.py --base main [--model F.gguf] [--rows 1,2,4,16] [--rounds 5]
 
 The base revision's csrc/ is built (or loaded from the build cache) under its own name beside this checkout's.
-1. Each distinct linear shape of the model (SmolLM2: fused q/k/v, o, gate/up, down, the tied Q8_0 head), float32
-   and int8 activations (EngineConfig.activation_quantization), microseconds a call. A call goes through every
-   layer's matrix of that shape in turn, as a decode step does, so the weights come from beyond the L2 cache as
-   they do there (a loop over one matrix would time it hot in cache).
-2. The offline decode step (LLMEngine, greedy, speculation off) at 1 row, each BlockQuantLinear's kernel functions
-   switched between the builds: milliseconds a step; and whether the greedy tokens of both builds are the same.
+1. Each distinct linear shape of the model (SmolLM2 by default: fused q/k/v, o, gate/up, down, the tied Q8_0 head),
+   microseconds a call, for each way the kernels multiply (BlockQuantLinear's settings): "bf16" (bfloat16 dot
+   products for q4, q4k, q6k and q8 parts where compiled, the default on such a CPU; float32 FMAs for the others),
+   "fma" and "int8". A call goes through every layer's matrix of that shape in turn, as a decode step does, so the
+   weights come from beyond the L2 cache as they do there (a loop over one matrix would time it hot in cache).
+2. The offline decode step (LLMEngine, greedy, speculation off) at 1 row, each BlockQuantLinear's kernel rebuilt
+   from one build or the other, with the layers on the Python path (a C++ layer holds one build's kernels):
+   milliseconds a step; and whether the greedy tokens of both builds are the same.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from serval import LLMEngine, SamplingParams
 from serval.config import EngineConfig, SpeculativeConfig
 from serval.layers import cpu_kernels
-from serval.layers.linear import BlockQuantLinear, use_activation_quantization
+from serval.layers.linear import BF16_DOT_FORMATS, BlockQuantLinear, _as_floats, use_activation_quantization
+from serval.model.llama import use_cpu_layers
 from serval.platform_info import describe_hardware
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
@@ -67,11 +70,25 @@ def build_revision(rev: str):
 
 
 def use_build(model, kernels) -> None:
-    """Points every BlockQuantLinear (panels built) at ``kernels``' functions."""
+    """Rebuilds every BlockQuantLinear's kernel from ``kernels`` (its settings kept)."""
     for module in model.modules():
-        if isinstance(module, BlockQuantLinear) and module._panels is not None:
-            module._panel_linear = kernels.block_panel_linear
-            module._panel_linear_int8 = kernels.block_panel_linear_int8
+        if isinstance(module, BlockQuantLinear) and module.kernel is not None:
+            module._build_kernel(kernels)
+
+
+def parts(layer: BlockQuantLinear) -> list[tuple]:
+    """A layer's parts as the kernel functions take them: (panels, scales, format, out_features)."""
+    return [(getattr(layer, f"panels{i}"), _as_floats(getattr(layer, f"panel_scales{i}"), fmt), fmt, out_features)
+            for i, (fmt, out_features) in enumerate(zip(layer.formats, layer.part_features))]
+
+
+def multiply(kernels, setting: str, fmt: str):
+    """The kernel function a part of format ``fmt`` runs under ``setting``."""
+    if setting == "int8":
+        return kernels.block_panel_linear_int8
+    if setting == "bf16" and fmt in BF16_DOT_FORMATS and kernels.block_bf16_dot_kernel_available():
+        return kernels.block_panel_linear_bf16_dot
+    return kernels.block_panel_linear
 
 
 def thread_seconds(fn, repeats: int) -> float:
@@ -86,12 +103,12 @@ def thread_seconds(fn, repeats: int) -> float:
 def bench_linears(model, builds: dict, rows_list: list[int], dtype: torch.dtype, rounds: int) -> None:
     shapes: dict[tuple[int, int], list[BlockQuantLinear]] = {}
     for module in model.modules():
-        if isinstance(module, BlockQuantLinear) and module._panels is not None:
+        if isinstance(module, BlockQuantLinear) and module.kernel is not None:
             shapes.setdefault((module.out_features, module.in_features), []).append(module)
     print(f"{'N x K':>12}{'layers':>7}{'act':>6}" + "".join(f"{r:>20}" for r in rows_list)
           + "   (us a call, base -> new)")
     for (n, k), layers in shapes.items():
-        for setting in ("none", "int8"):
+        for setting in ("bf16", "fma", "int8"):
             cells = []
             for rows in rows_list:
                 x = torch.randn(rows, k).to(dtype)
@@ -99,13 +116,13 @@ def bench_linears(model, builds: dict, rows_list: list[int], dtype: torch.dtype,
                 repeats = max(3, min(40, int(4e6 / (n * k * len(layers) * rows))))
                 for _ in range(rounds):
                     for build in BUILDS:
-                        fn = builds[build].block_panel_linear_int8 if setting == "int8" else \
-                            builds[build].block_panel_linear
+                        kernels = builds[build]
 
-                        def call(fn=fn, x=x, layers=layers):
+                        def call(kernels=kernels, x=x, layers=layers, setting=setting):
                             for layer in layers:
-                                for fmt, out_features, panels in layer._panels:
-                                    fn(x, *panels, fmt, out_features, layer.float_output)
+                                for panels, scales, fmt, out_features in parts(layer):
+                                    multiply(kernels, setting, fmt)(x, panels, scales, fmt, out_features,
+                                                                    layer.float_output)
                         call()
                         found[build].append(thread_seconds(call, repeats) / len(layers))
                 a, b = (statistics.median(found[s]) * 1e6 for s in BUILDS)
@@ -155,6 +172,7 @@ def main() -> None:
     config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", quantization="gguf",
                           speculative=SpeculativeConfig(method=None))
     engine = LLMEngine(config)
+    use_cpu_layers(engine.model, False)  # the layers on the Python path: a C++ layer holds one build's kernels
     with torch.inference_mode():
         if not args.no_linears:
             bench_linears(engine.model, builds, [int(r) for r in args.rows.split(",")], config.torch_dtype,

@@ -6,14 +6,14 @@
 //
 // Nothing is rounded before the sums: the file's integer codes are bfloat16 values exactly (q8: |q| <= 128; q4, q6k as
 // 128 + q, whose 7 mantissa bits are q), a bfloat16 activation times such a code is exact in float32, and the scales
-// are applied once per block (q6k: per half block, its sub-blocks of 16). Per row, block b of 32 inputs and output n
+// are applied per block (q6k: per half block, its sub-blocks of 16). Per row, block b of 32 inputs and output n
 // (every step float32, from y = 0):
-//   s = 16 steps s = vdpbf16ps(s, (c_a, c_b), (x_a, x_b)) over the block's pairs of positions (a, b) in order, from
-//       s = 0: q8's (2p, 2p + 1) for p = 0 .. 15, the nibble formats' (8i + k, 8i + k + 4) for i, then k = 0 .. 3
+//   s = steps s = vdpbf16ps(s, (c_a, c_b), (x_a, x_b)) over a run of the block's pairs of positions (a, b) in order,
+//       from s = 0: q8's (2p, 2p + 1) for p = 0 .. 15 (one run of 16), the nibble formats' (8i + k, 8i + k + 4) for
+//       i, then k = 0 .. 3, in two runs of 8 pairs (half h: i = 2h, 2h + 1)
 //   q8 (w = d q, c = q):                    y = fma(d, s, y)
-//   q4, q4k (w = d q + m, c = 128 + q):     y = fma(d, s, y); y = fma(m - 128 d, xsum_b, y)
-//   q6k (w = d (q - 32), c = 128 + q):      per half h, s over its 8 pairs (i = 2h, 2h + 1):
-//                                           y = fma(d_h, s, y); y = fma(-160 d_h, xsum_bh, y)
+//   q4, q4k (w = d q + m, c = 128 + q):     y = fma(d, s_0, y); y = fma(d, s_1, y); y = fma(m - 128 d, xsum_b, y)
+//   q6k (w = d (q - 32), c = 128 + q):      per half h: y = fma(d_h, s_h, y); y = fma(-160 d_h, xsum_bh, y)
 // (q4k: d and m are the super-block's float16 d and -dmin times the block's 6-bit sc and mn, exact in float32; q6k:
 // d_h is the super-block's d times the half's int8 sc, and -160 d_h, both exact.)
 // over the blocks in order, with xsum_b (xsum_bh) the row's sum over the block (half block), one fixed reduction. So
@@ -257,6 +257,16 @@ void decode_tile(const Panels& w, int64_t tile, uint32_t* out) {
 inline void store_out(float* y, __m512 v, int64_t count) { _mm512_mask_storeu_ps(y, serval::first_mask16(count), v); }
 inline void store_out(uint16_t* y, __m512 v, int64_t count) { serval::store_bfloat16(y, v, count); }
 
+// The sums over a block's pairs run as chains of vdpbf16ps, one a row and panel: at one row, 2 chains that long left
+// the kernel waiting on vdpbf16ps's latency. So the nibble formats sum each block's 16 pairs as two runs of 8, q6k's
+// halves with their own scales, q4's and q4k's with the block's (two FMAs into y), and one row computes both runs'
+// chains together: measured 1.09x faster for Q4_K and 1.10x for Q6_K at one row in cache on an AMD EPYC Zen 4
+// (benchmarks/README.md, "Two chains a block"). More rows have chains enough; they compute the runs one after the
+// other, their registers going to the rows: the same steps on the same values, so the same bits. q8 (which measured no
+// faster so) sums its block as one run.
+constexpr int runs(int f) { return f == kQ8 ? 1 : 2; }
+constexpr int kRunsSideBySide = 1;  // rows up to which a block's runs are computed together
+
 // R rows (x bfloat16 with ldx per row, xsum [R][G halves(F)] their block (half block) sums) times one tile's columns
 // n0 ...
 template <int F, int R, typename Source, typename Out>
@@ -264,34 +274,45 @@ void tile_rows(const Source& source, int64_t groups, const uint16_t* x, int64_t 
                int64_t N, int64_t n0) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  constexpr int H = halves(F), kRun = kPairs / H;
+  constexpr int H = halves(F), kRuns = runs(F), kRun = kPairs / kRuns, kTogether = R <= kRunsSideBySide ? kRuns : 1;
   for (int64_t g = 0; g < groups; ++g) {
     source.prefetch(g);
     const uint16_t* xg = x + g * kBlock;
-    for (int half = 0; half < H; ++half) {
-      __m512 sums[R][2];
-      for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+    for (int run0 = 0; run0 < kRuns; run0 += kTogether) {
+      __m512 sums[kTogether][R][2];
+      for (int j = 0; j < kTogether; ++j)
+        for (int r = 0; r < R; ++r) sums[j][r][0] = sums[j][r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-      for (int pair = half * kRun; pair < (half + 1) * kRun; pair += 4) {
-        __m512i codes[2][4];  // [column vector][code vector k of pairs p .. p + 3]
-        for (int c = 0; c < 2; ++c) source.four_pairs(g, pair, c, codes[c]);
+      for (int step = 0; step < kRun; step += 4) {
+        __m512i codes[kTogether][2][4];  // [run][column vector][code vector k of pairs p .. p + 3]
+        for (int j = 0; j < kTogether; ++j)
+          for (int c = 0; c < 2; ++c) source.four_pairs(g, (run0 + j) * kRun + step, c, codes[j][c]);
         for (int i = 0; i < 4; ++i)  // vector 0, 1, 2, 3: each sum's steps in that order
-          for (int r = 0; r < R; ++r) {
-            int32_t word;
-            std::memcpy(&word, xg + r * ldx + 2 * (pair + i), sizeof(word));
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(word);
-            for (int c = 0; c < 2; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], (__m512bh)codes[c][i], xb);
-          }
+          for (int r = 0; r < R; ++r)
+            for (int j = 0; j < kTogether; ++j) {
+              int32_t word;
+              std::memcpy(&word, xg + r * ldx + 2 * ((run0 + j) * kRun + step + i), sizeof(word));
+              const __m512bh xb = (__m512bh)_mm512_set1_epi32(word);
+              for (int c = 0; c < 2; ++c)
+                sums[j][r][c] = _mm512_dpbf16_ps(sums[j][r][c], (__m512bh)codes[j][c][i], xb);
+            }
+        if constexpr (kTogether > 1)  // GCC sank one run's chain to the loop's end, where nothing hid its latency
+          for (int j = 0; j < kTogether; ++j)
+            for (int r = 0; r < R; ++r) asm volatile("" : "+v"(sums[j][r][0]), "+v"(sums[j][r][1]));
       }
       // The scales only now: held through the pairs' loop, they left too few registers for the sums (spills).
       __m512 d[2], offset[2];
-      source.scales(g, half, d, offset);
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 2; ++c) {
-          acc[r][c] = _mm512_fmadd_ps(d[c], sums[r][c], acc[r][c]);
-          if constexpr (F != kQ8)
-            acc[r][c] = _mm512_fmadd_ps(offset[c], _mm512_set1_ps(xsum[(r * groups + g) * H + half]), acc[r][c]);
-        }
+      for (int j = 0; j < kTogether; ++j) {
+        const int run = run0 + j, half = H == 2 ? run : 0;
+        if (H == 2 || j == 0) source.scales(g, half, d, offset);
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < 2; ++c) {
+            acc[r][c] = _mm512_fmadd_ps(d[c], sums[j][r][c], acc[r][c]);
+            if constexpr (F != kQ8)
+              if (H == 2 || run == kRuns - 1)  // the block's offset once, after its last run
+                acc[r][c] = _mm512_fmadd_ps(offset[c], _mm512_set1_ps(xsum[(r * groups + g) * H + half]), acc[r][c]);
+          }
+      }
     }
   }
   const int64_t cols = std::min<int64_t>(kCols, N - n0);
