@@ -26,6 +26,14 @@ exited. Servers:
 
 Only ratios from one run mean anything: a shared machine's speed drifts between runs.
 
+`--paired-rounds N` runs one stream only, with every server up at once (the others idle while one is asked) and one
+request to each in turn, N rounds: each round's servers run in the same minute, and the ratio is the median of the
+rounds' ratios (`paired.json`). On this VM a server alone after another could land in a minute whose memory read
+half as fast.
+
+    .venv/bin/python benchmarks/run_peers.py --model ../models/Llama-3.2-1B/Llama-3.2-1B-Q4_K_M.gguf \
+        --servers serval,llama.cpp --paired-rounds 8 --output-tokens 128
+
 The roofline: one decode step reads every weight matrix of the GGUF once (MoE: only the experts a token uses), plus
 one row of the token embedding; KV-cache reads are left out (they grow with the context). The report gives those
 bytes per token, a measured memory bandwidth (a multi-threaded torch sum over a 1 GiB buffer, with as many
@@ -49,6 +57,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -277,6 +286,51 @@ def run_server(server: Server, workloads: list[Workload], log_dir: Path, timeout
     return result
 
 
+def run_paired(server_list: list[Server], workload: Workload, rounds: int, log_dir: Path,
+               timeout_s: float) -> dict[str, list[float]]:
+    """One stream with every server up at once and one request to each in turn, round after round (who goes first
+    alternating): a round's requests run in the same minute, the other servers idle, so that one round's ratio
+    compares like with like where the machine's memory rate drifts by half from one minute to the next (one server
+    alone after another can land in another regime). Each round sends every server the same prompt. Returns each
+    server's decode rate per round (tok/s: 1000 / the request's TPOT)."""
+    running: dict[str, tuple[subprocess.Popen, int]] = {}
+    rates: dict[str, list[float]] = {s.name: [] for s in server_list}
+    try:
+        for server in server_list:
+            port = free_port()
+            print(f"== {server.name}: starting on port {port}", flush=True)
+            running[server.name] = start(server, port, log_dir / f"{server.name}.log", timeout_s), port
+        for i in range(rounds):
+            order = server_list if i % 2 == 0 else server_list[::-1]
+            for server in order:
+                config = ServeBenchConfig(
+                    endpoint=Endpoint(base_url=f"http://127.0.0.1:{running[server.name][1]}/v1", model=MODEL_NAME,
+                                      ignore_eos=workload.ignore_eos, chat=workload.chat),
+                    workload=replace(workload.workload, num_requests=1, seed=workload.workload.seed + i),
+                    load=LoadConfig(concurrency=1, seed=workload.workload.seed + i), warmup_requests=2 if i == 0 else 0)
+                summary = run_serve_benchmark(config, progress=False)["summary"]
+                tpot = _value(summary, "tpot_ms.p50")
+                rates[server.name].append(1000.0 / tpot if tpot else float("nan"))
+            print(f"   round {i + 1}: " + ", ".join(f"{s.name} {rates[s.name][-1]:.1f}" for s in server_list)
+                  + " decode tok/s", flush=True)
+    finally:
+        for proc, _ in running.values():
+            stop(proc)
+    return rates
+
+
+def paired_ratios(rates: dict[str, list[float]], base: str) -> dict[str, dict]:
+    """Per server: the median of its rounds' decode rates, and the median over rounds of its rate / base's in the
+    same round (a ratio of medians would pair a fast minute of one with a slow minute of the other)."""
+    out = {}
+    for name, values in rates.items():
+        ratios = [v / b for v, b in zip(values, rates[base]) if b == b and v == v and b > 0]
+        out[name] = {"decode_tok_s": statistics.median(values), "min": min(values), "max": max(values),
+                     f"ratio_to_{base}": statistics.median(ratios) if ratios else None,
+                     "round_ratios": ratios}
+    return out
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -460,6 +514,9 @@ def main() -> None:
     parser.add_argument("--vllm-memory-fraction", type=float, default=0.3,
                         help="vLLM's --gpu-memory-utilization: on CPU, the share of RAM it reserves")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    parser.add_argument("--paired-rounds", type=int, default=None,
+                        help="instead of the workloads: one stream, every server up at once and one request to each "
+                        "in turn, this many rounds (run_paired); for ratios on a machine whose memory rate drifts")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"),
                         help="peers.json, peers.png and the servers' logs go here")
     args = parser.parse_args()
@@ -482,6 +539,23 @@ def main() -> None:
     print(f"memory bandwidth: {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth['method']}, "
           f"{bandwidth['threads']} threads)", flush=True)
     print("servers: " + ", ".join(s.name for s in server_list), flush=True)
+    if args.paired_rounds:
+        (single,) = suite(argparse.Namespace(**{**vars(args), "workloads": "single"}))  # sized as the flags say
+        server_list = [s for s in server_list if s.variant_of is None]
+        rates = run_paired(server_list, single, args.paired_rounds, out_dir, args.startup_timeout)
+        base = "llama.cpp" if "llama.cpp" in rates else server_list[-1].name
+        paired = paired_ratios(rates, base)
+        print(f"\none stream, {args.paired_rounds} paired rounds, decode tok/s (1000 / TPOT): median (min-max), "
+              f"median of the rounds' ratios to {base}")
+        for name, row in paired.items():
+            ratio = row[f"ratio_to_{base}"]
+            print(f"   {name:<24}{row['decode_tok_s']:7.1f} ({row['min']:.1f}-{row['max']:.1f})   "
+                  + (f"{ratio:.3f}x" if ratio is not None else "-"))
+        report = {"machine": machine, "cpu": cpu, "model": str(model_path), "workload": asdict(single.workload),
+                  "paired_rounds": args.paired_rounds, "rates": rates, "paired": paired, "bandwidth": bandwidth}
+        (out_dir / "paired.json").write_text(json.dumps(report, indent=2))
+        print(f"wrote {out_dir / 'paired.json'}")
+        return
     results = {s.name: run_server(s, workloads, out_dir, args.startup_timeout) for s in server_list}
     rows = ratio_table(results, workloads, server_list)
     print_table(rows, server_list)

@@ -105,3 +105,15 @@ def test_each_one_stream_rows_roofline_is_its_own_bandwidth_measure():
     rows = peers.roofline_rows(results, [single, busy], servers, {"bytes_per_token": 1e9}, {"bytes_per_s": 80e9})
     assert [(r["server"], r["decode_tok_s"], r["fraction"]) for r in rows] == [
         ("serval", 40.0, pytest.approx(1.0)), ("llama.cpp", 20.0, pytest.approx(0.25))]
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio():
+    """--paired-rounds: a server's ratio pairs each of its rounds with the base's round of the same minute, so a
+    slow minute for both counts as a tie (a ratio of the medians would not)."""
+    peers = load_script("run_peers")
+    rates = {"serval": [40.0, 20.0, 44.0, 22.0], "llama.cpp": [40.0, 20.0, 40.0, 20.0]}
+    paired = peers.paired_ratios(rates, "llama.cpp")
+    assert paired["serval"]["round_ratios"] == [1.0, 1.0, pytest.approx(1.1), pytest.approx(1.1)]
+    assert paired["serval"]["ratio_to_llama.cpp"] == pytest.approx(1.05)
+    assert paired["llama.cpp"]["ratio_to_llama.cpp"] == 1.0
+    assert (paired["serval"]["decode_tok_s"], paired["serval"]["min"], paired["serval"]["max"]) == (31.0, 20.0, 44.0)
