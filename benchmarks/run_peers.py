@@ -34,6 +34,12 @@ half as fast.
     .venv/bin/python benchmarks/run_peers.py --model ../models/Llama-3.2-1B/Llama-3.2-1B-Q4_K_M.gguf \
         --servers serval,llama.cpp --paired-rounds 8 --output-tokens 128
 
+Two versions of Serval, paired: `--serval-checkout NAME=DIR` runs the variant NAME from another checkout (its code
+and its own CPU kernels), e.g. a worktree of the previous revision (`git worktree add ../base HEAD~1`):
+
+    .venv/bin/python benchmarks/run_peers.py --model ../models/Llama-3.2-1B/Llama-3.2-1B-Q4_K_M.gguf \
+        --serval base= --serval new= --serval-checkout base=../base --servers base,new --paired-rounds 8
+
 The roofline: one decode step reads every weight matrix of the GGUF once (MoE: only the experts a token uses), plus
 one row of the token embedding; KV-cache reads are left out (they grow with the context). The report gives those
 bytes per token, a measured memory bandwidth (a multi-threaded torch sum over a 1 GiB buffer, with as many
@@ -146,6 +152,7 @@ class Server:
     workloads: list[str] | None = None  # None: all of them
     variant_of: str | None = None  # the no-prefix-cache run: the Serval variant it is a copy of
     env: dict = field(default_factory=dict)
+    cwd: str | None = None  # a Serval variant run from another checkout (--serval-checkout): there
 
 
 def free_port() -> int:
@@ -159,14 +166,17 @@ def servers(args: argparse.Namespace) -> list[Server]:
 
     serval_cmd = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
                   "--served-model-name", MODEL_NAME, "--disable-log-requests"]
-    if args.model:
-        serval_cmd += ["--model", args.model]
+    if args.model:  # a file by its absolute path: a variant from another checkout starts there
+        serval_cmd += ["--model", str(Path(args.model).resolve()) if Path(args.model).exists() else args.model]
     threads = str(server_threads())
+    checkouts = dict(c.partition("=")[::2] for c in args.serval_checkout)
     env = {"PYTHONPATH": str(ROOT)}
     found = []
     for i, variant in enumerate(args.serval or ["serval="]):
         name, _, flags = variant.partition("=")
-        found.append(Server(name, serval_cmd + shlex.split(flags), is_serval=True, env=env))
+        checkout = checkouts.get(name)
+        found.append(Server(name, serval_cmd + shlex.split(flags), is_serval=True,
+                            env={"PYTHONPATH": checkout} if checkout else env, cwd=checkout))
         if i == 0:
             found.append(Server(f"{name}-{NO_PREFIX_CACHE}", serval_cmd + shlex.split(flags) +
                                 ["--no-enable-prefix-caching"], is_serval=True, workloads=["shared-prefix"], env=env,
@@ -211,7 +221,7 @@ def start(server: Server, port: int, log_path: Path, timeout_s: float) -> subpro
             env.pop(name, None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**env, **server.env})
+                                env={**env, **server.env}, cwd=server.cwd)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -483,7 +493,7 @@ def plot(rows: list[dict], server_list: list[Server], machine: str, path: Path) 
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", default=str(ROOT.parent / "peers"), help="where benchmarks/peers/setup.sh "
                         "put the peers")
@@ -501,6 +511,9 @@ def main() -> None:
     parser.add_argument("--serval", action="append", default=None, metavar="NAME=FLAGS",
                         help="a Serval variant: its name and `serval serve` flags, e.g. 'serval-int8=--quantization "
                         "int8' (repeatable; default: serval=)")
+    parser.add_argument("--serval-checkout", action="append", default=[], metavar="NAME=DIR",
+                        help="run the Serval variant NAME from another checkout of Serval (e.g. a git worktree of an "
+                        "earlier revision: its own code and CPU kernels), to pair two versions (repeatable)")
     parser.add_argument("--servers", default=None, help="comma-separated server names to run (default: all found)")
     parser.add_argument("--workloads", default=None,
                         help="comma-separated: single, decode-heavy, mixed, shared-prefix (default: these four); "
@@ -519,7 +532,18 @@ def main() -> None:
                         "in turn, this many rounds (run_paired); for ratios on a machine whose memory rate drifts")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"),
                         help="peers.json, peers.png and the servers' logs go here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.paired_rounds is not None and args.paired_rounds < 1:
+        parser.error(f"--paired-rounds must be at least 1, not {args.paired_rounds}")
+    for checkout in args.serval_checkout:
+        name, _, directory = checkout.partition("=")
+        if not (Path(directory) / "serval" / "__init__.py").is_file():
+            parser.error(f"--serval-checkout {checkout!r}: expected NAME=DIR, DIR a checkout of Serval")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     os.environ.update(ISA_ENV[args.isa])  # before anything asks torch what the CPU can do
     from serval.model.registry import resolve_model_path

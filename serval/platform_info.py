@@ -60,12 +60,13 @@ def describe_hardware() -> str:
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 
-# How OpenMP threads (libgomp: PyTorch's intra-op threads, and Serval's C++ kernels through at::parallel_for and
-# their omp pragmas; the kernels have no spin loops of their own) wait for work and at barriers. libgomp's default
-# spins 300,000 times before it sleeps, which pays only when every thread has a core to itself: a thread spinning for
-# a partner that has no core holds the core the partner needs. Measured on 2 cores (AMD EPYC, AVX512), the machine
-# shared with other engineers' builds throughout (load average 7-9), one stream in-process, 64 tokens, 2 threads,
-# tok/s, range (median) of 4-8 runs; the default / a bounded spin (GOMP_SPINCOUNT=1000 and 10000) / passive:
+# How OpenMP threads (libgomp: PyTorch's intra-op threads, and those of Serval's C++ kernels other than the block
+# linears and attention, which have threads of their own: KERNEL_WORKER_WAITS) wait for work and at barriers.
+# libgomp's default spins 300,000 times before it sleeps, which pays only when every thread has a core to itself: a
+# thread spinning for a partner that has no core holds the core the partner needs. Measured on 2 cores (AMD EPYC,
+# AVX512), the machine shared with other engineers' builds throughout (load average 7-9), one stream in-process, 64
+# tokens, 2 threads, tok/s, range (median) of 4-8 runs; the default / a bounded spin (GOMP_SPINCOUNT=1000 and 10000) /
+# passive:
 #   with a busy neighbor:  default 2.2-8.9 (3.1);  spin 1000: 34-43 (39),  10000: 6.5-24;  passive 31-106 (78)
 #   no neighbor:           default 4.2-25 (7.8);   spin 1000: 27-31 (29),  10000: 7.9-19;  passive 43-98 (61)
 #   no neighbor, batch 8:  default 7.0-7.3;        spin 1000: 53-70;                       passive 69-87
@@ -78,6 +79,10 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 # when it loads with torch, so they are set in the environment before that: by `import serval` in its own process,
 # which the engine core's and the ranks' processes inherit and, fresh interpreters, also run first.
 WAIT_POLICY = {"GOMP_SPINCOUNT": "1000"}
+# The C++ kernels' linears and attention run on threads of their own (layers/csrc/thread_pool.h), which choose
+# how to wait by what they measure: the wait policy above is torch's own ops'.
+KERNEL_WORKER_WAITS = ("the kernels' own workers spin while none of their threads waits for a core, else sleep "
+                       "(thread_pool.h)")
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
@@ -175,7 +180,7 @@ class ThreadPlan:
         quota = "none" if self.quota is None else f"{self.quota:g} CPUs"
         omp = "unset" if self.omp_num_threads is None else str(self.omp_num_threads)
         return (f"threads: {self.threads} (affinity {self.affinity} CPUs, cgroup quota {quota}, OMP_NUM_THREADS "
-                f"{omp}); waits: {self.waits}")
+                f"{omp}); waits: {self.waits}; {KERNEL_WORKER_WAITS}")
 
 
 def plan_threads(environ: dict | None = None, affinity: int | None = None, quota: float | None = None,

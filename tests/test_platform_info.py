@@ -87,10 +87,11 @@ def test_this_process_s_readers_are_used_by_default(tmp_path, monkeypatch):
 def test_the_start_up_line_says_the_threads_and_why():
     line = plan_threads({"OMP_WAIT_POLICY": "passive"}, affinity=4, quota=1.5, waits_too_late=False).describe()
     assert line == ("threads: 2 (affinity 4 CPUs, cgroup quota 1.5 CPUs, OMP_NUM_THREADS unset); waits: passive "
-                    "(OMP_WAIT_POLICY=passive)")
+                    "(OMP_WAIT_POLICY=passive); the kernels' own workers spin while none of their threads waits for a "
+                    "core, else sleep (thread_pool.h)")
     spin = plan_threads({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "1000"}, affinity=2, quota=None,
                         waits_too_late=False)
-    assert spin.describe().endswith("waits: spin 1000 times, then sleep (GOMP_SPINCOUNT=1000)")
+    assert "waits: spin 1000 times, then sleep (GOMP_SPINCOUNT=1000);" in spin.describe()
     late = plan_threads({"OMP_WAIT_POLICY": "passive"}, affinity=2, quota=None, waits_too_late=True)
     assert late.waits_too_late and "torch was imported before serval" in late.describe()
 

@@ -29,7 +29,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in
             "int8_linear.cpp", "bf16_dot_linear.cpp", "moe_experts.cpp", "decoder_layers.cpp",
             "block_repack.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("vec_math.h", "scratch.h", "block_formats.h", "kernels.h")]
+           for name in ("vec_math.h", "scratch.h", "block_formats.h", "kernels.h", "thread_pool.h")]
 # -fopenmp: without it ATen's parallel_for (a header template) compiles to a serial loop.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 ISA_CFLAGS = {"native": CFLAGS, "avx2": ["-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp"]}

@@ -117,3 +117,23 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
     assert paired["serval"]["ratio_to_llama.cpp"] == pytest.approx(1.05)
     assert paired["llama.cpp"]["ratio_to_llama.cpp"] == 1.0
     assert (paired["serval"]["decode_tok_s"], paired["serval"]["min"], paired["serval"]["max"]) == (31.0, 20.0, 44.0)
+
+
+def test_a_serval_variant_runs_from_the_checkout_it_is_given(tmp_path):
+    """--serval-checkout NAME=DIR: that variant imports Serval from DIR (its PYTHONPATH and working directory, where
+    `python -m` looks first); the others from this checkout; a DIR that holds no Serval is refused."""
+    peers = load_script("run_peers")
+    other = tmp_path / "base"
+    (other / "serval").mkdir(parents=True)
+    (other / "serval" / "__init__.py").write_text("")
+    argv = ["run_peers.py", "--serval", "base=", "--serval", "new=--speculative-model none", "--serval-checkout",
+            f"base={other}", "--servers", "base,new", "--peers", str(tmp_path / "no-peers")]
+    args = peers.parse_args(argv[1:])
+    found = {s.name: s for s in peers.servers(args)}
+    assert (found["base"].env["PYTHONPATH"], found["base"].cwd) == (str(other), str(other))
+    assert (found["new"].env["PYTHONPATH"], found["new"].cwd) == (str(REPO), None)
+    assert found["new"].command[-2:] == ["--speculative-model", "none"]
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--serval-checkout", f"base={tmp_path}"])
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--paired-rounds", "0"])

@@ -32,6 +32,7 @@
 
 #include "block_formats.h"
 #include "scratch.h"
+#include "thread_pool.h"
 #include "vec_math.h"
 
 namespace {
@@ -333,7 +334,7 @@ void some_rows(int64_t rows, const Source& source, int64_t groups, const uint16_
 template <int F, typename Out>
 void gemm(const uint16_t* x, int64_t M, int64_t ldx, const float* xsum, const Panels& w, int64_t N, Out* y) {
   const int64_t tiles = (N + kCols - 1) / kCols, G = w.groups;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     if (M <= decoded_in_registers_up_to(F)) {
       const int64_t sums_per_row = G * halves(F);
       for (int64_t t = begin; t < end; ++t)

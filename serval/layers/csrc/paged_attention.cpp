@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "scratch.h"
+#include "thread_pool.h"
 #include "vec_math.h"
 
 namespace {
@@ -149,7 +150,7 @@ void attend(const Inputs<scalar_t, Rows>& in) {
               lens, o, fscale, window, softcap] = in;
 
   const int64_t row_stride = head_dim + Rows::extra;
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), kf(head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / num_kv_heads, kvh = task % num_kv_heads;
@@ -574,114 +575,115 @@ void attend_tiled(const Inputs<scalar_t, Rows>& in) {
   tile_starts.push_back(num_tokens);
   const int64_t num_tiles = static_cast<int64_t>(tile_starts.size()) - 1;
 
-  // Dynamic: a prefill chunk's later tiles have longer contexts than its first ones.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t task = 0; task < num_tiles * num_kv_heads; ++task) {
-    const int64_t t0 = tile_starts[task / num_kv_heads], t1 = tile_starts[task / num_kv_heads + 1];
-    const int64_t kvh = task % num_kv_heads;
-#if defined(SERVAL_ONE_TOKEN_ATTENTION)
-    if constexpr (Rows::extra == 0) {
-      if (t1 - t0 == 1) {
-        attend_one_token<scalar_t, Rows, DV>(in, t0, kvh);
-        continue;
-      }
-    }
-#endif
-    const int64_t* table = tables + rows[t0] * max_blocks;
-    int64_t ctx_max = 0, first_min = INT64_MAX;
-    for (int64_t t = t0; t < t1; ++t) {
-      ctx_max = std::max(ctx_max, lens[t]);
-      first_min = std::min(first_min, in.first_key(lens[t]));
-    }
-    const int64_t key_tiles = (ctx_max + kKeys - 1) / kKeys;
-    const int64_t tile_min = first_min / kKeys;  // keys before this tile are no query's
-    float* kt = serval::scratch(0, key_tiles * kKeys * head_dim);
-    // A float32 cache's values are read where they are; other rows are converted once for all the tile's heads.
-    constexpr bool kFloatRows = std::is_same_v<typename Rows::storage, float> && Rows::extra == 0;
-    float* v = kFloatRows ? nullptr : serval::scratch(1, ctx_max * head_dim);
-    const int64_t nq = (t1 - t0) * group;  // the tile's query heads
-    float* qs = serval::scratch(2, nq * (2 * head_dim + 1));
-    float* acc = qs + nq * head_dim;
-    float* inv_sums = acc + nq * head_dim;
-    float* scores = serval::scratch(3, nq * key_tiles * kKeys);
-    // Each key's row offset, found once: a division by the block size per key and per use cost more than the
-    // arithmetic on the row.
-    int64_t* offsets = serval::scratch_index(ctx_max);
-    for (int64_t l = tile_min * kKeys, block = l / block_size, within = l % block_size; l < ctx_max; ++l) {
-      offsets[l] = ((table[block] * block_size + within) * num_kv_heads + kvh) * (head_dim + Rows::extra);
-      if (++within == block_size) within = 0, ++block;
-    }
-    for (int64_t j = tile_min; j < key_tiles; ++j)
-      transpose_keys<Rows>([&](int64_t i) { return kc + offsets[j * kKeys + i]; },
-                           std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim, kt + j * kKeys * head_dim);
-    if constexpr (!kFloatRows)
-      for (int64_t l = tile_min * kKeys; l < ctx_max; ++l) row_to_float<Rows>(vc + offsets[l], v + l * head_dim, head_dim);
-    // Every query head of the tile (tokens t0 .. t1, the group's heads) goes over the keys a block at a time, so a
-    // block's keys and values are read from cache by all of them (a whole 8k context is 2 MB a head, past L2).
-    const int64_t stride = key_tiles * kKeys;
-    for (int64_t i = 0; i < nq; ++i)
-      to_float(q + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim, qs + i * head_dim, head_dim);
-    const auto ctx_of = [&](int64_t i) { return lens[t0 + i / group]; };
-    const auto first_of = [&](int64_t i) { return in.first_key(ctx_of(i)); };
-    for (int64_t b0 = tile_min; b0 < key_tiles; b0 += kBlockTiles)
-      for (int64_t i = 0; i < nq; i += group) {  // a token's query heads share its keys, context and window
-        const int64_t j0 = std::max(b0, first_of(i) / kKeys);
-        const int64_t j1 = std::min(b0 + kBlockTiles, (ctx_of(i) + kKeys - 1) / kKeys);
-        if (j0 >= j1) continue;
-        if (softcap > 0.f)
-          score_heads<true>(group, qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, softcap,
-                            scores + i * stride, stride);
-        else
-          score_heads<false>(group, qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, 0.f,
-                             scores + i * stride, stride);
-      }
-    for (int64_t i = 0; i < nq; ++i) {
-      float* s = scores + i * stride;
-      std::fill(s + first_of(i) / kKeys * kKeys, s + first_of(i), -INFINITY);  // outside the window: exp gives 0
-      inv_sums[i] = softmax_numerators(s, first_of(i) / kKeys, ctx_of(i));
-      std::fill(acc + i * head_dim, acc + (i + 1) * head_dim, 0.f);
-    }
-    // Query heads i .. i + heads (consecutive: one token's, or whole tokens') over keys from .. l1, sharing the
-    // loads of the values, up to ``most`` at a time.
-    const auto sum_values = [&](int64_t i, int64_t heads, int64_t from, int64_t l1, int64_t most) {
-      for (int64_t h = 0; from < l1 && h < heads; h += most)
-        for (int c = 0; c < DV; c += kValueChunks) {
-          const int64_t n = std::min<int64_t>(most, heads - h);
-          float* out = acc + (i + h) * head_dim + c * 16;
-          if constexpr (kFloatRows)
-            weighted_values_wide_of<kValueChunks>(n, scores + (i + h) * stride, stride,
-                                                  [&](int64_t l) { return vc + offsets[l] + c * 16; }, from, l1,
-                                                  out, head_dim);
-          else
-            weighted_values_wide_of<kValueChunks>(n, scores + (i + h) * stride, stride,
-                                                  [&](int64_t l) { return v + l * head_dim + c * 16; }, from, l1,
-                                                  out, head_dim);
-        }
-    };
-    // Tokens whose heads fit side by side go together over the keys of the block that they all attend to; each
-    // token's keys before and after those are summed on its own, before and after, so every sum stays in key order.
-    const int64_t tile_tokens = t1 - t0, tokens_together = std::max<int64_t>(1, kWideValueHeads / group);
-    for (int64_t l0 = tile_min * kKeys; l0 < ctx_max; l0 += kBlockKeys)
-      for (int64_t u0 = 0; u0 < tile_tokens; u0 += tokens_together) {
-        const int64_t u1 = std::min(tile_tokens, u0 + tokens_together);
-        const auto from_of = [&](int64_t u) { return std::max(l0, first_of(u * group)); };
-        const auto to_of = [&](int64_t u) { return std::min(l0 + kBlockKeys, ctx_of(u * group)); };
-        int64_t common_from = l0, common_to = l0 + kBlockKeys;
-        for (int64_t u = u0; u < u1; ++u)
-          common_from = std::max(common_from, from_of(u)), common_to = std::min(common_to, to_of(u));
-        if (u1 - u0 == 1 || common_from >= common_to) {
-          for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, from_of(u), to_of(u), kValueHeads);
+  // One task at a time: a prefill chunk's later tiles have longer contexts than its first ones.
+  serval::parallel_chunks(0, num_tiles * num_kv_heads, 1, [&](int64_t first_task, int64_t end_task) {
+    for (int64_t task = first_task; task < end_task; ++task) {
+      const int64_t t0 = tile_starts[task / num_kv_heads], t1 = tile_starts[task / num_kv_heads + 1];
+      const int64_t kvh = task % num_kv_heads;
+  #if defined(SERVAL_ONE_TOKEN_ATTENTION)
+      if constexpr (Rows::extra == 0) {
+        if (t1 - t0 == 1) {
+          attend_one_token<scalar_t, Rows, DV>(in, t0, kvh);
           continue;
         }
-        for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, from_of(u), common_from, kValueHeads);
-        sum_values(u0 * group, (u1 - u0) * group, common_from, common_to, kWideValueHeads);
-        for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, common_to, to_of(u), kValueHeads);
       }
-    for (int64_t i = 0; i < nq; ++i) {
-      scalar_t* dst = o + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d] * inv_sums[i]);
+  #endif
+      const int64_t* table = tables + rows[t0] * max_blocks;
+      int64_t ctx_max = 0, first_min = INT64_MAX;
+      for (int64_t t = t0; t < t1; ++t) {
+        ctx_max = std::max(ctx_max, lens[t]);
+        first_min = std::min(first_min, in.first_key(lens[t]));
+      }
+      const int64_t key_tiles = (ctx_max + kKeys - 1) / kKeys;
+      const int64_t tile_min = first_min / kKeys;  // keys before this tile are no query's
+      float* kt = serval::scratch(0, key_tiles * kKeys * head_dim);
+      // A float32 cache's values are read where they are; other rows are converted once for all the tile's heads.
+      constexpr bool kFloatRows = std::is_same_v<typename Rows::storage, float> && Rows::extra == 0;
+      float* v = kFloatRows ? nullptr : serval::scratch(1, ctx_max * head_dim);
+      const int64_t nq = (t1 - t0) * group;  // the tile's query heads
+      float* qs = serval::scratch(2, nq * (2 * head_dim + 1));
+      float* acc = qs + nq * head_dim;
+      float* inv_sums = acc + nq * head_dim;
+      float* scores = serval::scratch(3, nq * key_tiles * kKeys);
+      // Each key's row offset, found once: a division by the block size per key and per use cost more than the
+      // arithmetic on the row.
+      int64_t* offsets = serval::scratch_index(ctx_max);
+      for (int64_t l = tile_min * kKeys, block = l / block_size, within = l % block_size; l < ctx_max; ++l) {
+        offsets[l] = ((table[block] * block_size + within) * num_kv_heads + kvh) * (head_dim + Rows::extra);
+        if (++within == block_size) within = 0, ++block;
+      }
+      for (int64_t j = tile_min; j < key_tiles; ++j)
+        transpose_keys<Rows>([&](int64_t i) { return kc + offsets[j * kKeys + i]; },
+                             std::min<int64_t>(kKeys, ctx_max - j * kKeys), head_dim, kt + j * kKeys * head_dim);
+      if constexpr (!kFloatRows)
+        for (int64_t l = tile_min * kKeys; l < ctx_max; ++l) row_to_float<Rows>(vc + offsets[l], v + l * head_dim, head_dim);
+      // Every query head of the tile (tokens t0 .. t1, the group's heads) goes over the keys a block at a time, so a
+      // block's keys and values are read from cache by all of them (a whole 8k context is 2 MB a head, past L2).
+      const int64_t stride = key_tiles * kKeys;
+      for (int64_t i = 0; i < nq; ++i)
+        to_float(q + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim, qs + i * head_dim, head_dim);
+      const auto ctx_of = [&](int64_t i) { return lens[t0 + i / group]; };
+      const auto first_of = [&](int64_t i) { return in.first_key(ctx_of(i)); };
+      for (int64_t b0 = tile_min; b0 < key_tiles; b0 += kBlockTiles)
+        for (int64_t i = 0; i < nq; i += group) {  // a token's query heads share its keys, context and window
+          const int64_t j0 = std::max(b0, first_of(i) / kKeys);
+          const int64_t j1 = std::min(b0 + kBlockTiles, (ctx_of(i) + kKeys - 1) / kKeys);
+          if (j0 >= j1) continue;
+          if (softcap > 0.f)
+            score_heads<true>(group, qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, softcap,
+                              scores + i * stride, stride);
+          else
+            score_heads<false>(group, qs + i * head_dim, kt, head_dim, j0, j1, ctx_of(i), fscale, 0.f,
+                               scores + i * stride, stride);
+        }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* s = scores + i * stride;
+        std::fill(s + first_of(i) / kKeys * kKeys, s + first_of(i), -INFINITY);  // outside the window: exp gives 0
+        inv_sums[i] = softmax_numerators(s, first_of(i) / kKeys, ctx_of(i));
+        std::fill(acc + i * head_dim, acc + (i + 1) * head_dim, 0.f);
+      }
+      // Query heads i .. i + heads (consecutive: one token's, or whole tokens') over keys from .. l1, sharing the
+      // loads of the values, up to ``most`` at a time.
+      const auto sum_values = [&](int64_t i, int64_t heads, int64_t from, int64_t l1, int64_t most) {
+        for (int64_t h = 0; from < l1 && h < heads; h += most)
+          for (int c = 0; c < DV; c += kValueChunks) {
+            const int64_t n = std::min<int64_t>(most, heads - h);
+            float* out = acc + (i + h) * head_dim + c * 16;
+            if constexpr (kFloatRows)
+              weighted_values_wide_of<kValueChunks>(n, scores + (i + h) * stride, stride,
+                                                    [&](int64_t l) { return vc + offsets[l] + c * 16; }, from, l1,
+                                                    out, head_dim);
+            else
+              weighted_values_wide_of<kValueChunks>(n, scores + (i + h) * stride, stride,
+                                                    [&](int64_t l) { return v + l * head_dim + c * 16; }, from, l1,
+                                                    out, head_dim);
+          }
+      };
+      // Tokens whose heads fit side by side go together over the keys of the block that they all attend to; each
+      // token's keys before and after those are summed on its own, before and after, so every sum stays in key order.
+      const int64_t tile_tokens = t1 - t0, tokens_together = std::max<int64_t>(1, kWideValueHeads / group);
+      for (int64_t l0 = tile_min * kKeys; l0 < ctx_max; l0 += kBlockKeys)
+        for (int64_t u0 = 0; u0 < tile_tokens; u0 += tokens_together) {
+          const int64_t u1 = std::min(tile_tokens, u0 + tokens_together);
+          const auto from_of = [&](int64_t u) { return std::max(l0, first_of(u * group)); };
+          const auto to_of = [&](int64_t u) { return std::min(l0 + kBlockKeys, ctx_of(u * group)); };
+          int64_t common_from = l0, common_to = l0 + kBlockKeys;
+          for (int64_t u = u0; u < u1; ++u)
+            common_from = std::max(common_from, from_of(u)), common_to = std::min(common_to, to_of(u));
+          if (u1 - u0 == 1 || common_from >= common_to) {
+            for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, from_of(u), to_of(u), kValueHeads);
+            continue;
+          }
+          for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, from_of(u), common_from, kValueHeads);
+          sum_values(u0 * group, (u1 - u0) * group, common_from, common_to, kWideValueHeads);
+          for (int64_t u = u0; u < u1; ++u) sum_values(u * group, group, common_to, to_of(u), kValueHeads);
+        }
+      for (int64_t i = 0; i < nq; ++i) {
+        scalar_t* dst = o + ((t0 + i / group) * num_heads + kvh * group + i % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d] * inv_sums[i]);
+      }
     }
-  }
+  });
 }
 #endif
 

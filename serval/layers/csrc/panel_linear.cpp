@@ -49,6 +49,7 @@
 
 #include "block_formats.h"
 #include "scratch.h"
+#include "thread_pool.h"
 #include "vec_math.h"
 
 namespace {
@@ -437,7 +438,7 @@ void rows_dense(int64_t rows, const Panels& w, int64_t t0, int64_t t1, const flo
 template <int F, typename Out>
 void gemm_panels(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N, Out* y) {
   const int64_t tiles = (N + kCols - 1) / kCols;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     if constexpr (dense(F)) {
       if (M <= kDenseStreamedRows) {
         for (int64_t r0 = 0; r0 < M; r0 += kDenseRows)

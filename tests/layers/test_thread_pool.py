@@ -1,0 +1,116 @@
+"""The CPU kernels' own worker threads (csrc/thread_pool.h), through the kernels that run on them: the block linears
+(bfloat16 dot products and float32 FMAs) and paged attention. Whichever thread takes a chunk, and however many
+threads there are, each output has the same bits; two callers at once (one runs inline while the other holds the
+pool) both get their own right answer; and a forked child, which has none of its parent's threads, gets its answer."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+from test_block_quant_linear import activations, random_blocks
+
+from serval.layers import cpu_kernels
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="needs the C++ kernels")
+FORMATS = ["Q4_K", "Q6_K", "q8"]
+
+
+def linear(fmt: str, rows: int, out_features: int = 1000, in_features: int = 512):
+    """A call of the kernel users get for bfloat16 rows (the dot products where compiled, else the FMAs)."""
+    weight = random_blocks(fmt, out_features, in_features)
+    panels = weight.panels()
+    x = activations(rows, weight.in_features, torch.bfloat16)
+    dot = kernels.block_bf16_dot_kernel_available()
+    kernel = kernels.block_panel_linear_bf16_dot if dot else kernels.block_panel_linear
+    return lambda: kernel(x, *panels, weight.format, out_features, True)
+
+
+def with_threads(threads: int, call):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return call()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 40])  # decoded in registers; decoded once per tile
+def test_linear_bits_do_not_depend_on_the_threads(fmt, rows):
+    call = linear(fmt, rows)
+    alone = with_threads(1, call)
+    for threads in (2, 3, 4):
+        for _ in range(3):  # chunks land on other threads each time
+            assert torch.equal(with_threads(threads, call), alone)
+
+
+def attention_inputs(tokens_per_sequence=(1, 1, 1, 7), context=(33, 70, 5, 20), heads=8, kv_heads=2, head_dim=64):
+    """A paged cache of random rows and one step's queries: three decode tokens and a prefill chunk of 7."""
+    generator = torch.Generator().manual_seed(0)
+    block_size, num_blocks = 16, 32
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).bfloat16()
+    tables = torch.randperm(num_blocks, generator=generator)[:4 * 5].view(4, 5).long()
+    token_table, lens = [], []
+    for sequence, (count, ctx) in enumerate(zip(tokens_per_sequence, context, strict=True)):
+        token_table += [sequence] * count
+        lens += list(range(ctx - count + 1, ctx + 1))
+    q = torch.randn(len(lens), heads, head_dim, generator=generator).bfloat16()
+    return q, k_cache, v_cache, tables, torch.tensor(token_table), torch.tensor(lens)
+
+
+def test_attention_bits_do_not_depend_on_the_threads():
+    inputs = attention_inputs()
+
+    def call():
+        return kernels.paged_attention(*inputs, 0.125)
+
+    alone = with_threads(1, call)
+    for threads in (2, 4):
+        for _ in range(3):
+            assert torch.equal(with_threads(threads, call), alone)
+
+
+def test_two_callers_at_once_each_get_their_answer():
+    calls = [linear(fmt, rows) for fmt in FORMATS for rows in (1, 9)]
+    want = [call() for call in calls]
+    failures: list[str] = []
+
+    def caller(index: int) -> None:
+        for round_ in range(30):
+            i = (index + round_) % len(calls)
+            if not torch.equal(calls[i](), want[i]):
+                failures.append(f"caller {index}, call {i}")
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a caller never returned"
+    assert failures == []
+
+
+def _in_child(call, want, queue) -> None:
+    queue.put(torch.equal(call(), want))  # nothing else here: libgomp's own regions hang in a child forked after them
+
+
+def test_a_forked_child_gets_its_answer():
+    """The parent's pool has its workers; the child's copy of it has none, and a call that waited for them would
+    never return (the child makes a pool of its own)."""
+    call = linear("Q4_K", 1)
+    want = with_threads(1, call)
+    assert torch.equal(call(), want)  # the parent's pool exists
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_in_child, args=(call, want, queue))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child's kernel call never returned")
+    assert child.exitcode == 0 and queue.get(timeout=5) is True
