@@ -685,21 +685,22 @@ def use_dot_products(model: nn.Module, choice: str) -> str:
     elif choice == "bf16" and linears and not available:
         logger.warning("--block-dot-products bf16: this CPU or build has no AVX-512 BF16; using fma")
         choice = "fma"
+    if choice == "bf16" and linears:
+        kernels.set_bf16_dot_fma_rows(dot_product_measurement()["bf16_fma_rows"])
     for linear in linears:
         linear.dot_products = choice
     return choice
 
 
-_dot_product_measurement: dict[str, bool] = {}
+_dot_product_measurement: dict[str, dict] = {}
 
 
-def bf16_dot_products_faster() -> bool:
-    """Whether the bfloat16 dot-product kernel beats the float32 one on this CPU: a q4 linear of 3072 x 576 (a
-    gate/up projection's shape) at 1 and at 16 rows, the two kernels alternated on this thread alone, medians of its
-    CPU time. bf16 must be at least MARGIN faster at both, so that a near tie does not flip between starts; measured
-    once per build of the kernels and kept beside it (the same CPU kind, the same code)."""
-    if "faster" in _dot_product_measurement:
-        return _dot_product_measurement["faster"]
+def dot_product_measurement() -> dict:
+    """Both kernels timed on this CPU (``_measure_dot_products``), measured once per build of the kernels and kept
+    beside it (the same CPU kind, the same code), with "bf16_fma_rows": from how many rows the dot-product kernel
+    takes its FMA path, where that path has its bits here and measured faster at 16 rows (0: never)."""
+    if "record" in _dot_product_measurement:
+        return _dot_product_measurement["record"]
     kernels = _panel_kernels(torch.device("cpu"))
     record = Path(kernels.__file__).with_suffix(".dot_products.json")
     try:
@@ -712,19 +713,38 @@ def bf16_dot_products_faster() -> bool:
             record.write_text(json.dumps(measured))
         except OSError:
             pass
-    faster = all(measured[f"fma_{rows}"] >= DOT_PRODUCT_MARGIN * measured[f"bf16_{rows}"] for rows in (1, 16))
-    logger.info("block linears: %s (q4 3072 x 576, us a call, fma/bf16: 1 row %.0f/%.0f, 16 rows %.0f/%.0f)",
+    by_fmas = measured.get("bf16_fmas_16")
+    measured["bf16_fma_rows"] = BF16_DOT_FMA_ROWS if by_fmas is not None and by_fmas < measured["bf16_16"] else 0
+    _dot_product_measurement["record"] = measured
+    return measured
+
+
+def bf16_dot_products_faster() -> bool:
+    """Whether the bfloat16 dot-product kernel beats the float32 one on this CPU: a q4 linear of 3072 x 576 (a
+    gate/up projection's shape) at 1 and at 16 rows, the kernels alternated on this thread alone, medians of its CPU
+    time (``dot_product_measurement``; at 16 rows by the dot products' faster path). bf16 must be at least MARGIN
+    faster at both, so that a near tie does not flip between starts. On an Intel Xeon the dot products were 1.5x
+    faster at one row and, by their FMA path, 1.09x at 16: the float32 kernel stays, and with it the decode-heavy
+    and mixed workloads' lead, where the dot products would lead one stream (benchmarks/README.md, "Dot products as
+    FMAs")."""
+    measured = dot_product_measurement()
+    bf16_16 = min(measured["bf16_16"], measured.get("bf16_fmas_16") or measured["bf16_16"])
+    faster = (measured["fma_1"] >= DOT_PRODUCT_MARGIN * measured["bf16_1"]
+              and measured["fma_16"] >= DOT_PRODUCT_MARGIN * bf16_16)
+    logger.info("block linears: %s (q4 3072 x 576, us a call, fma/bf16: 1 row %.0f/%.0f, 16 rows %.0f/%.0f%s)",
                 "bfloat16 dot products" if faster else "float32 FMAs", measured["fma_1"], measured["bf16_1"],
-                measured["fma_16"], measured["bf16_16"])
-    _dot_product_measurement["faster"] = faster
+                measured["fma_16"], bf16_16, f", bf16 from {measured['bf16_fma_rows']} rows by FMAs"
+                if measured["bf16_fma_rows"] else "")
     return faster
 
 
 DOT_PRODUCT_MARGIN = 1.1
 # How the record beside the build was measured: on one thread. On two, a start under load (a test suite beside it)
 # measured both kernels 75x slow and chose the FMAs for good: the main thread's CPU time went on spinning at the
-# kernels' OpenMP barrier while the other worker waited for a core.
-DOT_PRODUCT_METHOD = "one thread"
+# kernels' OpenMP barrier while the other worker waited for a core. The dot products' FMA path is timed too.
+DOT_PRODUCT_METHOD = "one thread; bf16 at 16 rows by either path"
+# From how many rows the dot-product kernel may take its FMA path: past one pass of its 6-row register tile.
+BF16_DOT_FMA_ROWS = 7
 
 
 def _measure_dot_products(kernels) -> dict[str, float | str]:
@@ -742,16 +762,25 @@ def _time_dot_products(kernels) -> dict[str, float]:
     weight = BlockWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
                          (torch.rand(n, k // 32, 2, generator=generator) / 64).half().view(torch.int16), k)
     panels = weight.panels()
+    ways = [("fma", 0, kernels.block_panel_linear), ("bf16", 0, kernels.block_panel_linear_bf16_dot)]
+    if kernels.bf16_dot_is_two_fmas():  # the FMA path, timed from its first row
+        ways.append(("bf16_fmas", 1, kernels.block_panel_linear_bf16_dot))
     times: dict[str, list[float]] = {}
-    for _ in range(7):
-        for rows in (1, 16):
-            x = torch.randn(rows, k, generator=generator).bfloat16()
-            for name, linear in (("fma", kernels.block_panel_linear), ("bf16", kernels.block_panel_linear_bf16_dot)):
-                calls = 64 // rows + 2
-                start = time.thread_time()
-                for _ in range(calls):
-                    linear(x, *panels, "q4", n, False)
-                times.setdefault(f"{name}_{rows}", []).append((time.thread_time() - start) / calls * 1e6)
+    try:
+        for _ in range(7):
+            for rows in (1, 16):
+                x = torch.randn(rows, k, generator=generator).bfloat16()
+                for name, fma_rows, linear in ways:
+                    if name == "bf16_fmas" and rows == 1:
+                        continue
+                    kernels.set_bf16_dot_fma_rows(fma_rows)
+                    calls = 64 // rows + 2
+                    start = time.thread_time()
+                    for _ in range(calls):
+                        linear(x, *panels, "q4", n, False)
+                    times.setdefault(f"{name}_{rows}", []).append((time.thread_time() - start) / calls * 1e6)
+    finally:
+        kernels.set_bf16_dot_fma_rows(0)
     return {key: statistics.median(values) for key, values in times.items()}
 
 

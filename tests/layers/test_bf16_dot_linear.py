@@ -56,13 +56,17 @@ def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, ro
 @needs_bf16_dot
 @pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_each_row_is_the_same_whatever_the_batch(fmt, threads):
+@pytest.mark.parametrize("fma_rows", [0, 7])
+def test_each_row_is_the_same_whatever_the_batch(fmt, threads, fma_rows, fma_rows_restored):
     """Rows 0-39 in batches of every size from 1 to 40 (the 6-row tile, its remainders, passes of 6 rows over codes
     decoded in registers up to 16 or 32 rows, and the decoded-once path above), on one thread and on two: every row's
     bits equal its bits alone."""
     weight = random_blocks(fmt, 300, 576, seed=3)
     panels, fmt = weight.panels(), weight.format
     x = activations(40, weight.in_features, torch.bfloat16, seed=4)
+    if fma_rows and not kernels.bf16_dot_is_two_fmas():
+        pytest.skip("this CPU's vdpbf16ps is not two FMAs in turn: no FMA path")
+    fma_rows_restored(fma_rows)  # 7: from 7 rows by FMAs, as an Intel Xeon runs it
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -131,7 +135,9 @@ def test_auto_follows_the_measurement(monkeypatch):
     threads = torch.get_num_threads()
     measured = linear_module._measure_dot_products(kernels)
     assert measured.pop("method") == linear_module.DOT_PRODUCT_METHOD and torch.get_num_threads() == threads
-    assert set(measured) == {"fma_1", "bf16_1", "fma_16", "bf16_16"} and all(v > 0 for v in measured.values())
+    fma_path = {"bf16_fmas_16"} if kernels.bf16_dot_is_two_fmas() else set()
+    assert set(measured) == {"fma_1", "bf16_1", "fma_16", "bf16_16"} | fma_path
+    assert all(v > 0 for v in measured.values())
 
 
 @needs_bf16_dot
@@ -143,7 +149,76 @@ def test_a_record_of_another_method_is_measured_again(monkeypatch, tmp_path):
     monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
     monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
         __file__=str(tmp_path / "kernels.so")))
-    fresh = {"fma_1": 60.0, "bf16_1": 30.0, "fma_16": 300.0, "bf16_16": 150.0, "method": "one thread"}
+    fresh = {"fma_1": 60.0, "bf16_1": 30.0, "fma_16": 300.0, "bf16_16": 150.0,
+             "method": linear_module.DOT_PRODUCT_METHOD}
     monkeypatch.setattr(linear_module, "_measure_dot_products", lambda kernels: dict(fresh))
     assert linear_module.bf16_dot_products_faster() is True
     assert json.loads(record.read_text()) == fresh
+
+
+@pytest.mark.parametrize(("measured", "faster", "fma_rows"), [
+    # an AMD Zen 4 (2026-11-27): faster at both
+    ({"fma_1": 114.0, "bf16_1": 63.0, "fma_16": 688.0, "bf16_16": 419.0}, True, 0),
+    # an Intel Xeon (2026-11-30) without the FMA path: 1.5x faster at one row, 1.47x slower at 16
+    ({"fma_1": 130.0, "bf16_1": 87.0, "fma_16": 605.0, "bf16_16": 892.0}, False, 0),
+    # ... and with it: 1.09x at 16 rows, short of the margin; the FMA path from 7 rows all the same
+    ({"fma_1": 182.0, "bf16_1": 117.0, "fma_16": 1052.0, "bf16_16": 1500.0, "bf16_fmas_16": 966.0}, False, 7),
+    # a CPU where the FMA path makes bf16 faster at both
+    ({"fma_1": 130.0, "bf16_1": 87.0, "fma_16": 605.0, "bf16_16": 892.0, "bf16_fmas_16": 500.0}, True, 7),
+    # the FMA path slower than the dot products: not taken
+    ({"fma_1": 114.0, "bf16_1": 63.0, "fma_16": 688.0, "bf16_16": 419.0, "bf16_fmas_16": 500.0}, True, 0),
+])
+def test_the_choice_needs_both_row_counts(monkeypatch, tmp_path, measured, faster, fma_rows):
+    """bf16 where it is 1.1x faster at one row and at 16 rows, there by its faster path; its FMA path from 7 rows
+    where that path was timed (it has the dot products' bits on this CPU) and was the faster."""
+    record = tmp_path / "kernels.dot_products.json"
+    record.write_text(json.dumps({**measured, "method": linear_module.DOT_PRODUCT_METHOD}))
+    monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
+    monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
+        __file__=str(tmp_path / "kernels.so")))
+    assert linear_module.bf16_dot_products_faster() is faster
+    assert linear_module.dot_product_measurement()["bf16_fma_rows"] == fma_rows
+
+
+@pytest.fixture
+def fma_rows_restored():
+    yield kernels.set_bf16_dot_fma_rows
+    kernels.set_bf16_dot_fma_rows(0)
+
+
+needs_fma_path = pytest.mark.skipif(kernels is None or not kernels.bf16_dot_is_two_fmas(),
+                                    reason="this CPU's vdpbf16ps is not two FMAs in turn (or no kernel)")
+
+
+@needs_fma_path
+@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
+@pytest.mark.parametrize("shape", [(200, 576), (37, 80), (1000, 512)])
+def test_the_fma_path_has_the_dot_products_bits(fmt, shape, fma_rows_restored):
+    """The FMA path (many rows on an Intel Xeon) gives vdpbf16ps's bits: every row count, every format, a short last
+    panel, a K the blocks pad, and activations spanning 2^-100 to 2^100 with some below (flushed to 0 on both
+    paths) and some zeros."""
+    out_features, in_features = shape
+    weight = random_blocks(fmt, out_features, in_features, seed=7)
+    panels, fmt = weight.panels(), weight.format
+    generator = torch.Generator().manual_seed(8)
+    x = activations(40, weight.in_features, torch.float32, seed=9)
+    x = x * torch.exp2(torch.randint(-110, 100, x.shape, generator=generator).float())
+    x[torch.rand(x.shape, generator=generator) < 0.05] = 0
+    x = x.bfloat16()
+    for rows in (1, 6, 7, 13, 40):
+        fma_rows_restored(0)
+        by_dot_products = kernels.block_panel_linear_bf16_dot(x[:rows], *panels, fmt, out_features, True)
+        fma_rows_restored(1)
+        assert torch.equal(kernels.block_panel_linear_bf16_dot(x[:rows], *panels, fmt, out_features, True),
+                           by_dot_products), rows
+
+
+@needs_bf16_dot
+def test_the_fma_path_is_refused_where_its_bits_would_differ(fma_rows_restored):
+    with pytest.raises(RuntimeError, match=">= 0"):
+        fma_rows_restored(-1)
+    if kernels.bf16_dot_is_two_fmas():
+        fma_rows_restored(7)
+    else:
+        with pytest.raises(RuntimeError, match="not two FMAs"):
+            fma_rows_restored(7)

@@ -24,6 +24,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX512F__)
@@ -331,6 +333,109 @@ void some_rows(int64_t rows, const Source& source, int64_t groups, const uint16_
   }
 }
 
+// The same steps by float32 FMAs, for many rows where the FMA units are the limit (an Intel Xeon runs vdpbf16ps on
+// one port and FMAs on two: 16 rows of Q4_K measured 1.1-1.35x slower by dot products than panel_linear.cpp's
+// float32 kernel there, one row 1.5x faster; benchmarks/README.md, "Dot products as FMAs"). On a CPU whose vdpbf16ps
+// is two FMAs in turn, the second position of the pair first (t = fma(c_a, x_a, fma(c_b, x_b, t))), with no
+// rounding of the exact products, these are its bits: bf16_dot_is_two_fmas() checks that at run time, and
+// linear.py takes this path only where it holds and measured faster. Denormals, which vdpbf16ps flushes, never
+// arise: x is flushed below 2^-100 (flush_tiny_rows) and every partial sum is then a multiple of 2^-107.
+// A block's codes [pair][panel][a, b][16] and its scales [half][d, offset][panel][16], as float32.
+constexpr int64_t kStepCodes = kPairs * 2 * 2 * kLanes, kStepScales = 2 * 2 * kCols;
+
+template <int F>
+void decode_block_floats(const Panels& w, int64_t tile, int64_t g, float* codes, float* scales) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int pair = 0; pair < kPairs; pair += 4)
+    for (int c = 0; c < 2; ++c) {
+      __m512i words[4];
+      four_pair_codes<F>(w.codes(tile, c, g), pair, words);
+      for (int i = 0; i < 4; ++i) {
+        float* out = codes + ((pair + i) * 2 + c) * 2 * kLanes;
+        _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(words[i], 16)));
+        _mm512_storeu_ps(out + kLanes, _mm512_castsi512_ps(_mm512_and_si512(words[i], high)));
+      }
+    }
+  for (int half = 0; half < halves(F); ++half)
+    for (int c = 0; c < 2; ++c) {
+      __m512 d, offset;
+      panel_scales<F>(w, tile, c, g, half, d, offset);
+      _mm512_storeu_ps(scales + half * 2 * kCols + c * kLanes, d);
+      _mm512_storeu_ps(scales + half * 2 * kCols + kCols + c * kLanes, offset);
+    }
+}
+
+// tile_rows' steps for R rows on one block g, x as float32 (xf: the rows' block g, ldx apart), into acc [R][32].
+template <int F, int R>
+void block_rows_by_fmas(const float* codes, const float* scales, const float* xf, int64_t ldx, const float* xsum,
+                        int64_t groups, int64_t g, float* acc) {
+  constexpr int H = halves(F), kRuns = runs(F), kRun = kPairs / kRuns;
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c) a[r][c] = _mm512_loadu_ps(acc + r * kCols + c * kLanes);
+  for (int run = 0; run < kRuns; ++run) {
+    __m512 sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+    for (int p = run * kRun; p < (run + 1) * kRun; ++p) {
+      const float* pair = codes + p * 2 * 2 * kLanes;
+      const __m512 ca[2] = {_mm512_loadu_ps(pair), _mm512_loadu_ps(pair + 2 * kLanes)};
+      const __m512 cb[2] = {_mm512_loadu_ps(pair + kLanes), _mm512_loadu_ps(pair + 3 * kLanes)};
+      for (int r = 0; r < R; ++r) {
+        const __m512 xa = _mm512_set1_ps(xf[r * ldx + 2 * p]), xb = _mm512_set1_ps(xf[r * ldx + 2 * p + 1]);
+        for (int c = 0; c < 2; ++c) sums[r][c] = _mm512_fmadd_ps(ca[c], xa, _mm512_fmadd_ps(cb[c], xb, sums[r][c]));
+      }
+    }
+    const int half = H == 2 ? run : 0;
+    const float* s = scales + half * 2 * kCols;
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2; ++c) {
+        a[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(s + c * kLanes), sums[r][c], a[r][c]);
+        if constexpr (F != kQ8)
+          if (H == 2 || run == kRuns - 1)
+            a[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(s + kCols + c * kLanes),
+                                      _mm512_set1_ps(xsum[(r * groups + g) * H + half]), a[r][c]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c) _mm512_storeu_ps(acc + r * kCols + c * kLanes, a[r][c]);
+}
+
+template <int F, int R>
+void some_rows_by_fmas(int64_t rows, const float* codes, const float* scales, const float* xf, int64_t ldx,
+                       const float* xsum, int64_t groups, int64_t g, float* acc) {
+  if constexpr (R > 0) {
+    if (rows == R) return block_rows_by_fmas<F, R>(codes, scales, xf, ldx, xsum, groups, g, acc);
+    some_rows_by_fmas<F, R - 1>(rows, codes, scales, xf, ldx, xsum, groups, g, acc);
+  }
+}
+
+// Each block's codes decoded once, for all M rows, into L1; the rows' sums kept in acc [M][32] between blocks.
+template <int F, typename Out>
+void gemm_by_fmas(const float* xf, int64_t M, int64_t ldx, const float* xsum, const Panels& w, int64_t N, Out* y) {
+  const int64_t tiles = (N + kCols - 1) / kCols, G = w.groups, sums_per_row = G * halves(F);
+  serval::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float* codes = serval::scratch(0, kStepCodes + kStepScales + M * kCols);
+    float* scales = codes + kStepCodes;
+    float* acc = scales + kStepScales;
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc, acc + M * kCols, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        decode_block_floats<F>(w, t, g, codes, scales);
+        for (int64_t r0 = 0; r0 < M; r0 += kTileRows)
+          some_rows_by_fmas<F, kTileRows>(std::min<int64_t>(kTileRows, M - r0), codes, scales,
+                                          xf + r0 * ldx + g * kBlock, ldx, xsum + r0 * sums_per_row, G, g,
+                                          acc + r0 * kCols);
+      }
+      const int64_t cols = std::min<int64_t>(kCols, N - t * kCols);
+      for (int64_t r = 0; r < M; ++r)
+        for (int c = 0; c < 2; ++c)
+          if (cols > c * kLanes)
+            store_out(y + r * N + t * kCols + c * kLanes, _mm512_loadu_ps(acc + r * kCols + c * kLanes),
+                      cols - c * kLanes);
+    }
+  });
+}
+
 template <int F, typename Out>
 void gemm(const uint16_t* x, int64_t M, int64_t ldx, const float* xsum, const Panels& w, int64_t N, Out* y) {
   const int64_t tiles = (N + kCols - 1) / kCols, G = w.groups;
@@ -380,6 +485,28 @@ void permuted_rows(const uint16_t* x, int64_t M, int64_t ldx, int64_t padded, ui
       _mm512_storeu_si512(out + r * padded + k, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(x + r * ldx + k)));
 }
 
+// x's rows [M][K] into out [M][padded], zeros after K, each value of magnitude below 2^-100 (exponent field < 27)
+// made 0: the FMA path's condition for vdpbf16ps's bits (see gemm_by_fmas); nothing a model computes is that small.
+void flush_tiny_rows(const uint16_t* x, int64_t M, int64_t K, int64_t padded, uint16_t* out) {
+  const __m512i exponent = _mm512_set1_epi16(0x7F80), smallest = _mm512_set1_epi16(27 << 7);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < padded; k += 32) {
+      const __mmask32 in = k + 32 <= K ? ~__mmask32(0) : k >= K ? 0 : (__mmask32(1) << (K - k)) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi16(in, x + r * K + k);
+      const __mmask32 kept = _mm512_cmpge_epu16_mask(_mm512_and_si512(v, exponent), smallest);
+      _mm512_storeu_si512(out + r * padded + k, _mm512_maskz_mov_epi16(kept, v));
+    }
+}
+
+// bfloat16 rows [M][padded] as float32 (exact).
+void widen_rows(const uint16_t* x, int64_t count, float* out) {
+  for (int64_t i = 0; i < count; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), 16)));
+}
+
+std::atomic<int64_t> fma_steps_from_rows{INT64_MAX};
+
 // Each row's block sums, [M][G]: the 32 values widened to float32, the two halves added lane by lane, then
 // _mm512_reduce_add_ps (one fixed tree).
 void block_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, float* out) {
@@ -401,6 +528,55 @@ bool block_bf16_dot_kernel_available() {
 #endif
 }
 
+// Whether this CPU's vdpbf16ps gives, lane by lane, t = fma(c_a, x_a, fma(c_b, x_b, t)) for integer codes c of at
+// most 8 bits and x of magnitude 2^-100 to 2^100 or 0 (the FMA path's inputs): on 65,536 lanes of a fixed
+// pseudo-random draw, sums of either sign among them. Computed once.
+bool bf16_dot_is_two_fmas() {
+#if defined(SERVAL_BF16_DOT_KERNEL)
+  static const bool same = [] {
+    uint64_t state = 0x9E3779B97F4A7C15ull;
+    auto next = [&] {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<uint32_t>(state >> 33);
+    };
+    auto bf16 = [](float v) { uint32_t u; std::memcpy(&u, &v, 4); return static_cast<uint16_t>(u >> 16); };
+    auto value = [](uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float v; std::memcpy(&v, &u, 4); return v; };
+    for (int round = 0; round < 4096; ++round) {
+      alignas(64) uint16_t codes[32], x[32];
+      alignas(64) float t[16], got[16];
+      for (int i = 0; i < 32; ++i) {
+        codes[i] = bf16(static_cast<float>(static_cast<int>(next() % 256) - (round % 2 ? 128 : 0)));
+        const int scale = static_cast<int>(next() % 201) - 100;  // 2^-100 .. 2^100
+        x[i] = next() % 16 == 0 ? 0 : bf16(std::ldexp(static_cast<float>(next() % 256 + 1) / 256.f, scale) *
+                                           (next() % 2 ? 1.f : -1.f));
+      }
+      for (int j = 0; j < 16; ++j) t[j] = std::ldexp(static_cast<float>(static_cast<int32_t>(next())) / 2147483648.f,
+                                                     static_cast<int>(next() % 201) - 100);
+      _mm512_store_ps(got, _mm512_dpbf16_ps(_mm512_load_ps(t), (__m512bh)_mm512_load_si512(codes),
+                                            (__m512bh)_mm512_load_si512(x)));
+      for (int j = 0; j < 16; ++j) {
+        const float want = std::fma(value(codes[2 * j]), value(x[2 * j]),
+                                    std::fma(value(codes[2 * j + 1]), value(x[2 * j + 1]), t[j]));
+        if (std::memcmp(&want, &got[j], 4) != 0) return false;
+      }
+    }
+    return true;
+  }();
+  return same;
+#else
+  return false;
+#endif
+}
+
+// From how many rows block_panel_linear_bf16_dot takes its FMA path (0: never); refused where the bits would differ.
+void set_bf16_dot_fma_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "set_bf16_dot_fma_rows: rows must be >= 0, not ", rows);
+  TORCH_CHECK(rows == 0 || bf16_dot_is_two_fmas(), "set_bf16_dot_fma_rows: this CPU's vdpbf16ps is not two FMAs");
+#if defined(SERVAL_BF16_DOT_KERNEL)
+  fma_steps_from_rows = rows == 0 ? INT64_MAX : rows;
+#endif
+}
+
 // x [M, K] bfloat16; panels and scales of format q4, q4k, q6k or q8 as block_panel_linear takes them. Returns y [M, N]
 // bfloat16, or float32 with float_output.
 at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
@@ -413,16 +589,10 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
   const int64_t M = call.rows, K = call.in_features, N = call.out_features, G = call.groups, padded = G * kBlock;
   const at::Tensor xc = x.contiguous();
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  int64_t ldx = K;
-  if (K != padded) {  // rows padded with zeros to the blocks' width
-    uint16_t* rows = reinterpret_cast<uint16_t*>(serval::scratch(1, (M * padded + 1) / 2));
-    for (int64_t r = 0; r < M; ++r) {
-      std::memcpy(rows + r * padded, xs + r * K, K * sizeof(uint16_t));
-      std::memset(rows + r * padded + K, 0, (padded - K) * sizeof(uint16_t));
-    }
-    xs = rows;
-    ldx = padded;
-  }
+  uint16_t* rows = reinterpret_cast<uint16_t*>(serval::scratch(1, (M * padded + 1) / 2));
+  flush_tiny_rows(xs, M, K, padded, rows);  // and padded with zeros to the blocks' width
+  xs = rows;
+  const int64_t ldx = padded;
   float* xsum = serval::scratch(2, M * G * 2);
   if (call.format == kQ6K) half_block_sums(xs, M, ldx, G, xsum);
   else if (call.format != kQ8) block_sums(xs, M, ldx, G, xsum);
@@ -430,11 +600,22 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
     uint16_t* permuted = reinterpret_cast<uint16_t*>(serval::scratch(3, (M * padded + 1) / 2));
     permuted_rows(xs, M, ldx, padded, permuted);
     xs = permuted;
-    ldx = padded;
+  }
+  float* xf = nullptr;
+  if (M >= fma_steps_from_rows.load(std::memory_order_relaxed)) {
+    xf = serval::scratch(4, M * padded);
+    widen_rows(xs, M * padded, xf);
   }
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), G,
                  block_rows(call.format) * 16, scale_rows(call.format) * 16 * 2, super_bytes(call.format)};
   auto run = [&](auto* y) {
+    if (xf != nullptr) {
+      if (call.format == kQ4) gemm_by_fmas<kQ4>(xf, M, ldx, xsum, w, N, y);
+      else if (call.format == kQ4K) gemm_by_fmas<kQ4K>(xf, M, ldx, xsum, w, N, y);
+      else if (call.format == kQ6K) gemm_by_fmas<kQ6K>(xf, M, ldx, xsum, w, N, y);
+      else gemm_by_fmas<kQ8>(xf, M, ldx, xsum, w, N, y);
+      return;
+    }
     if (call.format == kQ4) gemm<kQ4>(xs, M, ldx, xsum, w, N, y);
     else if (call.format == kQ4K) gemm<kQ4K>(xs, M, ldx, xsum, w, N, y);
     else if (call.format == kQ6K) gemm<kQ6K>(xs, M, ldx, xsum, w, N, y);

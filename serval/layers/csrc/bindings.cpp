@@ -26,6 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "block_panel_linear for bfloat16 x on q4, q4k, q6k and q8 blocks with bfloat16 dot products on the codes", no_gil());
   m.def("block_bf16_dot_kernel_available", &block_bf16_dot_kernel_available,
         "whether block_panel_linear_bf16_dot was compiled (AVX-512 BF16)");
+  m.def("bf16_dot_is_two_fmas", &bf16_dot_is_two_fmas,
+        "whether this CPU's vdpbf16ps is two FMAs in turn (its bits by block_panel_linear_bf16_dot's FMA path)");
+  m.def("set_bf16_dot_fma_rows", &set_bf16_dot_fma_rows,
+        "from how many rows block_panel_linear_bf16_dot takes its FMA path (0: never)", py::arg("rows"));
   m.def("block_int8_amx_available", &block_int8_amx_available,
         "whether block_panel_linear_int8 can run on AMX tiles here (compiled, and the CPU and OS allow them)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());
