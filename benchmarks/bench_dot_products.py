@@ -10,6 +10,10 @@ the two alternated in one process, medians of rounds, so that other work on a sh
    head, and any other block formats' in later layers) at each row count: microseconds a call, fma -> bf16.
 2. The offline decode step (LLMEngine, greedy, speculation off) at each batch size: milliseconds a step, and
    whether the two kernels' greedy tokens agree (they differ in float32 rounding, so near-ties may part).
+
+With --fma-path N1xK1,N2xK2 (and --threads), only random q4 matrices of those shapes at each row count, wall
+microseconds a call: the float32 kernel / the dot products / the dot products by their FMA path from the first row
+(where this CPU's vdpbf16ps is two FMAs in turn: bf16_dot_linear.cpp's gemm_by_fmas).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from serval import LLMEngine, SamplingParams
 from serval.config import EngineConfig, SpeculativeConfig
 from serval.layers import cpu_kernels
-from serval.layers.linear import BlockQuantLinear, use_dot_products
+from serval.layers.linear import BlockQuantLinear, BlockWeight, use_dot_products
 from serval.platform_info import describe_hardware
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
@@ -82,6 +86,36 @@ def bench_steps(engine: LLMEngine, batch: int, steps: int, rounds: int) -> None:
           f"({a / b:.2f}x); greedy tokens equal in {same} of {len(tokens['fma'])}", flush=True)
 
 
+def bench_fma_path(shapes: list[tuple[int, int]], rows_list: list[int], rounds: int) -> None:
+    kernels = cpu_kernels.load()
+    if not kernels.bf16_dot_is_two_fmas():
+        raise SystemExit("this CPU's vdpbf16ps is not two FMAs in turn: no FMA path")
+    generator = torch.Generator().manual_seed(0)
+    ways = [("fma", 0, kernels.block_panel_linear), ("bf16", 0, kernels.block_panel_linear_bf16_dot),
+            ("bf16 by FMAs", 1, kernels.block_panel_linear_bf16_dot)]
+    print("N x K, rows: us a call, " + " / ".join(name for name, _, _ in ways), flush=True)
+    try:
+        for n, k in shapes:
+            weight = BlockWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
+                                 (torch.rand(n, k // 32, 2, generator=generator) / 64).half().view(torch.int16), k)
+            panels = weight.panels()
+            for rows in rows_list:
+                x = torch.randn(rows, k, generator=generator).bfloat16()
+                found: dict[str, list[float]] = {name: [] for name, _, _ in ways}
+                for _ in range(rounds):
+                    for name, fma_rows, linear in ways:
+                        kernels.set_bf16_dot_fma_rows(fma_rows)
+                        calls = max(2, 64 // rows)
+                        start = time.perf_counter()
+                        for _ in range(calls):
+                            linear(x, *panels, "q4", n, False)
+                        found[name].append((time.perf_counter() - start) / calls * 1e6)
+                print(f"{n} x {k}, {rows} rows: " + " / ".join(f"{statistics.median(v):.0f}" for v in found.values()),
+                      flush=True)
+    finally:
+        kernels.set_bf16_dot_fma_rows(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file or model directory (default: the embedded model)")
@@ -89,7 +123,15 @@ def main() -> None:
     parser.add_argument("--batch", default="1,16")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--fma-path", default=None, metavar="NxK,...", help="only the FMA path on q4 matrices")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.fma_path:
+        torch.set_num_threads(args.threads)
+        print(f"machine: {describe_hardware()}", flush=True)
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.fma_path.split(",")]
+        bench_fma_path(shapes, [int(r) for r in args.rows.split(",")], args.rounds)
+        return
     torch.set_num_threads(1)
     print(f"machine: {describe_hardware()}; 1 thread", flush=True)
     model = {} if args.model is None else {"model": args.model}

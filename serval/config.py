@@ -423,13 +423,13 @@ class EngineConfig:
     # How the CPU kernel multiplies bfloat16 activations with q4, q4k, q6k and q8 blocks (Q4_0, Q4_1, Q4_K, Q6_K,
     # Q8_0): "fma", float32 FMAs on the decoded weights (csrc/panel_linear.cpp); "bf16", bfloat16 dot products on the
     # integer codes (csrc/bf16_dot_linear.cpp, AVX-512 BF16: about 1.5-1.9x on an AMD Zen 4; many rows by FMAs with
-    # the same bits where the CPU allows); "auto" takes bf16 where it measured faster at one row and at 16 on this CPU
-    # (linear.py: bf16_dot_products_faster). Both round nothing before the float32 sums and keep batch
+    # the same bits where the CPU allows); "auto" takes bf16 where it measured faster at one row and not slower at 16
+    # on this CPU (linear.py: bf16_dot_products_faster). Both round nothing before the float32 sums and keep batch
     # invariance; they differ in float32 rounding only.
     block_dot_products: str = field(default="auto", metadata=flag(
         "with Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 GGUF blocks and bfloat16 activations on the CPU: fma (float32 FMAs on decoded "
         "weights) or bf16 (bfloat16 dot products on the integer codes, AVX-512 BF16); auto takes bf16 where it "
-        "measured faster on this CPU", choices=BLOCK_DOT_PRODUCT_CHOICES))
+        "measured faster at one row and not slower at 16 on this CPU", choices=BLOCK_DOT_PRODUCT_CHOICES))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -366,13 +366,12 @@ void decode_block_floats(const Panels& w, int64_t tile, int64_t g, float* codes,
 }
 
 // tile_rows' steps for R rows on one block g, x as float32 (xf: the rows' block g, ldx apart), into acc [R][32].
+// The rows' running sums stay in acc (L1), each updated once a run: registers hold the R x 2 run sums, so a pass
+// takes up to kFmaRows rows (twice the chains of latency to hide as two FMAs in turn need).
 template <int F, int R>
 void block_rows_by_fmas(const float* codes, const float* scales, const float* xf, int64_t ldx, const float* xsum,
                         int64_t groups, int64_t g, float* acc) {
   constexpr int H = halves(F), kRuns = runs(F), kRun = kPairs / kRuns;
-  __m512 a[R][2];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 2; ++c) a[r][c] = _mm512_loadu_ps(acc + r * kCols + c * kLanes);
   for (int run = 0; run < kRuns; ++run) {
     __m512 sums[R][2];
     for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
@@ -389,15 +388,15 @@ void block_rows_by_fmas(const float* codes, const float* scales, const float* xf
     const float* s = scales + half * 2 * kCols;
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2; ++c) {
-        a[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(s + c * kLanes), sums[r][c], a[r][c]);
+        float* out = acc + r * kCols + c * kLanes;
+        __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(s + c * kLanes), sums[r][c], _mm512_loadu_ps(out));
         if constexpr (F != kQ8)
           if (H == 2 || run == kRuns - 1)
-            a[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(s + kCols + c * kLanes),
-                                      _mm512_set1_ps(xsum[(r * groups + g) * H + half]), a[r][c]);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(s + kCols + c * kLanes),
+                                _mm512_set1_ps(xsum[(r * groups + g) * H + half]), a);
+        _mm512_storeu_ps(out, a);
       }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 2; ++c) _mm512_storeu_ps(acc + r * kCols + c * kLanes, a[r][c]);
 }
 
 template <int F, int R>
@@ -409,29 +408,44 @@ void some_rows_by_fmas(int64_t rows, const float* codes, const float* scales, co
   }
 }
 
-// Each block's codes decoded once, for all M rows, into L1; the rows' sums kept in acc [M][32] between blocks.
+// 16 run sums + 4 code vectors + 2 broadcasts of 32 registers. The rows are split into passes of equal size (8 rows:
+// one pass, not 6 + 2, whose 2-row pass has too few chains to hide the FMAs' latency).
+constexpr int kFmaRows = 8;
+// The rows a tile's blocks are walked for at once: their float32 activations (rows x K x 4 bytes) within this, so
+// that they stay in L2 from one tile to the next. At 128 rows of K = 8192 (a prefill chunk through a down
+// projection) the whole 4 MB went to L3 and back for every tile: 1.4x the float32 kernel's time, 1.1-1.2x so
+// (Intel Xeon, benchmarks/README.md, "Dot products as FMAs").
+constexpr int64_t kFmaRowBytes = 1 << 20;
+
+// Each block's codes decoded once per block of rows into L1; the rows' sums kept in acc [rows][32] between blocks.
 template <int F, typename Out>
 void gemm_by_fmas(const float* xf, int64_t M, int64_t ldx, const float* xsum, const Panels& w, int64_t N, Out* y) {
   const int64_t tiles = (N + kCols - 1) / kCols, G = w.groups, sums_per_row = G * halves(F);
+  const int64_t block = std::max<int64_t>(2 * kFmaRows, kFmaRowBytes / (ldx * 4));
   serval::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    float* codes = serval::scratch(0, kStepCodes + kStepScales + M * kCols);
+    float* codes = serval::scratch(0, kStepCodes + kStepScales + std::min(M, block) * kCols);
     float* scales = codes + kStepCodes;
     float* acc = scales + kStepScales;
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc, acc + M * kCols, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        decode_block_floats<F>(w, t, g, codes, scales);
-        for (int64_t r0 = 0; r0 < M; r0 += kTileRows)
-          some_rows_by_fmas<F, kTileRows>(std::min<int64_t>(kTileRows, M - r0), codes, scales,
-                                          xf + r0 * ldx + g * kBlock, ldx, xsum + r0 * sums_per_row, G, g,
-                                          acc + r0 * kCols);
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t rows = std::min(block, M - m0), passes = (rows + kFmaRows - 1) / kFmaRows,
+                    per_pass = (rows + passes - 1) / passes;
+      const float* x = xf + m0 * ldx;
+      const float* sums = xsum + m0 * sums_per_row;
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc, acc + rows * kCols, 0.f);
+        for (int64_t g = 0; g < G; ++g) {
+          decode_block_floats<F>(w, t, g, codes, scales);
+          for (int64_t r0 = 0; r0 < rows; r0 += per_pass)
+            some_rows_by_fmas<F, kFmaRows>(std::min(per_pass, rows - r0), codes, scales, x + r0 * ldx + g * kBlock,
+                                           ldx, sums + r0 * sums_per_row, G, g, acc + r0 * kCols);
+        }
+        const int64_t cols = std::min<int64_t>(kCols, N - t * kCols);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int c = 0; c < 2; ++c)
+            if (cols > c * kLanes)
+              store_out(y + (m0 + r) * N + t * kCols + c * kLanes, _mm512_loadu_ps(acc + r * kCols + c * kLanes),
+                        cols - c * kLanes);
       }
-      const int64_t cols = std::min<int64_t>(kCols, N - t * kCols);
-      for (int64_t r = 0; r < M; ++r)
-        for (int c = 0; c < 2; ++c)
-          if (cols > c * kLanes)
-            store_out(y + r * N + t * kCols + c * kLanes, _mm512_loadu_ps(acc + r * kCols + c * kLanes),
-                      cols - c * kLanes);
     }
   });
 }
