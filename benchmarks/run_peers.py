@@ -177,7 +177,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
         checkout = checkouts.get(name)
         found.append(Server(name, serval_cmd + shlex.split(flags), is_serval=True,
                             env={"PYTHONPATH": checkout} if checkout else env, cwd=checkout))
-        if i == 0:
+        if i == 0 and any(w.name == "shared-prefix" for w in suite(args)):  # its only workload
             found.append(Server(f"{name}-{NO_PREFIX_CACHE}", serval_cmd + shlex.split(flags) +
                                 ["--no-enable-prefix-caching"], is_serval=True, workloads=["shared-prefix"], env=env,
                                 variant_of=name))

@@ -133,6 +133,10 @@ def test_a_serval_variant_runs_from_the_checkout_it_is_given(tmp_path):
     assert (found["base"].env["PYTHONPATH"], found["base"].cwd) == (str(other), str(other))
     assert (found["new"].env["PYTHONPATH"], found["new"].cwd) == (str(REPO), None)
     assert found["new"].command[-2:] == ["--speculative-model", "none"]
+    assert found["base-no-prefix-cache"].workloads == ["shared-prefix"]
+    # The copy without the prefix cache runs the shared-prefix workload alone: not started when that is not run.
+    without = peers.servers(peers.parse_args(argv[1:] + ["--workloads", "single,mixed"]))
+    assert [s.name for s in without] == ["base", "new"]
     with pytest.raises(SystemExit):
         peers.parse_args(["--serval-checkout", f"base={tmp_path}"])
     with pytest.raises(SystemExit):
