@@ -140,10 +140,12 @@ class _Progress:
 
 
 def build_directory(name: str) -> Path:
-    """Where the kernels named ``name`` are built: under TORCH_EXTENSIONS_DIR if set, else torch's cache folder."""
-    from torch.utils.cpp_extension import get_default_build_root
+    """Where the kernels named ``name`` are built: under TORCH_EXTENSIONS_DIR if set, else torch's cache folder (the
+    folder torch.utils.cpp_extension.get_default_build_root names; that module is imported only to build, as it
+    imports setuptools: 0.1-0.2 s of every start)."""
+    from torch import _appdirs
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(_appdirs.user_cache_dir("torch_extensions"))
     return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}" / name
 
 

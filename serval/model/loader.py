@@ -91,10 +91,11 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     start = time.perf_counter()
     parallel = group is not None and group.tensor_size > 1
     dummy = load_format == "dummy"
-    quantization = resolve_quantization(path, device, dtype, quantization, dummy)
     gguf = checkpoint = None
     if path.suffix == ".gguf":
-        gguf = GGUFModelFile(path)
+        gguf = GGUFModelFile(path)  # its header read once (0.1 s at SmolLM2's vocabulary)
+    quantization = resolve_quantization(path, device, dtype, quantization, dummy, gguf)
+    if gguf is not None:
         config = gguf.model_config()
     else:
         config = read_hf_config(path)
@@ -220,7 +221,7 @@ def _fill_randomly(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dtype,
-                         quantization: str, dummy: bool = False) -> str:
+                         quantization: str, dummy: bool = False, gguf: GGUFModelFile | None = None) -> str:
     """"auto" becomes "gguf" for a GGUF file with matrices in a type the block kernel reads (gguf_file.BLOCK_FORMATS:
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) on the CPU (where the kernel runs; on a GPU the
     blocks would only be dequantized again), "gptq" or "awq" for such a checkpoint on the CPU (the same 4-bit
@@ -228,7 +229,8 @@ def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dt
     (benchmarks/bench_engine.py, 2 threads): bfloat16 1.8x the dense tokens/s on one stream and 0.97x at 16
     streams; float32 5.1x and 1.3x. Both before dense float32 weights (and bfloat16 ones where oneDNN has no AMX)
     took the panel kernel too, which made a tiny dense model's one-row decode step 2.4x faster (benchmarks/README.md,
-    "Dense weights on the panel kernel"), so the dense side's one stream is faster than these figures say."""
+    "Dense weights on the panel kernel"), so the dense side's one stream is faster than these figures say.
+    ``gguf``: the file, if the caller has it open (its header is not read again)."""
     if quantization == "gguf" and (path.suffix != ".gguf" or dummy):
         raise ValueError(f"{path.name}: --quantization gguf needs a GGUF file's weights (not --load-format dummy)")
     if quantization == "fp8":  # an old GPU is refused here, before any weight is read
@@ -250,7 +252,7 @@ def resolve_quantization(path: Path, device: str | torch.device, dtype: torch.dt
         return checkpoint.method
     if path.suffix != ".gguf":
         return "none"
-    types = {ggml_type(t.tensor_type)[0] for t in GGUFModelFile(path).reader.tensors}
+    types = {ggml_type(t.tensor_type)[0] for t in (gguf or GGUFModelFile(path)).reader.tensors}
     return "gguf" if types & BLOCK_FORMATS.keys() else "none"
 
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,24 @@ def test_a_start_that_waits_for_another_build_names_its_pid(tmp_path):
     assert out.strip() == cpu_kernels.load().__name__
     assert f"waiting for another build of the CPU kernels (pid {holder_pid})" in stderr
     assert "loading the CPU kernels (cached" in stderr  # the other build was done: nothing to build after the wait
+
+
+def test_the_build_folder_is_the_one_torchs_builder_names(monkeypatch):
+    """build_directory finds a build where torch.utils.cpp_extension puts it, without importing that module (which
+    imports setuptools at every start), with and without TORCH_EXTENSIONS_DIR."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert cpu_kernels.build_directory("k") == Path(get_default_build_root()) / tag / "k"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere")
+    assert cpu_kernels.build_directory("k") == Path("/somewhere") / tag / "k"
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no compiler for the CPU kernels here")
+def test_finding_the_kernels_imports_no_builder():
+    """A start that finds its built kernels imports neither torch's extension builder nor setuptools."""
+    code = LOAD + "; import sys; print(sorted({'torch.utils.cpp_extension', 'setuptools'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[1] == "[]"

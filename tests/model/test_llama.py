@@ -268,6 +268,25 @@ def test_auto_quantization_reads_blocks_in_place_on_the_cpu(tmp_path: Path) -> N
         resolve_quantization(save_hf(tiny_llama(), tmp_path / "hf"), "cpu", torch.float32, "gguf")
 
 
+def test_a_gguf_load_reads_the_files_header_once(tmp_path: Path, monkeypatch) -> None:
+    """load_model parses a GGUF's header (its vocabulary's strings walked one by one: 0.1 s at 49k tokens) once, for
+    the choice of quantization and the weights both."""
+    from serval.model import gguf_file
+
+    write_gguf(tmp_path / "q4.gguf", tiny_llama(), "Q4_1")
+    opened = []
+    real = gguf_file.GGUFContents
+
+    def counted(path):
+        opened.append(path)
+        return real(path)
+
+    monkeypatch.setattr(gguf_file, "GGUFContents", counted)
+    model = load_model(tmp_path / "q4.gguf", torch.float32, "cpu")
+    assert any(isinstance(m, BlockQuantLinear) for m in model.modules())
+    assert len(opened) == 1
+
+
 def test_gguf_tied_embeddings(tmp_path: Path) -> None:
     """No ``output.weight`` tensor: the output projection is the token embedding."""
     hf = tiny_llama(tie_word_embeddings=True)
