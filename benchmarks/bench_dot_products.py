@@ -13,7 +13,8 @@ the two alternated in one process, medians of rounds, so that other work on a sh
 
 With --fma-path N1xK1,N2xK2 (and --threads), only random q4 matrices of those shapes at each row count, wall
 microseconds a call: the float32 kernel / the dot products / the dot products by their FMA path from the first row
-(where this CPU's vdpbf16ps is two FMAs in turn: bf16_dot_linear.cpp's gemm_by_fmas).
+(where this CPU's vdpbf16ps is two FMAs in turn: bf16_dot_linear.cpp's gemm_by_fmas) / the dot products on AMX
+tiles (where the CPU has AMX-BF16: gemm_by_tiles), each where this CPU has it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from serval import LLMEngine, SamplingParams
 from serval.config import EngineConfig, SpeculativeConfig
 from serval.layers import cpu_kernels
-from serval.layers.linear import BlockQuantLinear, BlockWeight, use_dot_products
+from serval.layers.linear import BlockQuantLinear, random_q4_weight, use_dot_products
 from serval.platform_info import describe_hardware
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
@@ -88,23 +89,26 @@ def bench_steps(engine: LLMEngine, batch: int, steps: int, rounds: int) -> None:
 
 def bench_fma_path(shapes: list[tuple[int, int]], rows_list: list[int], rounds: int) -> None:
     kernels = cpu_kernels.load()
-    if not kernels.bf16_dot_is_two_fmas():
-        raise SystemExit("this CPU's vdpbf16ps is not two FMAs in turn: no FMA path")
     generator = torch.Generator().manual_seed(0)
-    ways = [("fma", 0, kernels.block_panel_linear), ("bf16", 0, kernels.block_panel_linear_bf16_dot),
-            ("bf16 by FMAs", 1, kernels.block_panel_linear_bf16_dot)]
-    print("N x K, rows: us a call, " + " / ".join(name for name, _, _ in ways), flush=True)
+    # (name, FMA path from rows, on AMX tiles, kernel): each where this CPU has it
+    ways = [("fma", 0, False, kernels.block_panel_linear)]
+    if kernels.block_bf16_dot_kernel_available():
+        ways.append(("bf16", 0, False, kernels.block_panel_linear_bf16_dot))
+    if kernels.bf16_dot_is_two_fmas():
+        ways.append(("bf16 by FMAs", 1, False, kernels.block_panel_linear_bf16_dot))
+    if kernels.bf16_dot_tiles_available():
+        ways.append(("bf16 on AMX tiles", 0, True, kernels.block_panel_linear_bf16_dot))
+    print("N x K, rows: us a call, " + " / ".join(name for name, _, _, _ in ways), flush=True)
     try:
         for n, k in shapes:
-            weight = BlockWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
-                                 (torch.rand(n, k // 32, 2, generator=generator) / 64).half().view(torch.int16), k)
-            panels = weight.panels()
+            panels = random_q4_weight(n, k, generator).panels()
             for rows in rows_list:
                 x = torch.randn(rows, k, generator=generator).bfloat16()
-                found: dict[str, list[float]] = {name: [] for name, _, _ in ways}
+                found: dict[str, list[float]] = {name: [] for name, _, _, _ in ways}
                 for _ in range(rounds):
-                    for name, fma_rows, linear in ways:
+                    for name, fma_rows, tiles, linear in ways:
                         kernels.set_bf16_dot_fma_rows(fma_rows)
+                        kernels.set_bf16_dot_tiles(tiles)
                         calls = max(2, 64 // rows)
                         start = time.perf_counter()
                         for _ in range(calls):
@@ -114,6 +118,7 @@ def bench_fma_path(shapes: list[tuple[int, int]], rows_list: list[int], rounds: 
                       flush=True)
     finally:
         kernels.set_bf16_dot_fma_rows(0)
+        kernels.set_bf16_dot_tiles(False)
 
 
 def main() -> None:
@@ -123,7 +128,8 @@ def main() -> None:
     parser.add_argument("--batch", default="1,16")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--fma-path", default=None, metavar="NxK,...", help="only the FMA path on q4 matrices")
+    parser.add_argument("--fma-path", default=None, metavar="NxK,...",
+                        help="only random q4 matrices of these shapes, by each kernel path this CPU has")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.fma_path:

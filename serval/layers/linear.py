@@ -672,8 +672,10 @@ def use_activation_quantization(model: nn.Module, method: str) -> int:
 def use_dot_products(model: nn.Module, choice: str) -> str:
     """Sets how ``model``'s block linears multiply bfloat16 activations with q4, q4k, q6k and q8 blocks
     (EngineConfig.block_dot_products): "fma", float32 FMAs on the decoded weights; "bf16", bfloat16 dot products
-    on the codes; "auto", "bf16" where it measured faster on this CPU (``bf16_dot_products_faster``). Returns the
-    choice made ("fma" where the model has no such linear on the CPU or the kernel was not compiled)."""
+    on the codes; "amx", the same on AMX tiles at every row count (the kernel's switch, set_bf16_dot_tiles, is the
+    process's: the last model set decides); "auto", "bf16" where it measured faster on this CPU
+    (``bf16_dot_products_faster``). Returns the choice made ("fma" where the model has no such linear on the CPU or
+    the kernel was not compiled; "bf16" for "amx" where the CPU has no AMX-BF16)."""
     if choice not in BLOCK_DOT_PRODUCT_CHOICES:
         raise ValueError(f"block_dot_products must be one of {BLOCK_DOT_PRODUCT_CHOICES}, got {choice!r}")
     linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)
@@ -682,13 +684,18 @@ def use_dot_products(model: nn.Module, choice: str) -> str:
     available = kernels is not None and kernels.block_bf16_dot_kernel_available()
     if choice == "auto":
         choice = "bf16" if available and bf16_dot_products_faster() else "fma"
-    elif choice == "bf16" and linears and not available:
-        logger.warning("--block-dot-products bf16: this CPU or build has no AVX-512 BF16; using fma")
+    elif choice in ("bf16", "amx") and linears and not available:
+        logger.warning("--block-dot-products %s: this CPU or build has no AVX-512 BF16; using fma", choice)
         choice = "fma"
-    if choice == "bf16" and linears:
-        kernels.set_bf16_dot_fma_rows(dot_product_measurement()["bf16_fma_rows"])
+    if choice == "amx" and linears and not kernels.bf16_dot_tiles_available():
+        logger.warning("--block-dot-products amx: this CPU or build has no AMX-BF16 tiles; using bf16")
+        choice = "bf16"
+    if linears and kernels is not None:
+        kernels.set_bf16_dot_tiles(choice == "amx")
+        if choice == "bf16":
+            kernels.set_bf16_dot_fma_rows(dot_product_measurement()["bf16_fma_rows"])
     for linear in linears:
-        linear.dot_products = choice
+        linear.dot_products = "bf16" if choice == "amx" else choice  # the tiles are the dot-product kernel's path
     return choice
 
 
@@ -757,12 +764,16 @@ def _measure_dot_products(kernels) -> dict[str, float | str]:
         torch.set_num_threads(threads)
 
 
+def random_q4_weight(n: int, k: int, generator: torch.Generator) -> BlockWeight:
+    """A q4 BlockWeight of n x k with random codes and scales (the kernels' timings)."""
+    return BlockWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
+                       (torch.rand(n, k // 32, 2, generator=generator) / 64).half().view(torch.int16), k)
+
+
 def _time_dot_products(kernels) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     n, k = 3072, 576
-    weight = BlockWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
-                         (torch.rand(n, k // 32, 2, generator=generator) / 64).half().view(torch.int16), k)
-    panels = weight.panels()
+    panels = random_q4_weight(n, k, generator).panels()
     ways = [("fma", 0, kernels.block_panel_linear), ("bf16", 0, kernels.block_panel_linear_bf16_dot)]
     if kernels.bf16_dot_is_two_fmas():  # the FMA path, timed from its first row
         ways.append(("bf16_fmas", 1, kernels.block_panel_linear_bf16_dot))

@@ -228,3 +228,86 @@ def test_the_fma_path_is_refused_where_its_bits_would_differ(fma_rows_restored):
     else:
         with pytest.raises(RuntimeError, match="not two FMAs"):
             fma_rows_restored(7)
+
+
+needs_tiles = pytest.mark.skipif(kernels is None or not kernels.bf16_dot_tiles_available(),
+                                 reason="the AMX tiles need AMX-BF16 (Intel Sapphire Rapids and later)")
+
+
+@pytest.fixture
+def tiles_restored():
+    yield kernels.set_bf16_dot_tiles
+    kernels.set_bf16_dot_tiles(False)
+
+
+@needs_tiles
+@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 37])
+@pytest.mark.parametrize("shape", [(200, 576), (37, 80)])  # a short last panel; a K the blocks pad
+def test_the_tiles_equal_the_weights_product_to_float32_rounding(fmt, rows, shape, tiles_restored):
+    """On AMX tiles the dot products err against float64 within the vector kernel's bound (2^-17 of the sum of
+    |terms|), with their own rounding (their bits differ from vdpbf16ps's); bfloat16 results are theirs rounded."""
+    out_features, in_features = shape
+    weight = random_blocks(fmt, out_features, in_features, seed=11)
+    panels, fmt = weight.panels(), weight.format
+    x = activations(rows, weight.in_features, torch.bfloat16, seed=12)
+    want, scale = reference(weight, x)
+    tiles_restored(True)
+    y = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, True)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    assert ((y.double() - want).abs() <= scale * 2.0**-17).all()
+    rounded = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, False)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, y.bfloat16())
+    tiles_restored(False)
+    vector = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, True)
+    assert ((vector.double() - want).abs() <= scale * 2.0**-17).all()
+
+
+@needs_tiles
+@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_on_the_tiles_each_row_is_the_same_whatever_the_batch(fmt, threads, tiles_restored):
+    """Rows 0-39 in batches of every size from 1 to 40 (one C tile of up to 16 rows, whole tiles and a remainder
+    after them), on one thread and on two, with the tiles on: every row's bits equal its bits alone."""
+    weight = random_blocks(fmt, 300, 576, seed=3)
+    panels, fmt = weight.panels(), weight.format
+    x = activations(40, weight.in_features, torch.bfloat16, seed=4)
+    tiles_restored(True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([kernels.block_panel_linear_bf16_dot(x[i: i + 1], *panels, fmt, 300, True)
+                           for i in range(40)])
+        for rows in range(1, 41):
+            together = kernels.block_panel_linear_bf16_dot(x[:rows], *panels, fmt, 300, True)
+            assert torch.equal(together, alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16_dot
+def test_amx_sets_the_tiles_for_the_dot_product_linears(tiles_restored):
+    """use_dot_products "amx" runs the block linears' dot products on the tiles where the CPU has them (else it
+    says so and takes "bf16"); any other choice turns them off again."""
+    weight = random_blocks("Q4_K", 96, 576, seed=5)
+    model = torch.nn.Sequential(BlockQuantLinear(weight))
+    layer = model[0]
+    x = activations(3, weight.in_features, torch.bfloat16, seed=6)
+    panels = weight.panels()
+    layer(x)
+    if not kernels.bf16_dot_tiles_available():
+        assert use_dot_products(model, "amx") == "bf16"
+        with pytest.raises(RuntimeError, match="no AMX-BF16"):
+            tiles_restored(True)
+        return
+    assert use_dot_products(model, "amx") == "amx" and layer.dot_products == "bf16"
+    on_tiles = layer(x)
+    assert torch.equal(on_tiles, kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, False))
+    tiles_float = kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, True)
+    assert use_dot_products(model, "bf16") == "bf16"
+    by_vectors = layer(x)
+    assert not torch.equal(kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, True), tiles_float)
+    tiles_restored(True)
+    assert torch.equal(layer(x), on_tiles)
+    tiles_restored(False)
+    assert torch.equal(layer(x), by_vectors)

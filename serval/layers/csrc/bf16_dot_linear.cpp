@@ -31,6 +31,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "block_formats.h"
 #include "scratch.h"
@@ -532,6 +537,181 @@ void block_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, float* out
 }
 #endif
 
+// AMX tiles (Intel Sapphire Rapids and later; linear.py's use_dot_products "amx"): per block and panel, tdpbf16ps
+// sums a run of pairs (q4, q4k, q8: the block's 16; q6k: each half's 8) for up to 16 rows at once, from the same
+// code vectors (four_pair_codes, one row of B a pair) and the same permuted bfloat16 rows (A), into a zeroed C; the
+// scales then as tile_rows applies them (y = fma(d, s, y), y = fma(offset, xsum, y)), block after block. The tile
+// unit's sums round otherwise than vdpbf16ps's chain (no order of FMAs reproduces them), so a call with the tiles on
+// takes them for every row count: each (row, column)'s sum depends on that row's and that column's values alone,
+// whatever the rows beside it (tests/layers/test_bf16_dot_linear.py). Measured on an Intel Xeon (Emerald Rapids, 2
+// threads, Q4_K 2048 x 8192): 2.6x the dot products' speed at 8 rows, 3.5x at 16, but 0.7x at one row (each block's
+// tile work waits on the last's; benchmarks/README.md, "AMX tiles").
+#if defined(SERVAL_BF16_DOT_KERNEL) && defined(__x86_64__) && defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define SERVAL_BF16_TILES
+// Whether tile instructions may run: the CPU has AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24 and 22) and Linux
+// grants this process the tile data state (XFEATURE 18), asked once; without that grant the first tile instruction
+// faults.
+bool amx_bf16_usable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+// ldtilecfg's 64 bytes (palette 1): per tile register its rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t kTileRowsAmx = 16;  // rows of a C tile (and of A)
+
+// C tmm0/1: rows x 16 float32; A tmm2/3: rows x (pairs of the run) bfloat16 pairs; B tmm4/5: the run's pairs x 16.
+__attribute__((target("amx-tile"))) inline void configure_tiles(int64_t rows, int run_pairs) {
+  TileConfig cfg;
+  for (int s = 0; s < 2; ++s) {
+    cfg.rows[s] = static_cast<uint8_t>(rows);
+    cfg.bytes_per_row[s] = 64;
+    cfg.rows[2 + s] = static_cast<uint8_t>(rows);
+    cfg.bytes_per_row[2 + s] = static_cast<uint16_t>(run_pairs * 4);
+    cfg.rows[4 + s] = static_cast<uint8_t>(run_pairs);
+    cfg.bytes_per_row[4 + s] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Set S's C = A B: A the rows' run of pairs (a_stride bytes apart), B the run's codes.
+template <int S>
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_dot(const uint16_t* a, int64_t a_stride,
+                                                                  const uint8_t* b) {
+  asm volatile("" ::: "memory");  // the codes' stores before the tile loads them
+  if constexpr (S == 0) {  // (the intrinsics name their tile registers by literal numbers)
+    _tile_zero(0);
+    _tile_loadd(2, a, a_stride);
+    _tile_loadd(4, b, 64);
+    _tile_dpbf16ps(0, 2, 4);
+  } else {
+    _tile_zero(1);
+    _tile_loadd(3, a, a_stride);
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(1, 3, 5);
+  }
+}
+
+template <int S>  // set S's C into out [rows][16]
+__attribute__((target("amx-tile"))) inline void tile_sums(float* out) {
+  if constexpr (S == 0) _tile_stored(0, out, 64); else _tile_stored(1, out, 64);
+  asm volatile("" ::: "memory");
+}
+
+// Run ``run`` of block g of panel c of tile t as a B tile: row p is pair p's code vector (16 columns' two codes).
+template <int F>
+inline void run_codes(const Panels& w, int64_t t, int c, int64_t g, int run, uint8_t* b) {
+  constexpr int kRun = kPairs / halves(F);
+  for (int p = 0; p < kRun; p += 4) {
+    __m512i v[4];
+    four_pair_codes<F>(w.codes(t, c, g), run * kRun + p, v);
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(reinterpret_cast<__m512i*>(b + 64 * (p + i)), v[i]);
+  }
+}
+
+// A row tile's walk over one tile's units: (block g, panel c, run), in that order of nesting, u = (2 g + c) H + run.
+template <int F>
+struct TileUnits {
+  const Panels& w;
+  int64_t t, rows, ldx, groups;
+  const uint16_t* x;  // the row tile's first row (permuted for the nibble formats)
+  const float* xsum;  // its block (half block) sums
+  float* acc;         // [rows][kCols]
+  uint8_t (*codes)[kPairs * 64];
+  float (*sums)[kTileRowsAmx * 16];
+  static constexpr int H = halves(F), kRun = kPairs / H;
+  void where(int64_t u, int64_t& g, int& c, int& run) const {
+    run = static_cast<int>(u % H);
+    c = static_cast<int>((u / H) % 2);
+    g = u / (2 * H);
+  }
+  template <int S>
+  __attribute__((target("amx-tile,amx-bf16"))) void issue(int64_t u) const {
+    int64_t g; int c, run;
+    where(u, g, c, run);
+    run_codes<F>(w, t, c, g, run, codes[S]);
+    tile_dot<S>(x + g * kBlock + run * kRun * 2, ldx * 2, codes[S]);
+  }
+  // tile_rows' float32 steps for unit u from its sums s [rows][16].
+  void steps(int64_t u, const float* s) const {
+    int64_t g; int c, run;
+    where(u, g, c, run);
+    __m512 d, offset;
+    panel_scales<F>(w, t, c, g, H == 2 ? run : 0, d, offset);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* a = acc + r * kCols + c * kLanes;
+      __m512 v = _mm512_fmadd_ps(d, _mm512_load_ps(s + 16 * r), _mm512_load_ps(a));
+      if constexpr (F != kQ8)
+        v = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[(r * groups + g) * H + (H == 2 ? run : 0)]), v);
+      _mm512_store_ps(a, v);
+    }
+  }
+};
+
+// Tiles begin .. end of y = x W^T, 16 rows at a time (the tile configuration set per row count, released at the end).
+template <int F, typename Out>
+__attribute__((target("amx-tile,amx-bf16"))) void tiles_range(const uint16_t* x, int64_t M, int64_t ldx,
+                                                              const float* xsum, const Panels& w, int64_t N, Out* y,
+                                                              int64_t begin, int64_t end) {
+  constexpr int H = halves(F);
+  const int64_t G = w.groups, sums_per_row = G * H, units = G * 2 * H;
+  alignas(64) uint8_t codes[2][kPairs * 64];
+  alignas(64) float sums[2][kTileRowsAmx * 16];
+  alignas(64) float acc[kTileRowsAmx * kCols];
+  int64_t configured = 0;
+  for (int64_t t = begin; t < end; ++t)
+    for (int64_t r0 = 0; r0 < M; r0 += kTileRowsAmx) {
+      const int64_t rows = std::min(kTileRowsAmx, M - r0);
+      if (rows != configured) {
+        configure_tiles(rows, kPairs / H);
+        configured = rows;
+      }
+      std::fill(acc, acc + rows * kCols, 0.f);
+      const TileUnits<F> units_of{w, t, rows, ldx, G, x + r0 * ldx, xsum + r0 * sums_per_row, acc, codes, sums};
+      // A pipeline of three stages a unit apart: unit u + 1's dot product issued, u's sums stored, then u's steps.
+      units_of.template issue<0>(0);
+      for (int64_t u = 0; u < units; u += 2) {
+        if (u + 1 < units) units_of.template issue<1>(u + 1);
+        tile_sums<0>(sums[0]);
+        units_of.steps(u, sums[0]);
+        if (u + 1 < units) {
+          if (u + 2 < units) units_of.template issue<0>(u + 2);
+          tile_sums<1>(sums[1]);
+          units_of.steps(u + 1, sums[1]);
+        }
+      }
+      const int64_t cols = std::min<int64_t>(kCols, N - t * kCols);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < 2; ++c)
+          if (cols > c * kLanes)
+            store_out(y + (r0 + r) * N + t * kCols + c * kLanes, _mm512_load_ps(acc + r * kCols + c * kLanes),
+                      cols - c * kLanes);
+    }
+  if (configured) _tile_release();
+}
+
+template <int F, typename Out>
+void gemm_by_tiles(const uint16_t* x, int64_t M, int64_t ldx, const float* xsum, const Panels& w, int64_t N, Out* y) {
+  const int64_t tiles = (N + kCols - 1) / kCols;
+  serval::parallel_for(0, tiles, 1,
+                       [&](int64_t begin, int64_t end) { tiles_range<F>(x, M, ldx, xsum, w, N, y, begin, end); });
+}
+
+#endif
+
+std::atomic<bool> tiles_on{false};
+
 }  // namespace
 
 bool block_bf16_dot_kernel_available() {
@@ -591,6 +771,21 @@ void set_bf16_dot_fma_rows(int64_t rows) {
 #endif
 }
 
+// Whether block_panel_linear_bf16_dot can run on AMX tiles here (set_bf16_dot_tiles).
+bool bf16_dot_tiles_available() {
+#if defined(SERVAL_BF16_TILES)
+  return amx_bf16_usable();
+#else
+  return false;
+#endif
+}
+
+// Whether block_panel_linear_bf16_dot runs on AMX tiles, for every row count; refused where they cannot run.
+void set_bf16_dot_tiles(bool on) {
+  TORCH_CHECK(!on || bf16_dot_tiles_available(), "set_bf16_dot_tiles: no AMX-BF16 tiles on this CPU or build");
+  tiles_on = on;
+}
+
 // x [M, K] bfloat16; panels and scales of format q4, q4k, q6k or q8 as block_panel_linear takes them. Returns y [M, N]
 // bfloat16, or float32 with float_output.
 at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
@@ -615,14 +810,24 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
     permuted_rows(xs, M, ldx, padded, permuted);
     xs = permuted;
   }
+  const bool tiles = tiles_on.load(std::memory_order_relaxed);
   float* xf = nullptr;
-  if (M >= fma_steps_from_rows.load(std::memory_order_relaxed)) {
+  if (!tiles && M >= fma_steps_from_rows.load(std::memory_order_relaxed)) {
     xf = serval::scratch(4, M * padded);
     widen_rows(xs, M * padded, xf);
   }
   const Panels w{panels.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), G,
                  block_rows(call.format) * 16, scale_rows(call.format) * 16 * 2, super_bytes(call.format)};
   auto run = [&](auto* y) {
+#if defined(SERVAL_BF16_TILES)
+    if (tiles) {
+      if (call.format == kQ4) gemm_by_tiles<kQ4>(xs, M, ldx, xsum, w, N, y);
+      else if (call.format == kQ4K) gemm_by_tiles<kQ4K>(xs, M, ldx, xsum, w, N, y);
+      else if (call.format == kQ6K) gemm_by_tiles<kQ6K>(xs, M, ldx, xsum, w, N, y);
+      else gemm_by_tiles<kQ8>(xs, M, ldx, xsum, w, N, y);
+      return;
+    }
+#endif
     if (xf != nullptr) {
       if (call.format == kQ4) gemm_by_fmas<kQ4>(xf, M, ldx, xsum, w, N, y);
       else if (call.format == kQ4K) gemm_by_fmas<kQ4K>(xf, M, ldx, xsum, w, N, y);

@@ -30,6 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU's vdpbf16ps is two FMAs in turn (its bits by block_panel_linear_bf16_dot's FMA path)");
   m.def("set_bf16_dot_fma_rows", &set_bf16_dot_fma_rows,
         "from how many rows block_panel_linear_bf16_dot takes its FMA path (0: never)", py::arg("rows"));
+  m.def("bf16_dot_tiles_available", &bf16_dot_tiles_available,
+        "whether block_panel_linear_bf16_dot can run on AMX tiles here (AMX-BF16, granted by the OS)");
+  m.def("set_bf16_dot_tiles", &set_bf16_dot_tiles,
+        "whether block_panel_linear_bf16_dot runs on AMX tiles, for every row count", py::arg("on"));
   m.def("block_int8_amx_available", &block_int8_amx_available,
         "whether block_panel_linear_int8 can run on AMX tiles here (compiled, and the CPU and OS allow them)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());

@@ -33,6 +33,8 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
 bool block_bf16_dot_kernel_available();
 bool bf16_dot_is_two_fmas();
 void set_bf16_dot_fma_rows(int64_t rows);
+bool bf16_dot_tiles_available();
+void set_bf16_dot_tiles(bool on);
 // fused_ops.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
