@@ -22,6 +22,14 @@ from serval.layers.linear import BlockQuantLinear, use_dot_products
 kernels = cpu_kernels.load()
 needs_bf16_dot = pytest.mark.skipif(kernels is None or not kernels.block_bf16_dot_kernel_available(),
                                     reason="the bfloat16 dot-product kernel needs the C++ kernels and AVX-512 BF16")
+needs_tiles = pytest.mark.skipif(kernels is None or not kernels.bf16_dot_tiles_available(),
+                                 reason="the AMX tiles need AMX-BF16 (Intel Sapphire Rapids and later)")
+
+
+@pytest.fixture
+def tiles_restored():
+    yield kernels.set_bf16_dot_tiles
+    kernels.set_bf16_dot_tiles(False)
 
 
 def reference(weight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,17 +64,21 @@ def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, ro
 @needs_bf16_dot
 @pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fma_rows", [0, 7])
-def test_each_row_is_the_same_whatever_the_batch(fmt, threads, fma_rows, fma_rows_restored):
-    """Rows 0-39 in batches of every size from 1 to 40 (the 6-row tile, its remainders, passes of 6 rows over codes
-    decoded in registers up to 16 or 32 rows, and the decoded-once path above), on one thread and on two: every row's
-    bits equal its bits alone."""
+@pytest.mark.parametrize("path", ["vectors", "FMAs from 7 rows", "AMX tiles"])
+def test_each_row_is_the_same_whatever_the_batch(fmt, threads, path, fma_rows_restored, tiles_restored):
+    """Rows 0-39 in batches of every size from 1 to 40, on one thread and on two: every row's bits equal its bits
+    alone. By vectors: the 6-row tile, its remainders, passes of 6 rows over codes decoded in registers up to 16 or 32
+    rows, and the decoded-once path above; with the FMA path from 7 rows, as an Intel Xeon runs it; on AMX tiles: one
+    C tile of up to 16 rows, whole tiles and a remainder after them."""
     weight = random_blocks(fmt, 300, 576, seed=3)
     panels, fmt = weight.panels(), weight.format
     x = activations(40, weight.in_features, torch.bfloat16, seed=4)
-    if fma_rows and not kernels.bf16_dot_is_two_fmas():
+    if path == "FMAs from 7 rows" and not kernels.bf16_dot_is_two_fmas():
         pytest.skip("this CPU's vdpbf16ps is not two FMAs in turn: no FMA path")
-    fma_rows_restored(fma_rows)  # 7: from 7 rows by FMAs, as an Intel Xeon runs it
+    if path == "AMX tiles" and not kernels.bf16_dot_tiles_available():
+        pytest.skip("the AMX tiles need AMX-BF16 (Intel Sapphire Rapids and later)")
+    fma_rows_restored(7 if path == "FMAs from 7 rows" else 0)
+    tiles_restored(path == "AMX tiles")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -230,15 +242,6 @@ def test_the_fma_path_is_refused_where_its_bits_would_differ(fma_rows_restored):
             fma_rows_restored(7)
 
 
-needs_tiles = pytest.mark.skipif(kernels is None or not kernels.bf16_dot_tiles_available(),
-                                 reason="the AMX tiles need AMX-BF16 (Intel Sapphire Rapids and later)")
-
-
-@pytest.fixture
-def tiles_restored():
-    yield kernels.set_bf16_dot_tiles
-    kernels.set_bf16_dot_tiles(False)
-
 
 @needs_tiles
 @pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
@@ -261,28 +264,6 @@ def test_the_tiles_equal_the_weights_product_to_float32_rounding(fmt, rows, shap
     tiles_restored(False)
     vector = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, True)
     assert ((vector.double() - want).abs() <= scale * 2.0**-17).all()
-
-
-@needs_tiles
-@pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_on_the_tiles_each_row_is_the_same_whatever_the_batch(fmt, threads, tiles_restored):
-    """Rows 0-39 in batches of every size from 1 to 40 (one C tile of up to 16 rows, whole tiles and a remainder
-    after them), on one thread and on two, with the tiles on: every row's bits equal its bits alone."""
-    weight = random_blocks(fmt, 300, 576, seed=3)
-    panels, fmt = weight.panels(), weight.format
-    x = activations(40, weight.in_features, torch.bfloat16, seed=4)
-    tiles_restored(True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        alone = torch.cat([kernels.block_panel_linear_bf16_dot(x[i: i + 1], *panels, fmt, 300, True)
-                           for i in range(40)])
-        for rows in range(1, 41):
-            together = kernels.block_panel_linear_bf16_dot(x[:rows], *panels, fmt, 300, True)
-            assert torch.equal(together, alone[:rows]), rows
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs_bf16_dot

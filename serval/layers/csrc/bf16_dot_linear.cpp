@@ -338,6 +338,16 @@ void some_rows(int64_t rows, const Source& source, int64_t groups, const uint16_
   }
 }
 
+// Rows' sums acc [rows][kCols] into tile t's columns of y (rows N apart), the columns past N left out.
+template <typename Out>
+void store_tile(const float* acc, int64_t rows, Out* y, int64_t N, int64_t t) {
+  const int64_t cols = std::min<int64_t>(kCols, N - t * kCols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < 2; ++c)
+      if (cols > c * kLanes)
+        store_out(y + r * N + t * kCols + c * kLanes, _mm512_loadu_ps(acc + r * kCols + c * kLanes), cols - c * kLanes);
+}
+
 // The same steps by float32 FMAs, for many rows where the FMA units are the limit (an Intel Xeon runs vdpbf16ps on
 // one port and FMAs on two: 16 rows of Q4_K measured 1.1-1.35x slower by dot products than panel_linear.cpp's
 // float32 kernel there, one row 1.5x faster; benchmarks/README.md, "Dot products as FMAs"). On a CPU whose vdpbf16ps
@@ -419,7 +429,7 @@ constexpr int kFmaRows = 8;
 // The rows a tile's blocks are walked for at once: their float32 activations (rows x K x 4 bytes) within this, so
 // that they stay in L2 from one tile to the next. At 128 rows of K = 8192 (a prefill chunk through a down
 // projection) the whole 4 MB went to L3 and back for every tile: 1.4x the float32 kernel's time, 1.1-1.2x so
-// (Intel Xeon, benchmarks/README.md, "Dot products as FMAs").
+// (Intel Xeon, benchmarks/README.md, "The dot products by default on the Xeon").
 constexpr int64_t kFmaRowBytes = 1 << 20;
 
 // Each block's codes decoded once per block of rows into L1; the rows' sums kept in acc [rows][32] between blocks.
@@ -444,12 +454,7 @@ void gemm_by_fmas(const float* xf, int64_t M, int64_t ldx, const float* xsum, co
             some_rows_by_fmas<F, kFmaRows>(std::min(per_pass, rows - r0), codes, scales, x + r0 * ldx + g * kBlock,
                                            ldx, sums + r0 * sums_per_row, G, g, acc + r0 * kCols);
         }
-        const int64_t cols = std::min<int64_t>(kCols, N - t * kCols);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int c = 0; c < 2; ++c)
-            if (cols > c * kLanes)
-              store_out(y + (m0 + r) * N + t * kCols + c * kLanes, _mm512_loadu_ps(acc + r * kCols + c * kLanes),
-                        cols - c * kLanes);
+        store_tile(acc, rows, y + m0 * N, N, t);
       }
     }
   });
@@ -691,12 +696,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void tiles_range(const uint16_t* x,
           units_of.steps(u + 1, sums[1]);
         }
       }
-      const int64_t cols = std::min<int64_t>(kCols, N - t * kCols);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int c = 0; c < 2; ++c)
-          if (cols > c * kLanes)
-            store_out(y + (r0 + r) * N + t * kCols + c * kLanes, _mm512_load_ps(acc + r * kCols + c * kLanes),
-                      cols - c * kLanes);
+      store_tile(acc, rows, y + r0 * N, N, t);
     }
   if (configured) _tile_release();
 }
