@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from serval.layers.linear import BlockQuantLinear, use_activation_quantization
+from serval.layers.linear import BlockQuantLinear, use_activation_quantization, use_dot_products
 from serval.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -90,21 +90,27 @@ def test_int8_activations_keep_greedy_output_independent_of_batch_and_chunks(mak
     _assert_no_owned_blocks(llm)
 
 
-@pytest.mark.parametrize("dot_products", ["fma", "bf16"])
+@pytest.mark.parametrize("dot_products", ["fma", "bf16", "amx"])
 def test_each_block_kernel_keeps_greedy_output_independent_of_batch_and_chunks(make_llm, dot_products):
-    """Either kernel for bfloat16 rows on the GGUF blocks (EngineConfig.block_dot_products; "auto" is one of them):
-    each prompt's greedy tokens alone equal its tokens in a batch of 16 and in chunked prefills."""
+    """Each kernel for bfloat16 rows on the GGUF blocks (EngineConfig.block_dot_products; "auto" is one of them; "amx"
+    the dot products on AMX tiles): each prompt's greedy tokens alone equal its tokens in a batch of 16 and in
+    chunked prefills."""
     alone = make_llm(dtype="bfloat16", max_num_seqs=1, block_dot_products=dot_products)
     if alone.engine.core.dot_products != dot_products:
-        pytest.skip("the bfloat16 dot-product kernel needs AVX-512 BF16")
-    assert all(m.dot_products == dot_products for m in alone.engine.model.modules()
+        pytest.skip(f"the {dot_products} kernel needs AVX-512 BF16 (amx: and AMX-BF16 tiles)")
+    linear_mode = "bf16" if dot_products == "amx" else dot_products  # the tiles are the dot-product kernel's path
+    assert all(m.dot_products == linear_mode for m in alone.engine.model.modules()
                if isinstance(m, BlockQuantLinear) and set(m.formats) & {"q4", "q8"})
-    want = _texts(alone.generate(PROMPTS, GREEDY, use_tqdm=False))
-    for budget in (512, 7):
-        llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=budget,
-                       block_dot_products=dot_products)
-        assert _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
-        _assert_no_owned_blocks(llm)
+    try:
+        want = _texts(alone.generate(PROMPTS, GREEDY, use_tqdm=False))
+        for budget in (512, 7):
+            llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=budget,
+                           block_dot_products=dot_products)
+            assert _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+            _assert_no_owned_blocks(llm)
+    finally:  # the tiles' switch is the process's: off again for the tests after this one
+        if dot_products == "amx":
+            use_dot_products(alone.engine.model, "fma")
 
 
 def test_prefix_cache_hit_computes_less_and_changes_nothing(make_llm, dtype, reference):
