@@ -93,7 +93,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu
     dummy = load_format == "dummy"
     gguf = checkpoint = None
     if path.suffix == ".gguf":
-        gguf = GGUFModelFile(path)  # its header read once (0.1 s at SmolLM2's vocabulary)
+        gguf = GGUFModelFile(path)  # its header read once (0.04-0.06 s at a 128k vocabulary)
     quantization = resolve_quantization(path, device, dtype, quantization, dummy, gguf)
     if gguf is not None:
         config = gguf.model_config()
