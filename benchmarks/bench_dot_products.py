@@ -20,6 +20,7 @@ tiles (where the CPU has AMX-BF16: gemm_by_tiles), each where this CPU has it.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -90,25 +91,24 @@ def bench_steps(engine: LLMEngine, batch: int, steps: int, rounds: int) -> None:
 def bench_fma_path(shapes: list[tuple[int, int]], rows_list: list[int], rounds: int) -> None:
     kernels = cpu_kernels.load()
     generator = torch.Generator().manual_seed(0)
-    # (name, FMA path from rows, on AMX tiles, kernel): each where this CPU has it
-    ways = [("fma", 0, False, kernels.block_panel_linear)]
+    # (name, FMA path from rows, kernel): each where this CPU has it
+    ways = [("fma", 0, kernels.block_panel_linear)]
     if kernels.block_bf16_dot_kernel_available():
-        ways.append(("bf16", 0, False, kernels.block_panel_linear_bf16_dot))
+        ways.append(("bf16", 0, kernels.block_panel_linear_bf16_dot))
     if kernels.bf16_dot_is_two_fmas():
-        ways.append(("bf16 by FMAs", 1, False, kernels.block_panel_linear_bf16_dot))
+        ways.append(("bf16 by FMAs", 1, kernels.block_panel_linear_bf16_dot))
     if kernels.bf16_dot_tiles_available():
-        ways.append(("bf16 on AMX tiles", 0, True, kernels.block_panel_linear_bf16_dot))
-    print("N x K, rows: us a call, " + " / ".join(name for name, _, _, _ in ways), flush=True)
+        ways.append(("bf16 on AMX tiles", 0, functools.partial(kernels.block_panel_linear_bf16_dot, tiles=True)))
+    print("N x K, rows: us a call, " + " / ".join(name for name, _, _ in ways), flush=True)
     try:
         for n, k in shapes:
             panels = random_q4_weight(n, k, generator).panels()
             for rows in rows_list:
                 x = torch.randn(rows, k, generator=generator).bfloat16()
-                found: dict[str, list[float]] = {name: [] for name, _, _, _ in ways}
+                found: dict[str, list[float]] = {name: [] for name, _, _ in ways}
                 for _ in range(rounds):
-                    for name, fma_rows, tiles, linear in ways:
+                    for name, fma_rows, linear in ways:
                         kernels.set_bf16_dot_fma_rows(fma_rows)
-                        kernels.set_bf16_dot_tiles(tiles)
                         calls = max(2, 64 // rows)
                         start = time.perf_counter()
                         for _ in range(calls):
@@ -118,7 +118,6 @@ def bench_fma_path(shapes: list[tuple[int, int]], rows_list: list[int], rounds: 
                       flush=True)
     finally:
         kernels.set_bf16_dot_fma_rows(0)
-        kernels.set_bf16_dot_tiles(False)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ row alone (min_rows 1), as it does for the GGUF blocks.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -438,7 +439,7 @@ def dequantized_panel_rows(format: str, panels: torch.Tensor, scales: torch.Tens
 
 BF16_DOT_FORMATS = ("q4", "q4k", "q6k", "q8")  # the block formats csrc/bf16_dot_linear.cpp multiplies
 # How csrc/decoder_layers.cpp's PanelLinear multiplies a part.
-MULTIPLY_FMA, MULTIPLY_BF16_DOT, MULTIPLY_INT8 = 0, 1, 2
+MULTIPLY_FMA, MULTIPLY_BF16_DOT, MULTIPLY_INT8, MULTIPLY_BF16_TILES = 0, 1, 2, 3
 
 
 class BlockQuantLinear(nn.Module):
@@ -522,15 +523,17 @@ class BlockQuantLinear(nn.Module):
     def _sync_kernel(self) -> None:
         """Tells the kernel how to multiply each part: int8 activations for all where asked and compiled, else
         bfloat16 dot products for the formats csrc/bf16_dot_linear.cpp takes (for bfloat16 rows) where asked and
-        compiled, else float32 FMAs."""
+        compiled (on AMX tiles with "amx"), else float32 FMAs."""
         if self.kernel is None:
             return
         kernels = self._kernels_module
         if self._activation_quantization == "int8" and kernels.block_int8_kernel_available():
             multiply = [MULTIPLY_INT8] * len(self.formats)
         else:
-            bf16_dot = self._dot_products == "bf16" and kernels.block_bf16_dot_kernel_available()
-            multiply = [MULTIPLY_BF16_DOT if bf16_dot and fmt in BF16_DOT_FORMATS else MULTIPLY_FMA
+            bf16_dot = {"bf16": MULTIPLY_BF16_DOT, "amx": MULTIPLY_BF16_TILES}.get(self._dot_products)
+            if not kernels.block_bf16_dot_kernel_available():
+                bf16_dot = None
+            multiply = [bf16_dot if bf16_dot is not None and fmt in BF16_DOT_FORMATS else MULTIPLY_FMA
                         for fmt in self.formats]
         self.kernel.set_multiply(multiply, self._float_output)
 
@@ -672,10 +675,9 @@ def use_activation_quantization(model: nn.Module, method: str) -> int:
 def use_dot_products(model: nn.Module, choice: str) -> str:
     """Sets how ``model``'s block linears multiply bfloat16 activations with q4, q4k, q6k and q8 blocks
     (EngineConfig.block_dot_products): "fma", float32 FMAs on the decoded weights; "bf16", bfloat16 dot products
-    on the codes; "amx", the same on AMX tiles at every row count (the kernel's switch, set_bf16_dot_tiles, is the
-    process's: the last model set decides); "auto", "bf16" where it measured faster on this CPU
-    (``bf16_dot_products_faster``). Returns the choice made ("fma" where the model has no such linear on the CPU or
-    the kernel was not compiled; "bf16" for "amx" where the CPU has no AMX-BF16)."""
+    on the codes; "amx", the same on AMX tiles at every row count; "auto", the one that measured fastest on this CPU
+    (``auto_dot_products``). Returns the choice made ("fma" where the model has no such linear on the CPU or the
+    kernel was not compiled; "bf16" for "amx" where the CPU has no AMX-BF16)."""
     if choice not in BLOCK_DOT_PRODUCT_CHOICES:
         raise ValueError(f"block_dot_products must be one of {BLOCK_DOT_PRODUCT_CHOICES}, got {choice!r}")
     linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)
@@ -683,19 +685,17 @@ def use_dot_products(model: nn.Module, choice: str) -> str:
     kernels = _panel_kernels(torch.device("cpu")) if linears else None
     available = kernels is not None and kernels.block_bf16_dot_kernel_available()
     if choice == "auto":
-        choice = "bf16" if available and bf16_dot_products_faster() else "fma"
+        choice = auto_dot_products() if available else "fma"
     elif choice in ("bf16", "amx") and linears and not available:
         logger.warning("--block-dot-products %s: this CPU or build has no AVX-512 BF16; using fma", choice)
         choice = "fma"
     if choice == "amx" and linears and not kernels.bf16_dot_tiles_available():
         logger.warning("--block-dot-products amx: this CPU or build has no AMX-BF16 tiles; using bf16")
         choice = "bf16"
-    if linears and kernels is not None:
-        kernels.set_bf16_dot_tiles(choice == "amx")
-        if choice == "bf16":
-            kernels.set_bf16_dot_fma_rows(dot_product_measurement()["bf16_fma_rows"])
+    if linears and kernels is not None and choice == "bf16":
+        kernels.set_bf16_dot_fma_rows(dot_product_measurement()["bf16_fma_rows"])
     for linear in linears:
-        linear.dot_products = "bf16" if choice == "amx" else choice  # the tiles are the dot-product kernel's path
+        linear.dot_products = choice
     return choice
 
 
@@ -726,6 +726,33 @@ def dot_product_measurement() -> dict:
     return measured
 
 
+def auto_dot_products() -> str:
+    """"auto"'s choice of block_dot_products on this CPU: "bf16" where the dot products measured faster than the
+    FMAs (``bf16_dot_products_faster``), else "fma"; then "amx" over that where the tiles measured faster
+    (``amx_tiles_faster``)."""
+    choice = "bf16" if bf16_dot_products_faster() else "fma"
+    return "amx" if amx_tiles_faster(choice) else choice
+
+
+def amx_tiles_faster(other: str) -> bool:
+    """Whether the dot products on AMX tiles beat ``other`` ("bf16" or "fma") in ``dot_product_measurement`` (timed
+    only where the tiles are usable): at least MARGIN faster at 16 rows and at most MARGIN slower at one, the
+    margins again keeping a near tie from flipping between starts. On an Intel Xeon (Emerald Rapids) the tiles
+    measured 1.0x the dot products' speed at one row and 3.3x at 16 (benchmarks/README.md, "AMX tiles for the
+    dot products")."""
+    measured = dot_product_measurement()
+    if "amx_1" not in measured:
+        return False
+    other_16 = measured["fma_16"] if other == "fma" else min(measured["bf16_16"], measured.get("bf16_fmas_16")
+                                                             or measured["bf16_16"])
+    faster = (measured["amx_1"] <= DOT_PRODUCT_MARGIN * measured[f"{other}_1"]
+              and DOT_PRODUCT_MARGIN * measured["amx_16"] <= other_16)
+    logger.info("block linears: %s (q4 3072 x 576, us a call, %s/amx: 1 row %.0f/%.0f, 16 rows %.0f/%.0f)",
+                "the dot products on AMX tiles" if faster else f"not AMX tiles ({other})", other,
+                measured[f"{other}_1"], measured["amx_1"], other_16, measured["amx_16"])
+    return faster
+
+
 def bf16_dot_products_faster() -> bool:
     """Whether the bfloat16 dot-product kernel is the better one on this CPU: a q4 linear of 3072 x 576 (a gate/up
     projection's shape) at 1 and at 16 rows, the kernels alternated on this thread alone, medians of its CPU time
@@ -749,8 +776,9 @@ def bf16_dot_products_faster() -> bool:
 DOT_PRODUCT_MARGIN = 1.1
 # How the record beside the build was measured: on one thread. On two, a start under load (a test suite beside it)
 # measured both kernels 75x slow and chose the FMAs for good: the main thread's CPU time went on spinning at the
-# kernels' OpenMP barrier while the other worker waited for a core. The dot products' FMA path is timed too.
-DOT_PRODUCT_METHOD = "one thread; bf16 at 16 rows by either path"
+# kernels' OpenMP barrier while the other worker waited for a core. The dot products' FMA path and the AMX tiles
+# are timed too.
+DOT_PRODUCT_METHOD = "one thread; bf16 at 16 rows by either path; amx where the tiles are usable"
 # From how many rows the dot-product kernel may take its FMA path: past one pass of its 6-row register tile.
 BF16_DOT_FMA_ROWS = 7
 
@@ -777,6 +805,8 @@ def _time_dot_products(kernels) -> dict[str, float]:
     ways = [("fma", 0, kernels.block_panel_linear), ("bf16", 0, kernels.block_panel_linear_bf16_dot)]
     if kernels.bf16_dot_is_two_fmas():  # the FMA path, timed from its first row
         ways.append(("bf16_fmas", 1, kernels.block_panel_linear_bf16_dot))
+    if kernels.bf16_dot_tiles_available():
+        ways.append(("amx", 0, functools.partial(kernels.block_panel_linear_bf16_dot, tiles=True)))
     times: dict[str, list[float]] = {}
     try:
         for _ in range(7):

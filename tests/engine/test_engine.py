@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from serval.layers.linear import BlockQuantLinear, use_activation_quantization, use_dot_products
+from serval.layers.linear import BlockQuantLinear, use_activation_quantization
 from serval.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -98,19 +98,14 @@ def test_each_block_kernel_keeps_greedy_output_independent_of_batch_and_chunks(m
     alone = make_llm(dtype="bfloat16", max_num_seqs=1, block_dot_products=dot_products)
     if alone.engine.core.dot_products != dot_products:
         pytest.skip(f"the {dot_products} kernel needs AVX-512 BF16 (amx: and AMX-BF16 tiles)")
-    linear_mode = "bf16" if dot_products == "amx" else dot_products  # the tiles are the dot-product kernel's path
-    assert all(m.dot_products == linear_mode for m in alone.engine.model.modules()
+    assert all(m.dot_products == dot_products for m in alone.engine.model.modules()
                if isinstance(m, BlockQuantLinear) and set(m.formats) & {"q4", "q8"})
-    try:
-        want = _texts(alone.generate(PROMPTS, GREEDY, use_tqdm=False))
-        for budget in (512, 7):
-            llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=budget,
-                           block_dot_products=dot_products)
-            assert _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
-            _assert_no_owned_blocks(llm)
-    finally:  # the tiles' switch is the process's: off again for the tests after this one
-        if dot_products == "amx":
-            use_dot_products(alone.engine.model, "fma")
+    want = _texts(alone.generate(PROMPTS, GREEDY, use_tqdm=False))
+    for budget in (512, 7):
+        llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=budget,
+                       block_dot_products=dot_products)
+        assert _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+        _assert_no_owned_blocks(llm)
 
 
 def test_prefix_cache_hit_computes_less_and_changes_nothing(make_llm, dtype, reference):

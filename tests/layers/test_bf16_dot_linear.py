@@ -26,12 +26,6 @@ needs_tiles = pytest.mark.skipif(kernels is None or not kernels.bf16_dot_tiles_a
                                  reason="the AMX tiles need AMX-BF16 (Intel Sapphire Rapids and later)")
 
 
-@pytest.fixture
-def tiles_restored():
-    yield kernels.set_bf16_dot_tiles
-    kernels.set_bf16_dot_tiles(False)
-
-
 def reference(weight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x W^T in float64 (the file's weights, exact) and the sum of its terms' magnitudes (float32 rounding's scale)."""
     w = weight.dequantize().double()
@@ -65,11 +59,11 @@ def test_bf16_dot_products_equal_the_weights_product_to_float32_rounding(fmt, ro
 @pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("path", ["vectors", "FMAs from 7 rows", "AMX tiles"])
-def test_each_row_is_the_same_whatever_the_batch(fmt, threads, path, fma_rows_restored, tiles_restored):
+def test_each_row_is_the_same_whatever_the_batch(fmt, threads, path, fma_rows_restored):
     """Rows 0-39 in batches of every size from 1 to 40, on one thread and on two: every row's bits equal its bits
     alone. By vectors: the 6-row tile, its remainders, passes of 6 rows over codes decoded in registers up to 16 or 32
     rows, and the decoded-once path above; with the FMA path from 7 rows, as an Intel Xeon runs it; on AMX tiles: one
-    C tile of up to 16 rows, whole tiles and a remainder after them."""
+    C tile of up to 16 rows (Q6_K: 8, two A rows a row), whole tiles and a remainder after them."""
     weight = random_blocks(fmt, 300, 576, seed=3)
     panels, fmt = weight.panels(), weight.format
     x = activations(40, weight.in_features, torch.bfloat16, seed=4)
@@ -78,14 +72,14 @@ def test_each_row_is_the_same_whatever_the_batch(fmt, threads, path, fma_rows_re
     if path == "AMX tiles" and not kernels.bf16_dot_tiles_available():
         pytest.skip("the AMX tiles need AMX-BF16 (Intel Sapphire Rapids and later)")
     fma_rows_restored(7 if path == "FMAs from 7 rows" else 0)
-    tiles_restored(path == "AMX tiles")
+    tiles = path == "AMX tiles"
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = torch.cat([kernels.block_panel_linear_bf16_dot(x[i: i + 1], *panels, fmt, 300, True)
+        alone = torch.cat([kernels.block_panel_linear_bf16_dot(x[i: i + 1], *panels, fmt, 300, True, tiles)
                            for i in range(40)])
         for rows in range(1, 41):
-            together = kernels.block_panel_linear_bf16_dot(x[:rows], *panels, fmt, 300, True)
+            together = kernels.block_panel_linear_bf16_dot(x[:rows], *panels, fmt, 300, True, tiles)
             assert torch.equal(together, alone[:rows]), rows
     finally:
         torch.set_num_threads(before)
@@ -121,7 +115,7 @@ def test_the_linear_takes_the_kernel_it_is_set_to():
     assert torch.equal(layer(x), kernels.block_panel_linear(x, *panels, "q4", 96, False))
     assert not torch.equal(kernels.block_panel_linear_bf16_dot(x, *panels, "q4", 96, True),
                            kernels.block_panel_linear(x, *panels, "q4", 96, True))  # two kernels, told apart
-    assert use_dot_products(model, "auto") in ("fma", "bf16")
+    assert use_dot_products(model, "auto") in ("fma", "bf16", "amx")
     # A fused linear of a q4 and a Q5_1 part: the q4 part on the dot products, the other on the FMA kernel.
     q5 = random_blocks("Q5_1", 40, 576, seed=7)
     fused = torch.nn.Sequential(BlockQuantLinear([weight, q5]))
@@ -138,17 +132,20 @@ def test_the_linear_takes_the_kernel_it_is_set_to():
 
 @needs_bf16_dot
 def test_auto_follows_the_measurement(monkeypatch):
-    """"auto" is "bf16" exactly where the measurement found it faster (by DOT_PRODUCT_MARGIN at 1 and 16 rows)."""
+    """"auto" is "bf16" exactly where the measurement found it faster (by DOT_PRODUCT_MARGIN at 1 and 16 rows), and
+    "amx" where the tiles beat that choice; the tiles are timed where this CPU has them."""
     model = torch.nn.Sequential(BlockQuantLinear(random_blocks("q8", 32, 64)))
-    for faster, choice in ((True, "bf16"), (False, "fma")):
+    for faster, tiles, choice in ((True, False, "bf16"), (False, False, "fma"), (True, True, "amx")):
         monkeypatch.setattr(linear_module, "bf16_dot_products_faster", lambda faster=faster: faster)
+        monkeypatch.setattr(linear_module, "amx_tiles_faster", lambda other, tiles=tiles: tiles)
         assert use_dot_products(model, "auto") == choice and model[0].dot_products == choice
     monkeypatch.undo()
     threads = torch.get_num_threads()
     measured = linear_module._measure_dot_products(kernels)
     assert measured.pop("method") == linear_module.DOT_PRODUCT_METHOD and torch.get_num_threads() == threads
     fma_path = {"bf16_fmas_16"} if kernels.bf16_dot_is_two_fmas() else set()
-    assert set(measured) == {"fma_1", "bf16_1", "fma_16", "bf16_16"} | fma_path
+    tiles = {"amx_1", "amx_16"} if kernels.bf16_dot_tiles_available() else set()
+    assert set(measured) == {"fma_1", "bf16_1", "fma_16", "bf16_16"} | fma_path | tiles
     assert all(v > 0 for v in measured.values())
 
 
@@ -196,6 +193,35 @@ def test_the_choice_needs_one_row_faster_and_sixteen_not_slower(monkeypatch, tmp
         __file__=str(tmp_path / "kernels.so")))
     assert linear_module.bf16_dot_products_faster() is faster
     assert linear_module.dot_product_measurement()["bf16_fma_rows"] == fma_rows
+
+
+@pytest.mark.parametrize(("measured", "tiles"), [
+    # an Intel Xeon, Emerald Rapids (2026-11-30): as fast at one row, 4x at 16
+    ({"fma_1": 164.0, "bf16_1": 108.0, "amx_1": 101.0, "fma_16": 909.0, "bf16_16": 984.0, "bf16_fmas_16": 919.0,
+      "amx_16": 228.0}, True),
+    # 1.08x slower at one row: within the margin
+    ({"fma_1": 164.0, "bf16_1": 100.0, "amx_1": 108.0, "fma_16": 909.0, "bf16_16": 984.0, "amx_16": 228.0}, True),
+    # 1.15x slower at one row: not
+    ({"fma_1": 164.0, "bf16_1": 100.0, "amx_1": 115.0, "fma_16": 909.0, "bf16_16": 984.0, "amx_16": 228.0}, False),
+    # only 1.05x faster at 16 rows than the FMA path: not
+    ({"fma_1": 164.0, "bf16_1": 108.0, "amx_1": 101.0, "fma_16": 909.0, "bf16_16": 984.0, "bf16_fmas_16": 240.0,
+      "amx_16": 228.0}, False),
+    # against the FMAs where the dot products lost to them: their one-row time is the bar
+    ({"fma_1": 105.0, "bf16_1": 100.0, "amx_1": 112.0, "fma_16": 900.0, "bf16_16": 1500.0, "amx_16": 228.0}, True),
+    # no tiles timed (a CPU without them)
+    ({"fma_1": 164.0, "bf16_1": 108.0, "fma_16": 909.0, "bf16_16": 984.0}, False),
+])
+def test_the_tiles_need_sixteen_rows_faster_and_one_not_slower(monkeypatch, tmp_path, measured, tiles):
+    """"auto" takes the tiles over its other choice where they were 1.1x faster at 16 rows and at most 1.1x slower
+    at one row."""
+    record = tmp_path / "kernels.dot_products.json"
+    record.write_text(json.dumps({**measured, "method": linear_module.DOT_PRODUCT_METHOD}))
+    monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
+    monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
+        __file__=str(tmp_path / "kernels.so")))
+    other = "bf16" if linear_module.bf16_dot_products_faster() else "fma"
+    assert linear_module.amx_tiles_faster(other) is tiles
+    assert linear_module.auto_dot_products() == ("amx" if tiles else other)
 
 
 @pytest.fixture
@@ -247,7 +273,7 @@ def test_the_fma_path_is_refused_where_its_bits_would_differ(fma_rows_restored):
 @pytest.mark.parametrize("fmt", ["q4", "Q4_K", "Q6_K", "q8"])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 37])
 @pytest.mark.parametrize("shape", [(200, 576), (37, 80)])  # a short last panel; a K the blocks pad
-def test_the_tiles_equal_the_weights_product_to_float32_rounding(fmt, rows, shape, tiles_restored):
+def test_the_tiles_equal_the_weights_product_to_float32_rounding(fmt, rows, shape):
     """On AMX tiles the dot products err against float64 within the vector kernel's bound (2^-17 of the sum of
     |terms|), with their own rounding (their bits differ from vdpbf16ps's); bfloat16 results are theirs rounded."""
     out_features, in_features = shape
@@ -255,21 +281,20 @@ def test_the_tiles_equal_the_weights_product_to_float32_rounding(fmt, rows, shap
     panels, fmt = weight.panels(), weight.format
     x = activations(rows, weight.in_features, torch.bfloat16, seed=12)
     want, scale = reference(weight, x)
-    tiles_restored(True)
-    y = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, True)
+    y = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, True, tiles=True)
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
     assert ((y.double() - want).abs() <= scale * 2.0**-17).all()
-    rounded = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, False)
+    rounded = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, False, tiles=True)
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, y.bfloat16())
-    tiles_restored(False)
     vector = kernels.block_panel_linear_bf16_dot(x, *panels, fmt, out_features, True)
     assert ((vector.double() - want).abs() <= scale * 2.0**-17).all()
 
 
 @needs_bf16_dot
-def test_amx_sets_the_tiles_for_the_dot_product_linears(tiles_restored):
+def test_amx_sets_the_tiles_for_the_dot_product_linears():
     """use_dot_products "amx" runs the block linears' dot products on the tiles where the CPU has them (else it
-    says so and takes "bf16"); any other choice turns them off again."""
+    says so and takes "bf16"); any other choice turns them off again. The choice is each linear's: another model's
+    linears keep theirs."""
     weight = random_blocks("Q4_K", 96, 576, seed=5)
     model = torch.nn.Sequential(BlockQuantLinear(weight))
     layer = model[0]
@@ -279,16 +304,17 @@ def test_amx_sets_the_tiles_for_the_dot_product_linears(tiles_restored):
     if not kernels.bf16_dot_tiles_available():
         assert use_dot_products(model, "amx") == "bf16"
         with pytest.raises(RuntimeError, match="no AMX-BF16"):
-            tiles_restored(True)
+            kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, False, tiles=True)
         return
-    assert use_dot_products(model, "amx") == "amx" and layer.dot_products == "bf16"
+    other = torch.nn.Sequential(BlockQuantLinear(weight))
+    other[0](x)
+    assert use_dot_products(other, "bf16") == "bf16"
+    assert use_dot_products(model, "amx") == "amx" and layer.dot_products == "amx"
     on_tiles = layer(x)
-    assert torch.equal(on_tiles, kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, False))
-    tiles_float = kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, True)
+    assert torch.equal(on_tiles, kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, False, tiles=True))
+    by_vectors = kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, False)
+    assert not torch.equal(kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, True, tiles=True),
+                           kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, True))  # two paths, told apart
+    assert torch.equal(other[0](x), by_vectors)
     assert use_dot_products(model, "bf16") == "bf16"
-    by_vectors = layer(x)
-    assert not torch.equal(kernels.block_panel_linear_bf16_dot(x, *panels, "q4k", 96, True), tiles_float)
-    tiles_restored(True)
-    assert torch.equal(layer(x), on_tiles)
-    tiles_restored(False)
     assert torch.equal(layer(x), by_vectors)

@@ -101,11 +101,12 @@ def test_k_quant_blocks_read_in_place_give_the_dequantized_paths_greedy_tokens(o
     """The default weight form reads every matrix of the Q4_K_M file in its own blocks (Q4_K, Q6_K, Q5_0, Q8_0; q/k/v
     of the layers whose v is Q8_0 as two parts). Against the dequantized path (quantization "none"): in float32 the
     weights are the same and only the summation order differs (measured max |diff| 4.7e-4 on logits of scale 182),
-    so the greedy tokens are the same; in bfloat16 the dequantized path rounds the weights to bfloat16 while either
-    block kernel (float32 FMAs or bfloat16 dot products, EngineConfig.block_dot_products) multiplies by the file's
-    exact weights with float32 sums, so its logits are the nearer to float32's. Nearer in RMS over three prompts:
-    bfloat16 activations make each logit's error chaotic, and the largest one over a prompt (measured 1.0-3.2
-    for the kernels, 2.1-2.4 dequantized) is no order between them; the RMS is (0.18-0.19 against 0.22)."""
+    so the greedy tokens are the same; in bfloat16 the dequantized path rounds the weights to bfloat16 while each
+    block kernel (float32 FMAs, bfloat16 dot products on vectors or on AMX tiles, EngineConfig.block_dot_products)
+    multiplies by the file's exact weights with float32 sums, so its logits are the nearer to float32's. Nearer in
+    RMS over three prompts: bfloat16 activations make each logit's error chaotic, and the largest one over a prompt
+    (measured 1.0-3.2 for the kernels, 2.1-2.4 dequantized) is no order between them; the RMS is (0.18-0.19 against
+    0.22)."""
     linears = [m for m in ours[torch.float32].modules() if isinstance(m, BlockQuantLinear)]
     assert len(linears) == 4 * ours[torch.float32].config.num_layers + 1
     assert {f for m in linears for f in m.formats} == {"q4k", "q6k", "q5", "q8"}
@@ -137,6 +138,7 @@ def test_k_quant_blocks_read_in_place_give_the_dequantized_paths_greedy_tokens(o
     before = {m.dot_products for m in in_place.modules() if isinstance(m, BlockQuantLinear)}
     kernels = cpu_kernels.load()
     choices = ["fma"] + (["bf16"] if kernels is not None and kernels.block_bf16_dot_kernel_available() else [])
+    choices += ["amx"] if kernels is not None and kernels.bf16_dot_tiles_available() else []
     try:
         for choice in choices:
             use_dot_products(in_place, choice)

@@ -22,6 +22,7 @@ SETTINGS = {
     "defaults": {"dtype": "bfloat16"},  # what users get: bfloat16, ngram speculation, chunked prefill
     "chunks of 7": {"dtype": "bfloat16", "max_num_batched_tokens": 7, "speculative_model": None},
     "fma": {"dtype": "bfloat16", "block_dot_products": "fma"},
+    "bf16": {"dtype": "bfloat16", "block_dot_products": "bf16"},  # the vectors, where "auto" takes AMX tiles
     "int8 cache": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
     "int8 activations": {"dtype": "bfloat16", "activation_quantization": "int8"},
     "float32": {"dtype": "float32"},

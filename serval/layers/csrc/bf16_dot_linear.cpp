@@ -543,14 +543,14 @@ void block_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, float* out
 #endif
 
 // AMX tiles (Intel Sapphire Rapids and later; linear.py's use_dot_products "amx"): per block and panel, tdpbf16ps
-// sums a run of pairs (q4, q4k, q8: the block's 16; q6k: each half's 8) for up to 16 rows at once, from the same
-// code vectors (four_pair_codes, one row of B a pair) and the same permuted bfloat16 rows (A), into a zeroed C; the
-// scales then as tile_rows applies them (y = fma(d, s, y), y = fma(offset, xsum, y)), block after block. The tile
+// sums the block's 16 pairs for up to 16 rows at once (q6k: up to 8, each row's two halves as two A rows), from the
+// same code vectors (four_pair_codes, one row of B a pair) and the same permuted bfloat16 rows (A), into a zeroed C;
+// the scales then as tile_rows applies them (y = fma(d, s, y), y = fma(offset, xsum, y)), block after block. The tile
 // unit's sums round otherwise than vdpbf16ps's chain (no order of FMAs reproduces them), so a call with the tiles on
 // takes them for every row count: each (row, column)'s sum depends on that row's and that column's values alone,
 // whatever the rows beside it (tests/layers/test_bf16_dot_linear.py). Measured on an Intel Xeon (Emerald Rapids, 2
-// threads, Q4_K 2048 x 8192): 2.6x the dot products' speed at 8 rows, 3.5x at 16, but 0.7x at one row (each block's
-// tile work waits on the last's; benchmarks/README.md, "AMX tiles").
+// threads): at one row 0.9-1.2x the dot products' speed by format and shape, 3-4x from 8 rows (benchmarks/README.md,
+// "AMX tiles for the dot products").
 #if defined(SERVAL_BF16_DOT_KERNEL) && defined(__x86_64__) && defined(__linux__) && \
     (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define SERVAL_BF16_TILES
@@ -576,21 +576,20 @@ struct alignas(64) TileConfig {
 
 constexpr int64_t kTileRowsAmx = 16;  // rows of a C tile (and of A)
 
-// C tmm0/1: rows x 16 float32; A tmm2/3: rows x (pairs of the run) bfloat16 pairs; B tmm4/5: the run's pairs x 16.
-__attribute__((target("amx-tile"))) inline void configure_tiles(int64_t rows, int run_pairs) {
+// C tmm0/1 and A tmm2/3: rows x 16 float32 and rows x 16 bfloat16 pairs (a block); B tmm4/5: a block's 16 pairs
+// of 16 columns.
+__attribute__((target("amx-tile"))) inline void configure_tiles(int64_t rows) {
   TileConfig cfg;
   for (int s = 0; s < 2; ++s) {
-    cfg.rows[s] = static_cast<uint8_t>(rows);
-    cfg.bytes_per_row[s] = 64;
-    cfg.rows[2 + s] = static_cast<uint8_t>(rows);
-    cfg.bytes_per_row[2 + s] = static_cast<uint16_t>(run_pairs * 4);
-    cfg.rows[4 + s] = static_cast<uint8_t>(run_pairs);
-    cfg.bytes_per_row[4 + s] = 64;
+    cfg.rows[s] = cfg.rows[2 + s] = static_cast<uint8_t>(rows);
+    cfg.rows[4 + s] = kPairs;
+    cfg.bytes_per_row[s] = cfg.bytes_per_row[2 + s] = cfg.bytes_per_row[4 + s] = 64;
   }
+  asm volatile("" : : "m"(cfg) : "memory");  // ldtilecfg's intrinsic tells the compiler of 8 bytes read, not 64
   _tile_loadconfig(&cfg);
 }
 
-// Set S's C = A B: A the rows' run of pairs (a_stride bytes apart), B the run's codes.
+// Set S's C = A B: A the rows' block (a_stride bytes apart), B the block's codes.
 template <int S>
 __attribute__((target("amx-tile,amx-bf16"))) inline void tile_dot(const uint16_t* a, int64_t a_stride,
                                                                   const uint8_t* b) {
@@ -614,91 +613,103 @@ __attribute__((target("amx-tile"))) inline void tile_sums(float* out) {
   asm volatile("" ::: "memory");
 }
 
-// Run ``run`` of block g of panel c of tile t as a B tile: row p is pair p's code vector (16 columns' two codes).
+// Block g of panel c of tile t as a B tile: row p is pair p's code vector (16 columns' two codes).
 template <int F>
-inline void run_codes(const Panels& w, int64_t t, int c, int64_t g, int run, uint8_t* b) {
-  constexpr int kRun = kPairs / halves(F);
-  for (int p = 0; p < kRun; p += 4) {
+inline void block_codes(const Panels& w, int64_t t, int c, int64_t g, uint8_t* b) {
+  for (int p = 0; p < kPairs; p += 4) {
     __m512i v[4];
-    four_pair_codes<F>(w.codes(t, c, g), run * kRun + p, v);
+    four_pair_codes<F>(w.codes(t, c, g), p, v);
     for (int i = 0; i < 4; ++i) _mm512_store_si512(reinterpret_cast<__m512i*>(b + 64 * (p + i)), v[i]);
   }
 }
 
-// A row tile's walk over one tile's units: (block g, panel c, run), in that order of nesting, u = (2 g + c) H + run.
+// A row tile's walk over one tile's units, (block g, panel c) as u = 2 g + c: a pipeline of three stages a unit
+// apart (unit u + 1's codes stored, u's dot product issued, u - 1's sums stored and its steps): the codes' stores
+// and the tile load that reads them a unit apart, where back to back they measured 1.1x slower at one row.
 template <int F>
 struct TileUnits {
+  static constexpr int H = halves(F);  // A rows a row: q6k's halves, each with the other's pairs zero
   const Panels& w;
   int64_t t, rows, ldx, groups;
-  const uint16_t* x;  // the row tile's first row (permuted for the nibble formats)
+  const uint16_t* a;  // the row tile's A rows (permuted for the nibble formats; q6k's split in halves)
   const float* xsum;  // its block (half block) sums
   float* acc;         // [rows][kCols]
   uint8_t (*codes)[kPairs * 64];
   float (*sums)[kTileRowsAmx * 16];
-  static constexpr int H = halves(F), kRun = kPairs / H;
-  void where(int64_t u, int64_t& g, int& c, int& run) const {
-    run = static_cast<int>(u % H);
-    c = static_cast<int>((u / H) % 2);
-    g = u / (2 * H);
-  }
+  int64_t units() const { return 2 * groups; }
+  void decode(int64_t u) const { block_codes<F>(w, t, static_cast<int>(u % 2), u / 2, codes[u % 2]); }
   template <int S>
-  __attribute__((target("amx-tile,amx-bf16"))) void issue(int64_t u) const {
-    int64_t g; int c, run;
-    where(u, g, c, run);
-    run_codes<F>(w, t, c, g, run, codes[S]);
-    tile_dot<S>(x + g * kBlock + run * kRun * 2, ldx * 2, codes[S]);
+  __attribute__((target("amx-tile,amx-bf16"))) void advance(int64_t u) const {
+    if (u + 1 < units()) decode(u + 1);
+    tile_dot<S>(a + (u / 2) * kBlock, ldx * 2, codes[S]);
+    if (u >= 1) {
+      tile_sums<1 - S>(sums[1 - S]);
+      steps(u - 1, sums[1 - S]);
+    }
   }
-  // tile_rows' float32 steps for unit u from its sums s [rows][16].
+  // tile_rows' float32 steps for unit u from its sums s [rows H][16]: q6k's halves in turn.
   void steps(int64_t u, const float* s) const {
-    int64_t g; int c, run;
-    where(u, g, c, run);
-    __m512 d, offset;
-    panel_scales<F>(w, t, c, g, H == 2 ? run : 0, d, offset);
+    const int c = static_cast<int>(u % 2);
+    const int64_t g = u / 2;
+    __m512 d[H], offset[H];
+    for (int half = 0; half < H; ++half) panel_scales<F>(w, t, c, g, half, d[half], offset[half]);
     for (int64_t r = 0; r < rows; ++r) {
-      float* a = acc + r * kCols + c * kLanes;
-      __m512 v = _mm512_fmadd_ps(d, _mm512_load_ps(s + 16 * r), _mm512_load_ps(a));
-      if constexpr (F != kQ8)
-        v = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[(r * groups + g) * H + (H == 2 ? run : 0)]), v);
-      _mm512_store_ps(a, v);
+      float* out = acc + r * kCols + c * kLanes;
+      __m512 v = _mm512_load_ps(out);
+      for (int half = 0; half < H; ++half) {
+        v = _mm512_fmadd_ps(d[half], _mm512_load_ps(s + 16 * (r * H + half)), v);
+        if constexpr (F != kQ8) v = _mm512_fmadd_ps(offset[half], _mm512_set1_ps(xsum[(r * groups + g) * H + half]), v);
+      }
+      _mm512_store_ps(out, v);
     }
   }
 };
 
-// Tiles begin .. end of y = x W^T, 16 rows at a time (the tile configuration set per row count, released at the end).
+// Tiles begin .. end of y = x W^T, 16 A rows at a time (the tile configuration set per row count, released at the
+// end). a: the A rows, ldx apart (q6k: 2 a row).
 template <int F, typename Out>
-__attribute__((target("amx-tile,amx-bf16"))) void tiles_range(const uint16_t* x, int64_t M, int64_t ldx,
+__attribute__((target("amx-tile,amx-bf16"))) void tiles_range(const uint16_t* a, int64_t M, int64_t ldx,
                                                               const float* xsum, const Panels& w, int64_t N, Out* y,
                                                               int64_t begin, int64_t end) {
   constexpr int H = halves(F);
-  const int64_t G = w.groups, sums_per_row = G * H, units = G * 2 * H;
+  constexpr int64_t kRowsATile = kTileRowsAmx / H;
+  const int64_t G = w.groups, units = 2 * G;
   alignas(64) uint8_t codes[2][kPairs * 64];
   alignas(64) float sums[2][kTileRowsAmx * 16];
   alignas(64) float acc[kTileRowsAmx * kCols];
   int64_t configured = 0;
   for (int64_t t = begin; t < end; ++t)
-    for (int64_t r0 = 0; r0 < M; r0 += kTileRowsAmx) {
-      const int64_t rows = std::min(kTileRowsAmx, M - r0);
+    for (int64_t r0 = 0; r0 < M; r0 += kRowsATile) {
+      const int64_t rows = std::min(kRowsATile, M - r0);
       if (rows != configured) {
-        configure_tiles(rows, kPairs / H);
+        configure_tiles(rows * H);
         configured = rows;
       }
       std::fill(acc, acc + rows * kCols, 0.f);
-      const TileUnits<F> units_of{w, t, rows, ldx, G, x + r0 * ldx, xsum + r0 * sums_per_row, acc, codes, sums};
-      // A pipeline of three stages a unit apart: unit u + 1's dot product issued, u's sums stored, then u's steps.
-      units_of.template issue<0>(0);
-      for (int64_t u = 0; u < units; u += 2) {
-        if (u + 1 < units) units_of.template issue<1>(u + 1);
-        tile_sums<0>(sums[0]);
-        units_of.steps(u, sums[0]);
-        if (u + 1 < units) {
-          if (u + 2 < units) units_of.template issue<0>(u + 2);
-          tile_sums<1>(sums[1]);
-          units_of.steps(u + 1, sums[1]);
-        }
+      const TileUnits<F> pipe{w, t, rows, ldx, G, a + r0 * H * ldx, xsum + r0 * G * H, acc, codes, sums};
+      pipe.decode(0);
+      for (int64_t u = 0; u < units; u += 2) {  // 2 panels a block: units is even
+        pipe.template advance<0>(u);
+        pipe.template advance<1>(u + 1);
       }
+      tile_sums<1>(sums[1]);
+      pipe.steps(units - 1, sums[1]);
       store_tile(acc, rows, y + r0 * N, N, t);
     }
   if (configured) _tile_release();
+}
+
+// q6k's A rows: per row two, the first with each block's second half zero, the second with its first half zero, so
+// that one tile dot product sums both halves apart.
+void split_halves(const uint16_t* x, int64_t M, int64_t ldx, uint16_t* out) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int half = 0; half < 2; ++half) {
+      uint16_t* row = out + (2 * r + half) * ldx;
+      for (int64_t b = 0; b < ldx; b += kBlock) {
+        std::memset(row + b, 0, kBlock * sizeof(uint16_t));
+        std::memcpy(row + b + half * kBlock / 2, x + r * ldx + b + half * kBlock / 2, kBlock / 2 * sizeof(uint16_t));
+      }
+    }
 }
 
 template <int F, typename Out>
@@ -709,8 +720,6 @@ void gemm_by_tiles(const uint16_t* x, int64_t M, int64_t ldx, const float* xsum,
 }
 
 #endif
-
-std::atomic<bool> tiles_on{false};
 
 }  // namespace
 
@@ -771,7 +780,7 @@ void set_bf16_dot_fma_rows(int64_t rows) {
 #endif
 }
 
-// Whether block_panel_linear_bf16_dot can run on AMX tiles here (set_bf16_dot_tiles).
+// Whether block_panel_linear_bf16_dot can run on AMX tiles here (its ``tiles``).
 bool bf16_dot_tiles_available() {
 #if defined(SERVAL_BF16_TILES)
   return amx_bf16_usable();
@@ -780,16 +789,14 @@ bool bf16_dot_tiles_available() {
 #endif
 }
 
-// Whether block_panel_linear_bf16_dot runs on AMX tiles, for every row count; refused where they cannot run.
-void set_bf16_dot_tiles(bool on) {
-  TORCH_CHECK(!on || bf16_dot_tiles_available(), "set_bf16_dot_tiles: no AMX-BF16 tiles on this CPU or build");
-  tiles_on = on;
-}
-
 // x [M, K] bfloat16; panels and scales of format q4, q4k, q6k or q8 as block_panel_linear takes them. Returns y [M, N]
-// bfloat16, or float32 with float_output.
+// bfloat16, or float32 with float_output. With tiles, on AMX tiles for every row count (refused where they cannot
+// run): a linear's choice for all its calls, since their bits differ from the vectors'.
 at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                                       const std::string& format, int64_t out_features, bool float_output) {
+                                       const std::string& format, int64_t out_features, bool float_output,
+                                       bool tiles) {
+  TORCH_CHECK(!tiles || bf16_dot_tiles_available(), "block_panel_linear_bf16_dot: no AMX-BF16 tiles on this CPU or "
+              "build");
   const BlockCall call = check_block_call(x, panels, scales, format, out_features);
   TORCH_CHECK(call.format == kQ4 || call.format == kQ4K || call.format == kQ6K || call.format == kQ8,
               "block_panel_linear_bf16_dot: q4, q4k, q6k or q8 blocks, not ", format);
@@ -810,7 +817,6 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
     permuted_rows(xs, M, ldx, padded, permuted);
     xs = permuted;
   }
-  const bool tiles = tiles_on.load(std::memory_order_relaxed);
   float* xf = nullptr;
   if (!tiles && M >= fma_steps_from_rows.load(std::memory_order_relaxed)) {
     xf = serval::scratch(4, M * padded);
@@ -823,7 +829,11 @@ at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& pa
     if (tiles) {
       if (call.format == kQ4) gemm_by_tiles<kQ4>(xs, M, ldx, xsum, w, N, y);
       else if (call.format == kQ4K) gemm_by_tiles<kQ4K>(xs, M, ldx, xsum, w, N, y);
-      else if (call.format == kQ6K) gemm_by_tiles<kQ6K>(xs, M, ldx, xsum, w, N, y);
+      else if (call.format == kQ6K) {
+        uint16_t* split = reinterpret_cast<uint16_t*>(serval::scratch(4, M * padded));  // xf's slot: unused here
+        split_halves(xs, M, ldx, split);
+        gemm_by_tiles<kQ6K>(split, M, ldx, xsum, w, N, y);
+      }
       else gemm_by_tiles<kQ8>(xs, M, ldx, xsum, w, N, y);
       return;
     }

@@ -23,7 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kernel") = "auto", no_gil());
   m.def("block_int8_kernel_available", &block_int8_kernel_available, "whether block_panel_linear_int8 was compiled");
   m.def("block_panel_linear_bf16_dot", &block_panel_linear_bf16_dot,
-        "block_panel_linear for bfloat16 x on q4, q4k, q6k and q8 blocks with bfloat16 dot products on the codes", no_gil());
+        "block_panel_linear for bfloat16 x on q4, q4k, q6k and q8 blocks with bfloat16 dot products on the codes "
+        "(with tiles, on AMX tiles)", py::arg("x"), py::arg("panels"), py::arg("scales"), py::arg("format"),
+        py::arg("out_features"), py::arg("float_output"), py::arg("tiles") = false, no_gil());
   m.def("block_bf16_dot_kernel_available", &block_bf16_dot_kernel_available,
         "whether block_panel_linear_bf16_dot was compiled (AVX-512 BF16)");
   m.def("bf16_dot_is_two_fmas", &bf16_dot_is_two_fmas,
@@ -32,8 +34,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "from how many rows block_panel_linear_bf16_dot takes its FMA path (0: never)", py::arg("rows"));
   m.def("bf16_dot_tiles_available", &bf16_dot_tiles_available,
         "whether block_panel_linear_bf16_dot can run on AMX tiles here (AMX-BF16, granted by the OS)");
-  m.def("set_bf16_dot_tiles", &set_bf16_dot_tiles,
-        "whether block_panel_linear_bf16_dot runs on AMX tiles, for every row count", py::arg("on"));
   m.def("block_int8_amx_available", &block_int8_amx_available,
         "whether block_panel_linear_int8 can run on AMX tiles here (compiled, and the CPU and OS allow them)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]", no_gil());

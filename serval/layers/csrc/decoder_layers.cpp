@@ -21,6 +21,7 @@ enum Multiply : int64_t {
   kFloat32Fma = 0,  // block_panel_linear: the decoded weights by float32 FMAs
   kBf16Dot = 1,     // block_panel_linear_bf16_dot for bfloat16 rows (block_panel_linear for others)
   kInt8 = 2,        // block_panel_linear_int8: the rows quantized to int8 per block of 32
+  kBf16Tiles = 3,   // kBf16Dot on AMX tiles
 };
 
 // A linear whose weights are blocks laid out in panels (linear.py's BlockWeight.panels), as parts of one format
@@ -38,7 +39,9 @@ class PanelLinear {
   void set_multiply(const std::vector<int64_t>& multiply, bool float_output) {
     TORCH_CHECK(multiply.size() == parts_.size(), "one way to multiply per part");
     for (size_t i = 0; i < parts_.size(); ++i) {
-      TORCH_CHECK(multiply[i] >= kFloat32Fma && multiply[i] <= kInt8, "multiply: 0 (fma), 1 (bf16 dot) or 2 (int8)");
+      TORCH_CHECK(multiply[i] >= kFloat32Fma && multiply[i] <= kBf16Tiles,
+                  "multiply: 0 (fma), 1 (bf16 dot), 2 (int8) or 3 (bf16 dot on AMX tiles)");
+      TORCH_CHECK(multiply[i] != kBf16Tiles || bf16_dot_tiles_available(), "multiply 3: no AMX-BF16 tiles here");
       parts_[i].multiply = multiply[i];
     }
     float_output_ = float_output;
@@ -62,8 +65,9 @@ class PanelLinear {
   at::Tensor multiply(const Part& p, const at::Tensor& x) const {
     if (p.multiply == kInt8)
       return block_panel_linear_int8(x, p.panels, p.scales, p.format, p.out_features, float_output_, "auto");
-    if (p.multiply == kBf16Dot && x.scalar_type() == at::kBFloat16)
-      return block_panel_linear_bf16_dot(x, p.panels, p.scales, p.format, p.out_features, float_output_);
+    if ((p.multiply == kBf16Dot || p.multiply == kBf16Tiles) && x.scalar_type() == at::kBFloat16)
+      return block_panel_linear_bf16_dot(x, p.panels, p.scales, p.format, p.out_features, float_output_,
+                                         p.multiply == kBf16Tiles);
     return block_panel_linear(x, p.panels, p.scales, p.format, p.out_features, float_output_);
   }
 
@@ -198,8 +202,8 @@ void bind_decoder_layers(pybind11::module_& m) {
                     std::vector<int64_t>>(),
            py::arg("panels"), py::arg("scales"), py::arg("formats"), py::arg("out_features"))
       .def("set_multiply", &PanelLinear::set_multiply,
-           "per part 0 (float32 FMAs), 1 (bfloat16 dot products for bfloat16 rows) or 2 (int8 activations); and "
-           "whether the result is float32",
+           "per part 0 (float32 FMAs), 1 (bfloat16 dot products for bfloat16 rows), 2 (int8 activations) or 3 (1 on "
+           "AMX tiles); and whether the result is float32",
            py::arg("multiply"), py::arg("float_output"))
       .def("__call__", &PanelLinear::forward, "x W^T", no_gil());
   py::class_<LlamaLayer>(m, "LlamaLayer", "a Llama decoder layer's kernel calls in one")

@@ -29,12 +29,12 @@ bool block_int8_kernel_available();
 bool block_int8_amx_available();
 // bf16_dot_linear.cpp
 at::Tensor block_panel_linear_bf16_dot(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
-                                       const std::string& format, int64_t out_features, bool float_output);
+                                       const std::string& format, int64_t out_features, bool float_output,
+                                       bool tiles);
 bool block_bf16_dot_kernel_available();
 bool bf16_dot_is_two_fmas();
 void set_bf16_dot_fma_rows(int64_t rows);
 bool bf16_dot_tiles_available();
-void set_bf16_dot_tiles(bool on);
 // fused_ops.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
