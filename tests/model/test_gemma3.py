@@ -103,10 +103,14 @@ def test_k_quant_blocks_read_in_place_give_the_dequantized_paths_greedy_tokens(o
     weights are the same and only the summation order differs (measured max |diff| 4.7e-4 on logits of scale 182),
     so the greedy tokens are the same; in bfloat16 the dequantized path rounds the weights to bfloat16 while each
     block kernel (float32 FMAs, bfloat16 dot products on vectors or on AMX tiles, EngineConfig.block_dot_products)
-    multiplies by the file's exact weights with float32 sums, so its logits are the nearer to float32's. Nearer in
-    RMS over three prompts: bfloat16 activations make each logit's error chaotic, and the largest one over a prompt
-    (measured 1.0-3.2 for the kernels, 2.1-2.4 dequantized) is no order between them; the RMS is (0.18-0.19 against
-    0.22)."""
+    multiplies by the file's exact weights with float32 sums. Each linear of theirs errs by float32 rounding
+    (tests/layers/), far less than bfloat16 weights, but over the model the bfloat16 activations' rounding makes each
+    logit's error chaotic and sets its size: the largest one over a prompt (measured 1.0-3.2 for the kernels, 2.1-2.4
+    dequantized) is no order between them, and their RMS over three prompts ties with the dequantized path's
+    (2026-11-30, Intel Xeon: FMAs 0.190, dot products 0.200, on AMX tiles 0.203, dequantized 0.203; the order of the
+    kernels is not their linears' accuracy, where the FMAs err the most). So each kernel's RMS is held to the
+    dequantized path's within 3%, which a wrong code, scale or offset anywhere would miss by far; the linears'
+    rounding is held in tests/layers/test_bf16_dot_linear.py and test_block_quant_linear.py."""
     linears = [m for m in ours[torch.float32].modules() if isinstance(m, BlockQuantLinear)]
     assert len(linears) == 4 * ours[torch.float32].config.num_layers + 1
     assert {f for m in linears for f in m.formats} == {"q4k", "q6k", "q5", "q8"}
@@ -142,7 +146,7 @@ def test_k_quant_blocks_read_in_place_give_the_dequantized_paths_greedy_tokens(o
     try:
         for choice in choices:
             use_dot_products(in_place, choice)
-            assert rms_error(in_place) < dequantized_error, (choice, rms_error(in_place), dequantized_error)
+            assert rms_error(in_place) < 1.03 * dequantized_error, (choice, rms_error(in_place), dequantized_error)
     finally:
         use_dot_products(in_place, before.pop())
 
