@@ -1,7 +1,8 @@
 """Where an offline decode step's time goes outside the linear kernels: the engine's step at B concurrent greedy
 decodes (speculation off), each part timed by the thread's CPU clock around it, medians of many steps.
 
-    .venv/bin/python benchmarks/bench_step_cost.py [--batch 1 16] [--steps 200] [--threads 1] [--enforce-eager]
+    .venv/bin/python benchmarks/bench_step_cost.py [--batch 1 16] [--steps 200] [--threads 1] [--enforce-eager] \
+        [--model FILE] [--wall]
 
 One thread by default: on a shared machine, CPU time of one thread is what other processes disturb least.
 Parts: the block linears of the layers, the head (logits of the sampled rows), attention (KV write and attend),
@@ -82,15 +83,16 @@ def start_decodes(engine: LLMEngine, batch: int, max_tokens: int) -> None:
     engine.step()
 
 
-def measure(engine: LLMEngine, batch: int, steps: int, instrumented: PartTimer | None) -> dict:
+def measure(engine: LLMEngine, batch: int, steps: int, instrumented: PartTimer | None,
+            clock=time.thread_time) -> dict:
     start_decodes(engine, batch, steps + 8)
     per_step: dict[str, list[float]] = defaultdict(list)
     for _ in range(steps):
         if instrumented is not None:
             instrumented.totals.clear()
-        start = time.thread_time()
+        start = clock()
         engine.step()
-        total = time.thread_time() - start
+        total = clock() - start
         per_step["step"].append(total)
         if instrumented is not None:
             for part, seconds in instrumented.totals.items():
@@ -108,19 +110,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-parts", action="store_true", help="time whole steps only (no wrappers)")
     parser.add_argument("--enforce-eager", action="store_true", help="each kernel called from Python, timed apart")
+    parser.add_argument("--model", default=None, help="a model file or name (default: the embedded default)")
+    parser.add_argument("--wall", action="store_true",
+                        help="time by the wall clock, not the thread's CPU time (with more than one thread, the "
+                             "main thread's CPU time leaves out what it waits for)")
     args = parser.parse_args()
+    clock = time.perf_counter if args.wall else time.thread_time
     torch.set_num_threads(args.threads)
     print(f"machine: {describe_hardware()}", flush=True)
-    engine = LLMEngine(EngineConfig(speculative=SpeculativeConfig(method=None), enforce_eager=args.enforce_eager))
-    timer = None if args.no_parts else PartTimer()
+    engine = LLMEngine(EngineConfig(model=args.model, speculative=SpeculativeConfig(method=None),
+                                    enforce_eager=args.enforce_eager))
+    timer = None if args.no_parts else PartTimer(clock)
     if timer is not None:
         instrument(engine, timer)
-    measure(engine, 1, 8, timer)  # warm-up: the layers' one-call forms are built in its first step
+    measure(engine, 1, 8, timer, clock)  # warm-up: the layers' one-call forms are built in its first step
     if timer is not None and not args.enforce_eager:
         for layer in engine.core.runner.model.layers:
             layer.cpu_layer = timer.wrap("layers", layer.cpu_layer)
     for batch in args.batch:
-        print(json.dumps({"batch": batch, "ms_per_step": measure(engine, batch, args.steps, timer)}), flush=True)
+        print(json.dumps({"batch": batch, "ms_per_step": measure(engine, batch, args.steps, timer, clock)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serval.config import cache_directory
 from serval.errors import ModelFileError, RequestError
-from serval.gguf_reader import GGUFContents
+
+if TYPE_CHECKING:
+    from serval.gguf_reader import GGUFContents
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ class Tokenizer:
         tokenizer: a directory without tokenizer files, files it cannot be built from, an empty vocabulary."""
         path = Path(path).expanduser()
         if path.is_file() and path.suffix == ".gguf":
+            from serval.gguf_reader import GGUFContents  # numpy: imported here, after `serve` has started the core
+
             header = GGUFContents(path)
             hf = _load_gguf_tokenizer(path, header)
             # llama.cpp's end-of-generation set: eos, end-of-turn and end-of-message from the header, and the

@@ -89,6 +89,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# The core's process (engine/core_process.py: main): the garbage collector off before anything is imported, until the
+# model is loaded (run_engine_core turns it back on).
+CORE_COMMAND = (sys.executable, "-c", "import gc; gc.disable(); from serval.engine.core_process import main; main()")
+
 class CoreProcessClient(EngineClient):
     """The front end in this process (tokenize, detokenize, stop strings, outputs), the core in another."""
 
@@ -117,8 +121,7 @@ class CoreProcessClient(EngineClient):
             package_root = str(Path(__file__).resolve().parents[2])
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                 p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
-            self.process = subprocess.Popen([sys.executable, "-m", "serval.engine.core_process"],
-                                            stdin=subprocess.PIPE, env=env)
+            self.process = subprocess.Popen(CORE_COMMAND, stdin=subprocess.PIPE, env=env)
             self.process.stdin.write(pickle.dumps((config, model_path, f"ipc://{self._ipc_dir}/commands",
                                                    f"ipc://{self._ipc_dir}/results", os.getpid())))
             self.process.stdin.close()

@@ -13,7 +13,6 @@ import struct
 from pathlib import Path
 
 from serval.errors import ModelFileError
-from serval.gguf_reader import GGUFContents
 from serval.tokenizer import EXPECTED_TOKENIZER_FILES, has_tokenizer_files
 
 # general.architecture values that load (model/gguf_file.py's ARCHITECTURES, which imports torch; a test keeps the
@@ -43,6 +42,8 @@ def unsupported_architecture(where: Path, name: object) -> ModelFileError:
 
 
 def _check_gguf(path: Path, tokenizer: bool) -> None:
+    from serval.gguf_reader import GGUFContents  # numpy: imported here, after `serve` has started the core
+
     try:
         header = GGUFContents(path)  # empty, another format, a damaged header, tensors past the end
     except OSError as exc:

@@ -8,7 +8,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serval.gguf_reader import GGUFContents
 from serval.model.registry import sampling_preset
 from serval.sampling_params import MODEL_DEFAULT_FIELDS, check_sampling_defaults
 
@@ -55,6 +54,8 @@ def read_generation_config(directory: str | Path) -> dict[str, float | int]:
 
 def read_gguf_sampling(path: str | Path) -> dict[str, float | int]:
     """The ``general.sampling.*`` keys of a GGUF file, under SamplingParams' names; {} where it has none."""
+    from serval.gguf_reader import GGUFContents  # numpy: imported here, after `serve` has started the core
+
     header = GGUFContents(path)
     values = {name: header.value(key) for key, name in GGUF_SAMPLING_KEYS.items() if key in header.fields}
     # Stored as float32: 0.2 reads back as 0.20000000298; 7 digits say what was written.
