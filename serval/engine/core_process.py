@@ -74,7 +74,7 @@ def run_engine_core(config: EngineConfig, model_path: str, input_address: str, o
         context.term()  # returns once the reason is sent (or the linger is over): the process exits right after
         return
     # The collector is off from the process's start (core_client.CORE_COMMAND) to here: while torch imports and the
-    # model loads it found nothing to free and took 0.25 s of CPU. What was built is frozen (never scanned again).
+    # model loads it found nothing to free and took 0.26 s of CPU. What was built is frozen (never scanned again).
     gc.freeze()
     gc.enable()
     results.send(encode(CoreReady(core.info)))
