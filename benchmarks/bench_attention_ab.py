@@ -1,12 +1,15 @@
 """The paged attention kernel of this checkout against that of another git revision, in one process: the two builds
 alternated call by call so that a slow spell of a shared machine hits both, and their outputs compared bit for bit.
 
-    .venv/bin/python benchmarks/bench_attention_ab.py --base main [--threads 1 2] [--rounds 7]
+    .venv/bin/python benchmarks/bench_attention_ab.py --base main [--threads 1 2] [--rounds 7] \
+        [--one-stream-contexts 300 600 3000]
 
 SmolLM2's attention (9 query heads, 3 key/value heads, head size 64, bfloat16 cache in blocks of 16), one layer:
 - a prompt of 320 or 1500 tokens prefilled in chunks of 128 (every chunk over the keys before it);
 - 16 decodes at contexts drawn from 100-700, alone and in one step with a 112-token prefill chunk at position 300
   (the mixed workload's step under the default token budget of 128).
+And one stream of Llama-3.2-1B's attention (32 query heads, 8 key/value heads, head size 64): one decode at each of
+--one-stream-contexts, through 16 layers' caches in turn, as a step reads them (from memory, not a cache's worth).
 Microseconds of wall time per call (medians of the rounds), and the GFLOP/s of scores and weighted values.
 """
 
@@ -60,11 +63,25 @@ def prefill_calls(gen: torch.Generator, prompt: int, chunk: int = 128):
     return calls, flops
 
 
+def one_stream_calls(gen: torch.Generator, context: int, layers: int = 16, heads: int = 32, kv_heads: int = 8):
+    """One decode at ``context`` through ``layers`` caches of its own (blocks in random order), one call a layer."""
+    blocks = (context + BLOCK - 1) // BLOCK
+    query = torch.randn(1, heads, HEAD_DIM, generator=gen).bfloat16()
+    calls = []
+    for _ in range(layers):
+        k_cache, v_cache = (torch.randn(blocks, BLOCK, kv_heads, HEAD_DIM, generator=gen).bfloat16() for _ in range(2))
+        table = torch.randperm(blocks, generator=gen)[None]
+        calls.append((query, k_cache, v_cache, table, torch.zeros(1, dtype=torch.long), torch.tensor([context]),
+                      HEAD_DIM**-0.5))
+    return calls, layers * context * heads * HEAD_DIM * 4
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="main", help="the git revision to compare against")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--one-stream-contexts", type=int, nargs="*", default=[300, 600, 3000])
     args = parser.parse_args()
     builds = {"base": build_revision(args.base), "new": cpu_kernels.load()}
     print(f"machine: {describe_hardware()}; base {args.base} against this checkout", flush=True)
@@ -74,6 +91,8 @@ def main() -> None:
     for name, chunk in (("16 decodes", None), ("16 decodes + 112-token chunk", (300, 112))):
         call, flops = attention_call(gen, decodes, chunk)
         cases[name] = ([call], flops)
+    for context in args.one_stream_contexts:
+        cases[f"1B one stream at {context} tokens, 16 layers"] = one_stream_calls(gen, context)
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name, (calls, flops) in cases.items():

@@ -325,13 +325,20 @@ constexpr int kValueChunks = 2, kValueHeads = 2, kWideValueHeads = 2;
 // The sums are float32 in memory between calls: cutting the keys into ranges changes no bit.
 // Always inlined: left to itself, the compiler stopped inlining it into the decode path once the prefill tile
 // took more instances, and a decode's attention ran 20% slower.
-template <int C, int H, typename ValueRow>
+// With Ahead > 0, each key asks for the values of the key Ahead places on (the one-token path: its rows lie 16 per
+// block and kv heads apart, a pattern the hardware prefetcher follows poorly); the arithmetic is the same.
+template <int C, int H, int Ahead = 0, typename ValueRow>
 __attribute__((always_inline)) inline void weighted_values(const float* p, int64_t p_stride, ValueRow value_row,
                                                            int64_t l0, int64_t l1, float* acc, int64_t acc_stride) {
   V16 sum[H][C];
   for (int h = 0; h < H; ++h)
     for (int i = 0; i < C; ++i) sum[h][i] = serval::load16(acc + h * acc_stride + i * 16);
   for (int64_t l = l0; l < l1; ++l) {
+    if constexpr (Ahead > 0)
+      if (l + Ahead < l1) {
+        const char* next = reinterpret_cast<const char*>(value_row(l + Ahead));
+        for (size_t b = 0; b < C * 16 * sizeof(*value_row(l)); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      }
     const auto* v = value_row(l);
     V16 values[C];
     for (int i = 0; i < C; ++i) values[i] = load_values16(v + i * 16);
@@ -345,15 +352,15 @@ __attribute__((always_inline)) inline void weighted_values(const float* p, int64
 }
 
 // weighted_values for ``heads`` (1 .. kValueHeads) heads.
-template <int C, typename ValueRow>
+template <int C, int Ahead = 0, typename ValueRow>
 inline void weighted_values_of(int64_t heads, const float* p, int64_t p_stride, ValueRow value_row, int64_t l0,
                                int64_t l1, float* acc, int64_t acc_stride) {
   if constexpr (kValueHeads >= 4)
-    if (heads == 4) return weighted_values<C, 4>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+    if (heads == 4) return weighted_values<C, 4, Ahead>(p, p_stride, value_row, l0, l1, acc, acc_stride);
   if constexpr (kValueHeads >= 3)
-    if (heads == 3) return weighted_values<C, 3>(p, p_stride, value_row, l0, l1, acc, acc_stride);
-  if (heads == 2) return weighted_values<C, 2>(p, p_stride, value_row, l0, l1, acc, acc_stride);
-  weighted_values<C, 1>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+    if (heads == 3) return weighted_values<C, 3, Ahead>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+  if (heads == 2) return weighted_values<C, 2, Ahead>(p, p_stride, value_row, l0, l1, acc, acc_stride);
+  weighted_values<C, 1, Ahead>(p, p_stride, value_row, l0, l1, acc, acc_stride);
 }
 
 // weighted_values for ``heads`` (1 .. kWideValueHeads) heads: a prefill tile's heads of whole tokens.
@@ -496,6 +503,36 @@ inline void transpose_keys(KeyRow key, int64_t count, int64_t head_dim, float* t
 
 #if defined(__AVX512F__)
 #define SERVAL_ONE_TOKEN_ATTENTION 1
+// 16 bfloat16 key rows' dims d0 .. d0 + 16 (rows[i] + d0, 32 bytes each) as 8 vectors of 32-bit words, vector m's
+// lane i holding key i's dims d0 + 2m (low half) and d0 + 2m + 1 (high half): a float32 is its bfloat16 shifted up 16
+// bits, so dim d0 + 2m is the word << 16 and dim d0 + 2m + 1 the word's high half, exact. Two rows a register, then
+// three rounds of shuffles: 32 shuffles where transpose16 and the widening take 80, on the one port that runs them on
+// an Intel Xeon (benchmarks/README.md, "Decode attention at a context").
+inline void bf16_key_pairs(const uint16_t* const (&rows)[16], int64_t d0, __m512i (&pairs)[8]) {
+  __m512i z[8], a[8], b[8];
+  const auto row = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + d0)); };
+  for (int i = 0; i < 4; ++i) {  // register i: keys i and 4 + i; register 4 + i: keys 8 + i and 12 + i
+    z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(row(i)), row(4 + i), 1);
+    z[4 + i] = _mm512_inserti64x4(_mm512_castsi256_si512(row(8 + i)), row(12 + i), 1);
+  }
+  for (int g = 0; g < 8; g += 4) {  // in each 128-bit lane, 4 keys' words m and m + 4
+    a[g] = _mm512_unpacklo_epi32(z[g], z[g + 1]);
+    a[g + 1] = _mm512_unpackhi_epi32(z[g], z[g + 1]);
+    a[g + 2] = _mm512_unpacklo_epi32(z[g + 2], z[g + 3]);
+    a[g + 3] = _mm512_unpackhi_epi32(z[g + 2], z[g + 3]);
+    b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
+    b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
+    b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
+    b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // lanes 0 and 2 of b[m] and b[4 + m] hold word m, lanes 1 and 3 word 4 + m
+    pairs[m] = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88);
+    pairs[4 + m] = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xdd);
+  }
+}
+
+constexpr int kValuesAhead = 16;  // keys ahead whose values the one-token path asks for (measured 8-32 alike)
+
 // attend_tiled's arithmetic for a tile of one query token (a decode), to the bit, without its float32 copies of the
 // keys and values: each 16-key tile is transposed into registers and scored there by up to kValueHeads of the
 // token's query heads (each lane the same FMA chain over the head dimension in order, from the same floats), and
@@ -517,20 +554,43 @@ void attend_one_token(const Inputs<scalar_t, Rows>& in, int64_t t, int64_t kvh) 
   }
   for (int64_t g = 0; g < group; ++g)
     to_float(in.q + (t * in.num_heads + kvh * group + g) * head_dim, qs + g * head_dim, head_dim);
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  static constexpr uint16_t kZeroRow[head_dim] = {};  // a key past the context: zeros, as transpose16 is given
+  const __m512i high_halves = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t h0 = 0; h0 < group; h0 += kValueHeads) {
     const int64_t heads = std::min<int64_t>(kValueHeads, group - h0);
     for (int64_t j = tile_min; j < key_tiles; ++j) {
       const int64_t count = std::min<int64_t>(kKeys, ctx - j * kKeys);
+      // The next tile's keys, asked for while this one computes (1.2-1.3x at 3,000 keys from L3; see bf16_key_pairs).
+      for (int64_t i = (j + 1) * kKeys; i < std::min<int64_t>((j + 2) * kKeys, ctx); ++i)
+        for (size_t b = 0; b < head_dim * sizeof(scalar_t); b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(in.kc + offsets[i]) + b, _MM_HINT_T0);
       __m512 sums[kValueHeads];
       for (int h = 0; h < kValueHeads; ++h) sums[h] = _mm512_setzero_ps();
-      for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
-        __m512 r[16];
+      const auto add_dim = [&](int64_t d, __m512 keys) {
+        for (int h = 0; h < kValueHeads; ++h)
+          if (h < heads) sums[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(h0 + h) * head_dim + d]), keys, sums[h]);
+      };
+      if constexpr (kBf16) {
+        const uint16_t* rows[16];
         for (int64_t i = 0; i < 16; ++i)
-          r[i] = i < count ? load_row16<Rows>(in.kc + offsets[j * kKeys + i], d0, head_dim) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int i = 0; i < 16; ++i)
-          for (int h = 0; h < kValueHeads; ++h)
-            if (h < heads) sums[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(h0 + h) * head_dim + d0 + i]), r[i], sums[h]);
+          rows[i] = i < count ? reinterpret_cast<const uint16_t*>(in.kc + offsets[j * kKeys + i]) : kZeroRow;
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+          __m512i pairs[8];
+          bf16_key_pairs(rows, d0, pairs);
+          for (int m = 0; m < 8; ++m) {  // dims in order, as transpose16's columns
+            add_dim(d0 + 2 * m, _mm512_castsi512_ps(_mm512_slli_epi32(pairs[m], 16)));
+            add_dim(d0 + 2 * m + 1, _mm512_castsi512_ps(_mm512_and_si512(pairs[m], high_halves)));
+          }
+        }
+      } else {
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+          __m512 r[16];
+          for (int64_t i = 0; i < 16; ++i)
+            r[i] = i < count ? load_row16<Rows>(in.kc + offsets[j * kKeys + i], d0, head_dim) : _mm512_setzero_ps();
+          transpose16(r);
+          for (int i = 0; i < 16; ++i) add_dim(d0 + i, r[i]);
+        }
       }
       for (int64_t h = 0; h < heads; ++h) {
         V16 score = serval::mul16({sums[h]}, serval::set16(in.scale));
@@ -549,9 +609,9 @@ void attend_one_token(const Inputs<scalar_t, Rows>& in, int64_t t, int64_t kvh) 
   std::fill(acc, acc + group * head_dim, 0.f);
   for (int64_t h = 0; h < group; h += kValueHeads)
     for (int c = 0; c < DV; c += kValueChunks)
-      weighted_values_of<kValueChunks>(std::min<int64_t>(kValueHeads, group - h), scores + h * stride, stride,
-                                       [&](int64_t l) { return in.vc + offsets[l] + c * 16; }, first, ctx,
-                                       acc + h * head_dim + c * 16, head_dim);
+      weighted_values_of<kValueChunks, kValuesAhead>(std::min<int64_t>(kValueHeads, group - h), scores + h * stride,
+                                                     stride, [&](int64_t l) { return in.vc + offsets[l] + c * 16; },
+                                                     first, ctx, acc + h * head_dim + c * 16, head_dim);
   for (int64_t g = 0; g < group; ++g) {
     scalar_t* dst = in.o + (t * in.num_heads + kvh * group + g) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sums[g]);
