@@ -16,11 +16,9 @@ Microseconds of wall time per call (medians of the rounds), and the GFLOP/s of s
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from bench_kernel_ab import build_revision
+from bench_kernel_ab import alternate_builds, build_revision
 
 from serval.layers import cpu_kernels
 from serval.platform_info import describe_hardware
@@ -96,15 +94,8 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name, (calls, flops) in cases.items():
-            times: dict[str, list[float]] = {build: [] for build in builds}
-            outputs = {}
-            for _ in range(args.rounds):
-                for build, kernels in builds.items():
-                    start = time.perf_counter()
-                    outputs[build] = [kernels.paged_attention(*call) for call in calls]
-                    times[build].append(time.perf_counter() - start)
-            same = all(torch.equal(a, b) for a, b in zip(outputs["base"], outputs["new"]))
-            base, new = (statistics.median(times[b]) for b in builds)
+            base, new, same = alternate_builds(
+                builds, lambda kernels, calls=calls: [kernels.paged_attention(*call) for call in calls], args.rounds)
             print(f"{threads} thread(s), {name}: {base * 1e6:.0f} -> {new * 1e6:.0f} us ({flops / base / 1e9:.0f} -> "
                   f"{flops / new / 1e9:.0f} GFLOP/s, {base / new:.2f}x), bits {'equal' if same else 'DIFFER'}",
                   flush=True)

@@ -69,6 +69,20 @@ def build_revision(rev: str):
     return module
 
 
+def alternate_builds(builds: dict, run, rounds: int) -> tuple[float, float, bool]:
+    """``run(kernels)`` (a list of tensors) by the "base" and "new" builds in turn, ``rounds`` times: the median wall
+    seconds of each, and whether their last outputs are bitwise the same."""
+    times: dict[str, list[float]] = {build: [] for build in builds}
+    outputs = {}
+    for _ in range(rounds):
+        for build, kernels in builds.items():
+            start = time.perf_counter()
+            outputs[build] = run(kernels)
+            times[build].append(time.perf_counter() - start)
+    same = all(torch.equal(a, b) for a, b in zip(outputs["base"], outputs["new"]))
+    return statistics.median(times["base"]), statistics.median(times["new"]), same
+
+
 def use_build(model, kernels) -> None:
     """Rebuilds every BlockQuantLinear's kernel from ``kernels`` (its settings kept)."""
     for module in model.modules():

@@ -13,11 +13,9 @@ medians in ms and the GB/s of the parts' bytes.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from bench_kernel_ab import build_revision, parts
+from bench_kernel_ab import alternate_builds, build_revision, parts
 
 from serval import LLMEngine
 from serval.config import EngineConfig, SpeculativeConfig
@@ -45,16 +43,9 @@ def main() -> None:
             for panels, scales, fmt, out_features in parts(linear):
                 calls.append((x, panels, scales, fmt, out_features, linear.float_output, tiles))
                 weight_bytes += panels.numel() * panels.element_size() + scales.numel() * scales.element_size()
-    times: dict[str, list[float]] = {build: [] for build in builds}
-    outputs = {}
     with torch.inference_mode():
-        for _ in range(args.rounds):
-            for build, kernels in builds.items():
-                start = time.perf_counter()
-                outputs[build] = [kernels.block_panel_linear_bf16_dot(*call) for call in calls]
-                times[build].append(time.perf_counter() - start)
-    same = all(torch.equal(a, b) for a, b in zip(outputs["base"], outputs["new"]))
-    base, new = (statistics.median(times[b]) for b in builds)
+        base, new, same = alternate_builds(
+            builds, lambda kernels: [kernels.block_panel_linear_bf16_dot(*call) for call in calls], args.rounds)
     print(f"{len(calls)} calls, {weight_bytes / 1e6:.0f} MB: {base * 1e3:.2f} -> {new * 1e3:.2f} ms "
           f"({weight_bytes / base / 1e9:.1f} -> {weight_bytes / new / 1e9:.1f} GB/s, {base / new:.2f}x), "
           f"bits {'equal' if same else 'DIFFER'}", flush=True)
