@@ -687,13 +687,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void tiles_range(const uint16_t* a,
       }
       std::fill(acc, acc + rows * kCols, 0.f);
       const TileUnits<F> pipe{w, t, rows, ldx, G, a + r0 * H * ldx, xsum + r0 * G * H, acc, codes, sums};
-      // The blocks kPrefetchBlocks on asked for, as the vector path does, on the first pass (the one that reads from
-      // memory): one row's linears 0.97-1.09x, median 1.05x, over 7 alternated runs on an Intel Xeon
-      // (benchmarks/README.md, "The tiles ask for their next blocks"); the same bits.
-      const FromPanels<F> ahead{w, t, t + 1 < end ? t + 1 : t, r0 == 0};
       pipe.decode(0);
       for (int64_t u = 0; u < units; u += 2) {  // 2 panels a block: units is even
-        ahead.prefetch(u / 2);
         pipe.template advance<0>(u);
         pipe.template advance<1>(u + 1);
       }
