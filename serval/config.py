@@ -425,15 +425,15 @@ class EngineConfig:
     # integer codes (csrc/bf16_dot_linear.cpp, AVX-512 BF16: about 1.5-1.9x on an AMD Zen 4; many rows by FMAs with
     # the same bits where the CPU allows); "auto" takes bf16 where it measured faster at one row and not slower at 16
     # on this CPU (linear.py: bf16_dot_products_faster); "amx", the same dot products on AMX tiles (Intel Sapphire
-    # Rapids and later), "auto"'s choice where they measured faster at 16 rows and not slower at one
+    # Rapids and later), "auto"'s choice where they measured faster at 16 rows and at most 1.25x slower at one
     # (amx_tiles_faster). All round nothing before the float32 sums and keep batch invariance; they differ in float32
     # rounding only.
     block_dot_products: str = field(default="auto", metadata=flag(
         "with Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 GGUF blocks and bfloat16 activations on the CPU: fma (float32 FMAs on decoded "
         "weights), bf16 (bfloat16 dot products on the integer codes, AVX-512 BF16) or amx (the same on AMX tiles, "
         "every row count, Intel Sapphire Rapids and later); auto takes bf16 where it measured faster at one row and "
-        "not slower at 16 on this CPU, and amx over that where the tiles measured faster at 16 rows and not slower "
-        "at one", choices=BLOCK_DOT_PRODUCT_CHOICES))
+        "not slower at 16 on this CPU, and amx over that where the tiles measured faster at 16 rows and at most "
+        "1.25x slower at one", choices=BLOCK_DOT_PRODUCT_CHOICES))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

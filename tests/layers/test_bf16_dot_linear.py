@@ -201,8 +201,11 @@ def test_the_choice_needs_one_row_faster_and_sixteen_not_slower(monkeypatch, tmp
       "amx_16": 228.0}, True),
     # 1.08x slower at one row: within the margin
     ({"fma_1": 164.0, "bf16_1": 100.0, "amx_1": 108.0, "fma_16": 909.0, "bf16_16": 984.0, "amx_16": 228.0}, True),
-    # 1.15x slower at one row: not
-    ({"fma_1": 164.0, "bf16_1": 100.0, "amx_1": 115.0, "fma_16": 909.0, "bf16_16": 984.0, "amx_16": 228.0}, False),
+    # 1.14x slower at one row (a start of 2026-11-30 that took the dot products): within the one-row slack
+    ({"fma_1": 191.7, "bf16_1": 124.4, "amx_1": 139.3, "fma_16": 919.8, "bf16_16": 1154.4, "bf16_fmas_16": 876.3,
+      "amx_16": 243.6}, True),
+    # 1.3x slower at one row: not
+    ({"fma_1": 164.0, "bf16_1": 100.0, "amx_1": 130.0, "fma_16": 909.0, "bf16_16": 984.0, "amx_16": 228.0}, False),
     # only 1.05x faster at 16 rows than the FMA path: not
     ({"fma_1": 164.0, "bf16_1": 108.0, "amx_1": 101.0, "fma_16": 909.0, "bf16_16": 984.0, "bf16_fmas_16": 240.0,
       "amx_16": 228.0}, False),
@@ -211,9 +214,9 @@ def test_the_choice_needs_one_row_faster_and_sixteen_not_slower(monkeypatch, tmp
     # no tiles timed (a CPU without them)
     ({"fma_1": 164.0, "bf16_1": 108.0, "fma_16": 909.0, "bf16_16": 984.0}, False),
 ])
-def test_the_tiles_need_sixteen_rows_faster_and_one_not_slower(monkeypatch, tmp_path, measured, tiles):
-    """"auto" takes the tiles over its other choice where they were 1.1x faster at 16 rows and at most 1.1x slower
-    at one row."""
+def test_the_tiles_need_sixteen_rows_faster_and_one_not_much_slower(monkeypatch, tmp_path, measured, tiles):
+    """"auto" takes the tiles over its other choice where they were 1.1x faster at 16 rows and at most 1.25x slower
+    at one row (AMX_ONE_ROW_SLACK)."""
     record = tmp_path / "kernels.dot_products.json"
     record.write_text(json.dumps({**measured, "method": linear_module.DOT_PRODUCT_METHOD}))
     monkeypatch.setattr(linear_module, "_dot_product_measurement", {})

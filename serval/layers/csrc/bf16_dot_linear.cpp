@@ -51,7 +51,11 @@ using namespace serval_blocks;
 constexpr int64_t kLanes = 16, kCols = 2 * kLanes;  // a tile: two panels of 16 columns side by side
 constexpr int kTileRows = 6;  // 12 sums + 12 block sums + 2 code vectors + a broadcast of 32 registers
 constexpr int kPairs = kBlock / 2;
-constexpr int64_t kPrefetchBlocks = 4;  // FromPanels::prefetch's distance
+// FromPanels::prefetch's distance, for the vector and the tiles paths: on an Intel Xeon (Emerald Rapids, 2 threads,
+// one row of the 1B's linears from memory) the tiles read at 20.6-21.1 GB/s asking for none, 22.3-22.6 at 4 blocks
+// ahead, 24.4-25.0 at 8 and 23.5-24.9 at 12 or 16; the vectors 21.6-22.0 at 4, 21.9-22.4 at 8 (benchmarks/README.md,
+// "The tiles ask for their next blocks").
+constexpr int64_t kPrefetchBlocks = 8;
 // Up to how many rows a tile's codes are decoded in registers, once per pass of kTileRows rows, rather than once into
 // a buffer that the passes read: the buffer (a few hundred KB a tile at K = 4,096) is written to and read back from
 // L2, which measured slower up to 32 rows (Q4_K at 8 rows 1.4x, 16 rows 1.2x) and for q6k up to 16 (its codes cost
@@ -687,8 +691,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void tiles_range(const uint16_t* a,
       }
       std::fill(acc, acc + rows * kCols, 0.f);
       const TileUnits<F> pipe{w, t, rows, ldx, G, a + r0 * H * ldx, xsum + r0 * G * H, acc, codes, sums};
+      // The blocks kPrefetchBlocks on asked for on the first pass (the one that reads from memory), as the vector
+      // path does: the hardware prefetcher alone kept a core's reads below its share of the memory's rate. The
+      // same bits.
+      const FromPanels<F> ahead{w, t, t + 1 < end ? t + 1 : t, r0 == 0};
       pipe.decode(0);
       for (int64_t u = 0; u < units; u += 2) {  // 2 panels a block: units is even
+        ahead.prefetch(u / 2);
         pipe.template advance<0>(u);
         pipe.template advance<1>(u + 1);
       }
