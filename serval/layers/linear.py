@@ -738,8 +738,8 @@ def amx_tiles_faster(other: str) -> bool:
     """Whether the dot products on AMX tiles beat ``other`` ("bf16" or "fma") in ``dot_product_measurement`` (timed
     only where the tiles are usable): at least MARGIN faster at 16 rows and at most AMX_ONE_ROW_SLACK slower at one.
     The one-row timing is of a small weight in cache on one thread, which the tiles' prefetches do not help, where a
-    model's one-row decode reads its weights from memory: there the tiles measured 1.19x the dot products' rate, and
-    3-4x from 8 rows, on an Intel Xeon (Emerald Rapids; benchmarks/README.md, "AMX tiles for the dot products" and
+    model's one-row decode reads its weights from memory: there the tiles measured 1.09-1.14x the dot products' rate,
+    and 3-4x from 8 rows, on an Intel Xeon (Emerald Rapids; benchmarks/README.md, "AMX tiles for the dot products" and
     "The tiles ask for their next blocks"), while this timing put them 0.85-1.14x the dot products' time at one row
     from one start to the next."""
     measured = dot_product_measurement()
