@@ -51,11 +51,12 @@ using namespace serval_blocks;
 constexpr int64_t kLanes = 16, kCols = 2 * kLanes;  // a tile: two panels of 16 columns side by side
 constexpr int kTileRows = 6;  // 12 sums + 12 block sums + 2 code vectors + a broadcast of 32 registers
 constexpr int kPairs = kBlock / 2;
-// FromPanels::prefetch's distance, for the vector and the tiles paths: on an Intel Xeon (Emerald Rapids, 2 threads,
-// one row of the 1B's linears from memory) the tiles read at 20.6-21.1 GB/s asking for none, 22.3-22.6 at 4 blocks
-// ahead, 24.4-25.0 at 8 and 23.5-24.9 at 12 or 16; the vectors 21.6-22.0 at 4, 21.9-22.4 at 8 (benchmarks/README.md,
-// "The tiles ask for their next blocks").
-constexpr int64_t kPrefetchBlocks = 8;
+// FromPanels::prefetch's distance in blocks: the vector path's (measured on an AMD EPYC Zen 4, where it is the
+// default; see FromPanels) and the AMX tiles path's. On an Intel Xeon (Emerald Rapids, 2 threads, one row of the 1B's
+// linears from memory) the tiles read at 20.6-21.1 GB/s asking for none, 22.3-22.6 at 4 blocks ahead, 24.4-25.0 at 8
+// and 23.5-24.9 at 12 or 16; the vectors 21.6-22.0 at 4 and 21.9-22.4 at 8, within the noise, so they keep 4
+// (benchmarks/README.md, "The tiles ask for their next blocks").
+constexpr int64_t kPrefetchBlocks = 4, kTilePrefetchBlocks = 8;
 // Up to how many rows a tile's codes are decoded in registers, once per pass of kTileRows rows, rather than once into
 // a buffer that the passes read: the buffer (a few hundred KB a tile at K = 4,096) is written to and read back from
 // L2, which measured slower up to 32 rows (Q4_K at 8 rows 1.4x, 16 rows 1.2x) and for q6k up to 16 (its codes cost
@@ -193,17 +194,18 @@ struct FromPanels {
   const Panels& w;
   int64_t tile, ahead;
   bool prefetching;
+  int64_t distance = kPrefetchBlocks;  // in blocks
   void scales(int64_t g, int half, __m512 d[2], __m512 offset[2]) const {
     for (int c = 0; c < 2; ++c) panel_scales<F>(w, tile, c, g, half, d[c], offset[c]);
   }
-  // Asks for the block kPrefetchBlocks past g while block g computes: of this tile, or past its end of the tile
+  // Asks for the block ``distance`` past g while block g computes: of this tile, or past its end of the tile
   // ``ahead`` (none where ahead is this tile, its thread's last). The hardware prefetcher alone, or asking for the
   // same block of the next tile (panel_linear.cpp's prefetch_block), read one row's 8B-sized weights out of cache at
   // 35-36 GB/s on 2 threads of an AMD EPYC Zen 4, where a plain read ran 55-60; 4 blocks ahead, 41-44
   // (benchmarks/README.md, "Prefetch distance"). Always inlined (a function of prefetches alone is deleted by GCC).
   __attribute__((always_inline)) void prefetch(int64_t g) const {
     if (!prefetching) return;
-    int64_t at = tile, block = g + kPrefetchBlocks;
+    int64_t at = tile, block = g + distance;
     if (block >= w.groups) {
       if (ahead == tile) return;
       at = ahead;
@@ -691,10 +693,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void tiles_range(const uint16_t* a,
       }
       std::fill(acc, acc + rows * kCols, 0.f);
       const TileUnits<F> pipe{w, t, rows, ldx, G, a + r0 * H * ldx, xsum + r0 * G * H, acc, codes, sums};
-      // The blocks kPrefetchBlocks on asked for on the first pass (the one that reads from memory), as the vector
+      // The blocks kTilePrefetchBlocks on asked for on the first pass (the one that reads from memory), as the vector
       // path does: the hardware prefetcher alone kept a core's reads below its share of the memory's rate. The
       // same bits.
-      const FromPanels<F> ahead{w, t, t + 1 < end ? t + 1 : t, r0 == 0};
+      const FromPanels<F> ahead{w, t, t + 1 < end ? t + 1 : t, r0 == 0, kTilePrefetchBlocks};
       pipe.decode(0);
       for (int64_t u = 0; u < units; u += 2) {  // 2 panels a block: units is even
         ahead.prefetch(u / 2);
