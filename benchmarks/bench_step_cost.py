@@ -2,14 +2,15 @@
 decodes (speculation off), each part timed by the thread's CPU clock around it, medians of many steps.
 
     .venv/bin/python benchmarks/bench_step_cost.py [--batch 1 16] [--steps 200] [--threads 1] [--enforce-eager] \
-        [--model FILE] [--wall]
+        [--model FILE] [--wall] [--layer-calls-ab]
 
 One thread by default: on a shared machine, CPU time of one thread is what other processes disturb least.
 Parts: the block linears of the layers, the head (logits of the sampled rows), attention (KV write and attend),
 RMSNorm with the residual add, RoPE, SiLU-and-mul, the embedding lookup, the argmax, and the rest of the step
 (scheduler, runner, output processing in Python, and small aten ops), each in ms a step. By default the layers run
-as the engine runs them, one C++ call each (model/llama.py ``cpu_layer``), timed as one part, "layers"; with
---enforce-eager each kernel is called from Python and timed as its part.
+as the engine runs them (a Llama's all in one C++ call, model/llama.py ``cpu_layers``; others one C++ call each,
+``cpu_layer``), timed as one part, "layers"; with --enforce-eager each kernel is called from Python and timed as its
+part.
 """
 
 from __future__ import annotations
@@ -103,6 +104,29 @@ def measure(engine: LLMEngine, batch: int, steps: int, instrumented: PartTimer |
     return {part: round(1000 * statistics.median(values), 3) for part, values in per_step.items()}
 
 
+def compare_layer_calls(engine: LLMEngine, batch: int, steps: int, clock, block: int = 15) -> dict:
+    """Whole steps with a Llama's layers in one C++ call (model/llama.py ``cpu_layers``) against one call per layer
+    (each layer's ``cpu_layer``), alternated in blocks of ``block`` steps on the same decodes: medians in ms."""
+    model = engine.core.runner.model
+    in_one_call = model._cpu_layers
+    start_decodes(engine, batch, steps + 8)
+    per_mode: dict[str, list[float]] = {"one call per layer": [], "layers in one call": []}
+    try:
+        for i in range(steps // block):
+            mode = "layers in one call" if i % 2 else "one call per layer"
+            model._cpu_layers = in_one_call if i % 2 else (lambda *args: None)
+            for _ in range(block):
+                start = clock()
+                engine.step()
+                per_mode[mode].append(clock() - start)
+    finally:
+        del model._cpu_layers  # the class's method again
+    while engine.has_unfinished_requests():
+        engine.step()
+    medians = {mode: round(1000 * statistics.median(times), 3) for mode, times in per_mode.items()}
+    return {**medians, "ratio": round(medians["one call per layer"] / medians["layers in one call"], 4)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -114,18 +138,30 @@ def main() -> None:
     parser.add_argument("--wall", action="store_true",
                         help="time by the wall clock, not the thread's CPU time (with more than one thread, the "
                              "main thread's CPU time leaves out what it waits for)")
+    parser.add_argument("--layer-calls-ab", action="store_true",
+                        help="whole steps with a Llama's layers in one call against one call per layer, alternated")
     args = parser.parse_args()
     clock = time.perf_counter if args.wall else time.thread_time
     torch.set_num_threads(args.threads)
     print(f"machine: {describe_hardware()}", flush=True)
     engine = LLMEngine(EngineConfig(model=args.model, speculative=SpeculativeConfig(method=None),
                                     enforce_eager=args.enforce_eager))
+    if args.layer_calls_ab:
+        measure(engine, 1, 8, None, clock)  # warm-up: builds the layers' one-call forms
+        for batch in args.batch:
+            print(json.dumps({"batch": batch, "ms_per_step": compare_layer_calls(engine, batch, args.steps, clock)}),
+                  flush=True)
+        return
     timer = None if args.no_parts else PartTimer(clock)
     if timer is not None:
         instrument(engine, timer)
     measure(engine, 1, 8, timer, clock)  # warm-up: the layers' one-call forms are built in its first step
-    if timer is not None and not args.enforce_eager:
-        for layer in engine.core.runner.model.layers:
+    model = engine.core.runner.model
+    if timer is not None and not args.enforce_eager and getattr(model, "cpu_layers", None) is not None:
+        forms, cpu_layers = model.cpu_layers  # the layers in one call (model/llama.py LlamaLayers)
+        model.cpu_layers = (forms, timer.wrap("layers", cpu_layers))
+    elif timer is not None and not args.enforce_eager:
+        for layer in model.layers:
             layer.cpu_layer = timer.wrap("layers", layer.cpu_layer)
     for batch in args.batch:
         print(json.dumps({"batch": batch, "ms_per_step": measure(engine, batch, args.steps, timer, clock)}), flush=True)

@@ -207,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
+        self.cpu_layers: tuple[tuple, object] | None = None  # (the layers' one-call forms, LlamaLayers over them)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):
@@ -217,9 +218,29 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of a flat token batch. ``kv_caches[i]`` is layer i's [2, blocks, ...] cache."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.for_step(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        cpu_layers = self._cpu_layers(rope, x, kv_caches, meta)
+        if cpu_layers is not None:
+            x, residual = cpu_layers(x, rope.positions, rope.table.cos, rope.table.sin, kv_caches, meta.slot_mapping,
+                                     meta.block_tables, meta.token_table, meta.context_lens)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def _cpu_layers(self, rope: RotaryStep, x: torch.Tensor, kv_caches: torch.Tensor,
+                    meta: AttentionMetadata) -> object | None:
+        """csrc/decoder_layers.cpp's LlamaLayers over the layers' one-call forms, where every layer has one (built by
+        its first CPU-kernel step) and this step is one they run: the loop of ``forward`` in one call, the same bits.
+        Kept with the forms it holds, and built again when a layer's form changes (``cpu_layer`` set anew)."""
+        if not (rope.kernels is not None and type(meta) is CpuKernelMetadata and x.is_contiguous()
+                and type(kv_caches) is torch.Tensor and len(kv_caches) == len(self.layers)):
+            return None
+        forms = tuple(layer.cpu_layer for layer in self.layers)
+        if not all(forms):
+            return None
+        if self.cpu_layers is None or self.cpu_layers[0] != forms:
+            self.cpu_layers = (forms, rope.kernels.LlamaLayers(list(forms)))
+        return self.cpu_layers[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -135,6 +135,39 @@ class LlamaLayer {
   int64_t window_;
 };
 
+// A model's LlamaLayers in turn in one call from Python: model/llama.py's loop over its layers, the same calls in the
+// same order (so the same bits: tests/model/test_llama_cpu_layer.py). From Python, each layer cost a module call and
+// its arguments' conversions, about 10 microseconds: 0.3 ms of the embedded 30-layer model's 7 ms decode step
+// (benchmarks/README.md, "The layers in one call").
+class LlamaLayers {
+ public:
+  explicit LlamaLayers(std::vector<std::shared_ptr<LlamaLayer>> layers) : layers_(std::move(layers)) {
+    TORCH_CHECK(!layers_.empty(), "LlamaLayers: no layers");
+  }
+
+  // (the last layer's MLP output, the residual stream before it is added) for the model's input x [T, hidden];
+  // kv_caches [layers, 2, ...] (kv_rows.py's new_kv_cache), the rest as LlamaLayer::forward takes them.
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                                             const at::Tensor& sin, const at::Tensor& kv_caches,
+                                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                             const at::Tensor& token_table, const at::Tensor& context_lens) const {
+    TORCH_CHECK(kv_caches.size(0) == static_cast<int64_t>(layers_.size()), "LlamaLayers: ", layers_.size(),
+                " layers but caches for ", kv_caches.size(0));
+    std::tuple<at::Tensor, at::Tensor> out;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const at::Tensor cache = kv_caches.select(0, static_cast<int64_t>(i));
+      out = i == 0 ? layers_[i]->forward(x, c10::nullopt, positions, cos, sin, cache.select(0, 0), cache.select(0, 1),
+                                         slot_mapping, block_tables, token_table, context_lens)
+                   : layers_[i]->forward(std::get<0>(out), std::get<1>(out), positions, cos, sin, cache.select(0, 0),
+                                         cache.select(0, 1), slot_mapping, block_tables, token_table, context_lens);
+    }
+    return out;
+  }
+
+ private:
+  std::vector<std::shared_ptr<LlamaLayer>> layers_;
+};
+
 // model/gemma3.py's Gemma3DecoderLayer, its linears PanelLinears, its norms and GeGLU the C++ passes of
 // fused_ops.cpp with the vector widths (lanes) that give the PyTorch lines' bits (layers/norm.py exact_sum_lanes,
 // layers/activation.py exact_gelu_lanes), its attention layers/attention/cpu_kernel.py's.
@@ -206,7 +239,7 @@ void bind_decoder_layers(pybind11::module_& m) {
            "AMX tiles); and whether the result is float32",
            py::arg("multiply"), py::arg("float_output"))
       .def("__call__", &PanelLinear::forward, "x W^T", no_gil());
-  py::class_<LlamaLayer>(m, "LlamaLayer", "a Llama decoder layer's kernel calls in one")
+  py::class_<LlamaLayer, std::shared_ptr<LlamaLayer>>(m, "LlamaLayer", "a Llama decoder layer's kernel calls in one")
       .def(py::init<at::Tensor, at::Tensor, double, std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>,
                     std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>, int64_t, int64_t, int64_t, double,
                     int64_t>(),
@@ -214,6 +247,9 @@ void bind_decoder_layers(pybind11::module_& m) {
            py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("scale"), py::arg("window"))
       .def("__call__", &LlamaLayer::forward, "(the MLP output, the residual stream before it)", no_gil());
+  py::class_<LlamaLayers>(m, "LlamaLayers", "a model's LlamaLayers in turn in one call")
+      .def(py::init<std::vector<std::shared_ptr<LlamaLayer>>>(), py::arg("layers"))
+      .def("__call__", &LlamaLayers::forward, "(the last layer's MLP output, the residual stream before it)", no_gil());
   py::class_<GemmaLayer>(m, "GemmaLayer", "a Gemma 2 / 3 decoder layer's kernel calls in one")
       .def(py::init<std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>,
                     std::shared_ptr<PanelLinear>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor,
