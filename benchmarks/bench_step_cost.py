@@ -8,9 +8,9 @@ One thread by default: on a shared machine, CPU time of one thread is what other
 Parts: the block linears of the layers, the head (logits of the sampled rows), attention (KV write and attend),
 RMSNorm with the residual add, RoPE, SiLU-and-mul, the embedding lookup, the argmax, and the rest of the step
 (scheduler, runner, output processing in Python, and small aten ops), each in ms a step. By default the layers run
-as the engine runs them (a Llama's all in one C++ call, model/llama.py ``cpu_layers``; others one C++ call each,
-``cpu_layer``), timed as one part, "layers"; with --enforce-eager each kernel is called from Python and timed as its
-part.
+as the engine runs them (a Llama's or Gemma's all in one C++ call, model/llama.py ``cpu_layers``; others one C++
+call each, ``cpu_layer``), timed as one part, "layers"; with --enforce-eager each kernel is called from Python and
+timed as its part.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def measure(engine: LLMEngine, batch: int, steps: int, instrumented: PartTimer |
 
 
 def compare_layer_calls(engine: LLMEngine, batch: int, steps: int, clock, block: int = 15) -> dict:
-    """Whole steps with a Llama's layers in one C++ call (model/llama.py ``cpu_layers``) against one call per layer
+    """Whole steps with the layers in one C++ call (model/llama.py ``cpu_layers``) against one call per layer
     (each layer's ``cpu_layer``), alternated in blocks of ``block`` steps on the same decodes: medians in ms."""
     model = engine.core.runner.model
     in_one_call = model._cpu_layers
@@ -139,7 +139,7 @@ def main() -> None:
                         help="time by the wall clock, not the thread's CPU time (with more than one thread, the "
                              "main thread's CPU time leaves out what it waits for)")
     parser.add_argument("--layer-calls-ab", action="store_true",
-                        help="whole steps with a Llama's layers in one call against one call per layer, alternated")
+                        help="whole steps with the layers in one call against one call per layer, alternated")
     args = parser.parse_args()
     clock = time.perf_counter if args.wall else time.thread_time
     torch.set_num_threads(args.threads)

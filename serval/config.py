@@ -471,7 +471,7 @@ class EngineConfig:
         type=json_object))
     structured_outputs: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     # Decode-only steps on a GPU replay a CUDA graph per padded batch-size bucket (engine/cuda_graphs.py); on the CPU
-    # a Llama layer's kernels are one C++ call (model/llama.py, use_cpu_layers).
+    # a Llama or Gemma layer's kernels are one C++ call, and all the layers one (model/llama.py, use_cpu_layers).
     enforce_eager: bool = field(default=False, metadata=flag(
         "run every step eagerly: no CUDA graphs of decode steps on a GPU, and on the CPU each layer's kernels called "
         "one by one from Python"))

@@ -140,6 +140,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
+        self.cpu_layers: tuple[tuple, object] | None = None  # (the layers' one-call forms, GemmaLayers over them)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -148,10 +149,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         global_rope = self.rotary.for_step(positions, x.dtype)
         local_rope = self.rotary_local.for_step(positions, x.dtype)
         residual, x = x, self.layers[0].input_layernorm(x)
+        cpu_layers = self._cpu_layers(global_rope, x, kv_caches, meta) if residual.is_contiguous() else None
+        if cpu_layers is not None:
+            return cpu_layers(x, residual, global_rope.positions, global_rope.table.cos, global_rope.table.sin,
+                              local_rope.table.cos, local_rope.table.sin, kv_caches, meta.slot_mapping,
+                              meta.block_tables, meta.token_table, meta.context_lens)[0]
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
             x, residual = layer(local_rope if layer.sliding else global_rope, x, residual, kv_cache, meta, next_norm)
         return x
+
+    def _layers_in_one_call(self, kernels, forms: tuple) -> object:
+        next_norms = [layer.input_layernorm.weight for layer in self.layers[1:]] + [self.norm.weight]
+        return kernels.GemmaLayers(list(forms), next_norms, [layer.sliding for layer in self.layers])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -229,9 +229,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _cpu_layers(self, rope: RotaryStep, x: torch.Tensor, kv_caches: torch.Tensor,
                     meta: AttentionMetadata) -> object | None:
-        """csrc/decoder_layers.cpp's LlamaLayers over the layers' one-call forms, where every layer has one (built by
-        its first CPU-kernel step) and this step is one they run: the loop of ``forward`` in one call, the same bits.
-        Kept with the forms it holds, and built again when a layer's form changes (``cpu_layer`` set anew)."""
+        """csrc/decoder_layers.cpp's LlamaLayers (Gemma's: GemmaLayers) over the layers' one-call forms, where every
+        layer has one (built by its first CPU-kernel step) and this step is one they run: the loop of ``forward`` in
+        one call, the same bits. Kept with the forms it holds, and built again when a layer's form changes
+        (``cpu_layer`` set anew)."""
         if not (rope.kernels is not None and type(meta) is CpuKernelMetadata and x.is_contiguous()
                 and type(kv_caches) is torch.Tensor and len(kv_caches) == len(self.layers)):
             return None
@@ -239,8 +240,11 @@ class LlamaForCausalLM(nn.Module):
         if not all(forms):
             return None
         if self.cpu_layers is None or self.cpu_layers[0] != forms:
-            self.cpu_layers = (forms, rope.kernels.LlamaLayers(list(forms)))
+            self.cpu_layers = (forms, self._layers_in_one_call(rope.kernels, forms))
         return self.cpu_layers[1]
+
+    def _layers_in_one_call(self, kernels, forms: tuple) -> object:
+        return kernels.LlamaLayers(list(forms))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -176,8 +176,9 @@ def test_chats_render_as_llama_cpps_gemma_format_after_one_bos(tokenizer):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_one_call_layer_gives_the_python_layers_bits(ours, tokenizer, dtype):
-    """csrc/decoder_layers.cpp's GemmaLayer (``Gemma3DecoderLayer.cpu_layer``) gives the Python path's logprobs for
-    every prompt token and every generated token: a prompt past the 512-key window, chunked beside a short one, with
+    """csrc/decoder_layers.cpp's GemmaLayer (``Gemma3DecoderLayer.cpu_layer``), and all the layers in one call
+    (GemmaLayers, ``Gemma3ForCausalLM.cpu_layers``), give the Python path's logprobs for every prompt token and every
+    generated token: a prompt past the 512-key window, chunked beside a short one, with
     speculation on; and in the default dtype with int8 cache rows."""
     model = ours[getattr(torch, dtype)]
     scored = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
@@ -192,9 +193,13 @@ def test_the_one_call_layer_gives_the_python_layers_bits(ours, tokenizer, dtype)
                 llm = LLM.from_engine(LLMEngine(config, model=model, tokenizer=tokenizer))
                 for layer in model.layers:  # None: built anew on the first step
                     layer.cpu_layer = cpu_layer
+                model.cpu_layers = None
                 outputs = llm.generate(prompts, scored, use_tqdm=False)
                 assert {type(layer.cpu_layer).__name__ for layer in model.layers} == (
                     {"GemmaLayer"} if path == "one call" else {"bool"})
+                # All the layers in one call (GemmaLayers): built by the step that then ran it, or never.
+                forms = tuple(layer.cpu_layer for layer in model.layers)
+                assert (model.cpu_layers is not None and model.cpu_layers[0] == forms) == (path == "one call")
                 runs[path] = [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
             assert all(len(logprobs) == 8 for _, _, logprobs in runs["python"])
             assert runs["one call"] == runs["python"], cache

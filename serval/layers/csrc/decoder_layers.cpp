@@ -224,6 +224,44 @@ class GemmaLayer {
   double softcap_;
 };
 
+// A model's GemmaLayers in turn in one call from Python, as LlamaLayers: model/gemma3.py's loop, each layer on its
+// own RoPE tables (sliding layers the local ones) and normed by the next layer's input norm (the last by the
+// model's final norm).
+class GemmaLayers {
+ public:
+  GemmaLayers(std::vector<std::shared_ptr<GemmaLayer>> layers, std::vector<at::Tensor> next_norms,
+              std::vector<bool> local)
+      : layers_(std::move(layers)), next_norms_(std::move(next_norms)), local_(std::move(local)) {
+    TORCH_CHECK(!layers_.empty() && next_norms_.size() == layers_.size() && local_.size() == layers_.size(),
+                "GemmaLayers: one next norm and one RoPE choice per layer");
+  }
+
+  // (the final norm of the residual stream, that stream) for the first layer's input x (normed) and residual.
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& residual,
+                                             const at::Tensor& positions, const at::Tensor& global_cos,
+                                             const at::Tensor& global_sin, const at::Tensor& local_cos,
+                                             const at::Tensor& local_sin, const at::Tensor& kv_caches,
+                                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                             const at::Tensor& token_table, const at::Tensor& context_lens) const {
+    TORCH_CHECK(kv_caches.size(0) == static_cast<int64_t>(layers_.size()), "GemmaLayers: ", layers_.size(),
+                " layers but caches for ", kv_caches.size(0));
+    std::tuple<at::Tensor, at::Tensor> out{x, residual};
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const at::Tensor cache = kv_caches.select(0, static_cast<int64_t>(i));
+      out = layers_[i]->forward(std::get<0>(out), std::get<1>(out), next_norms_[i], positions,
+                                local_[i] ? local_cos : global_cos, local_[i] ? local_sin : global_sin,
+                                cache.select(0, 0), cache.select(0, 1), slot_mapping, block_tables, token_table,
+                                context_lens);
+    }
+    return out;
+  }
+
+ private:
+  std::vector<std::shared_ptr<GemmaLayer>> layers_;
+  std::vector<at::Tensor> next_norms_;
+  std::vector<bool> local_;
+};
+
 }  // namespace
 
 void bind_decoder_layers(pybind11::module_& m) {
@@ -250,7 +288,8 @@ void bind_decoder_layers(pybind11::module_& m) {
   py::class_<LlamaLayers>(m, "LlamaLayers", "a model's LlamaLayers in turn in one call")
       .def(py::init<std::vector<std::shared_ptr<LlamaLayer>>>(), py::arg("layers"))
       .def("__call__", &LlamaLayers::forward, "(the last layer's MLP output, the residual stream before it)", no_gil());
-  py::class_<GemmaLayer>(m, "GemmaLayer", "a Gemma 2 / 3 decoder layer's kernel calls in one")
+  py::class_<GemmaLayer, std::shared_ptr<GemmaLayer>>(m, "GemmaLayer",
+                                                      "a Gemma 2 / 3 decoder layer's kernel calls in one")
       .def(py::init<std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>, std::shared_ptr<PanelLinear>,
                     std::shared_ptr<PanelLinear>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor,
                     at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
@@ -260,4 +299,8 @@ void bind_decoder_layers(pybind11::module_& m) {
            py::arg("eps"), py::arg("head_lanes"), py::arg("hidden_lanes"), py::arg("gelu_lanes"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("window"), py::arg("softcap"))
       .def("__call__", &GemmaLayer::forward, "(next_norm(r), r) for the new residual stream r", no_gil());
+  py::class_<GemmaLayers>(m, "GemmaLayers", "a model's GemmaLayers in turn in one call")
+      .def(py::init<std::vector<std::shared_ptr<GemmaLayer>>, std::vector<at::Tensor>, std::vector<bool>>(),
+           py::arg("layers"), py::arg("next_norms"), py::arg("local"))
+      .def("__call__", &GemmaLayers::forward, "(the final norm of the residual stream, that stream)", no_gil());
 }
