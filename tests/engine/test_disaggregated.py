@@ -61,6 +61,14 @@ def _request(request_id: str, ids: list[int], tok: Tokenizer, max_tokens: int = 
     return EngineCoreRequest(request_id, ids, params, sorted(tok.eos_token_ids), max_tokens)
 
 
+def _chunk_blocks(core: EngineCore) -> int:
+    """Full blocks of one prefill chunk: the core's token budget (the CPU's default: 128 with AVX-512, 96 with AVX2)
+    over the block size."""
+    budget, block_size = core.config.scheduler.max_num_batched_tokens, core.config.cache.block_size
+    assert budget % block_size == 0, (budget, block_size)
+    return budget // block_size
+
+
 def _prefill(prefill: EngineCore, tok: Tokenizer, prompts: dict[str, list[int]]) -> dict[str, dict]:
     _, held = _run(prefill, [_request(f"p-{k}", ids, tok, 1, {"do_remote_decode": True}) for k, ids in prompts.items()])
     return {k: {**held[f"p-{k}"], "do_remote_prefill": True} for k in prompts}
@@ -177,17 +185,19 @@ def test_a_router_named_transfer_sends_blocks_while_the_prefill_still_computes(c
     decode.add_request(_request("r", ids, tok, kv=to_decode))  # asks before the prefill worker has the request
     decode.step()
     prefill.add_request(_request("p-r", ids, tok, 1, to_prefill))
+    chunk_blocks = _chunk_blocks(prefill)
     held, chunks = {}, 0
     while prefill.has_unfinished_requests():
         for out in prefill.step().outputs:
             held[out.request_id] = out.kv_transfer_params
         chunks += 1
         if prefill.has_unfinished_requests():
-            # This chunk's 8 full blocks go to the decode worker while the prefill has more chunks to compute.
-            assert wait_for(lambda n=8 * chunks: prefill.snapshot().kv_sent_blocks - sent_before >= n, 10, 0.01)
-            assert prefill.snapshot().kv_sent_blocks - sent_before == 8 * chunks
-    assert chunks == 4  # 128 + 128 + 128 + 116 tokens
-    assert prefill.snapshot().kv_sent_early_blocks - early_before == 24
+            # This chunk's full blocks go to the decode worker while the prefill has more chunks to compute.
+            n = chunk_blocks * chunks
+            assert wait_for(lambda n=n: prefill.snapshot().kv_sent_blocks - sent_before >= n, 10, 0.01)
+            assert prefill.snapshot().kv_sent_blocks - sent_before == n
+    assert chunks == -(-len(ids) // (16 * chunk_blocks))  # 128 + 128 + 128 + 116 tokens with AVX-512's budget
+    assert prefill.snapshot().kv_sent_early_blocks - early_before == chunk_blocks * (chunks - 1)
     assert held["p-r"]["transfer_id"] == "route-r-1" and held["p-r"]["num_tokens"] == len(ids)
     got = _finish(decode, {})
     assert got == expected
@@ -208,7 +218,7 @@ def test_a_prefill_aborted_mid_transfer_leaves_the_decode_worker_computing_the_p
     prefill.step()
     decode.add_request(_request("a", ids, tok, kv=to_decode))
     decode.step()
-    assert wait_for(lambda: prefill.snapshot().kv_sent_blocks - sent_before >= 8, 10, 0.01)
+    assert wait_for(lambda: prefill.snapshot().kv_sent_blocks - sent_before >= _chunk_blocks(prefill), 10, 0.01)
     prefill.finish_requests(["p-a"])  # the client went away: its blocks are freed, the transfer fails
     assert _finish(decode, {}) == expected
     assert decode.snapshot().kv_failed_fetches == failed + 1
