@@ -232,7 +232,7 @@ struct F16 {
   __m256 a, b;
 };
 // Rows a pass over a panel's blocks, each block's bytes regrouped once for them: 4, though their sums and
-// accumulators outgrow the 16 registers (the accumulators, touched once a block, go to the stack), measured 2-10%
+// accumulators outgrow the 16 registers (the accumulators, touched once a block, go to the stack), measured 1-10%
 // faster at 16 rows and 6-14% at 4 than 2 rows a pass on an AMD EPYC Zen 2 (benchmarks/README.md).
 constexpr int kTileRows = 4;
 constexpr int chains(int rows) { return rows == 1 ? 2 : 1; }  // 16 registers: two sums of two each at one row
