@@ -66,15 +66,11 @@ def test_int8_kernel_equals_the_quantized_formula(case, rows, shape):
     assert torch.all((got.double() - want).abs() <= 2**-20 * magnitude + 1e-30)
 
 
-@needs_int8
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("rows", [1, 2, 5])  # 1 and 2 rows spread a block's dot products over several sums
-def test_int8_kernel_integer_sums_are_exact(case, rows):
-    """With activations whose blocks have amax 127 (dx = 1: the codes are the rounded x) and weights whose scales
-    are small powers of two, every float32 step is exact: the kernel must give the float64 result bit for bit,
-    which only exact integer dot products over every code bit (nibbles, fifth and sixth bits, signs) can."""
-    weight = weight_of(case, 48, 512, seed=5)
-    if weight.format in ("q8", "q4", "q5"):  # float16 scales: d = 2^-6, m = -2^-3
+def with_power_of_two_scales(weight: BlockWeight) -> BlockWeight:
+    """The weight with scales that make every float32 step of the kernel exact for integer activations: d = 2^-6
+    and m = -2^-3 (float16 or float32 per block), or for the K formats d = 2^-10 and -dmin = -2^-9 per super-block
+    (the sub-block bytes kept)."""
+    if weight.format in ("q8", "q4", "q5"):
         values = torch.tensor([2.0**-6, -(2.0**-3)]).half()
         weight.scales = values[: weight.scales.shape[-1]].expand_as(weight.scales.view(torch.float16)).contiguous()
         weight.scales = weight.scales.view(torch.int16)
@@ -83,15 +79,46 @@ def test_int8_kernel_integer_sums_are_exact(case, rows):
         weight.scales = values[: weight.scales.shape[-1]].expand(*weight.scales.shape).contiguous().view(torch.int32)
         if weight.format == "q6f":
             weight.scales = torch.full(weight.scales.shape, 2.0**-6).view(torch.int32)
-    else:  # K formats: d = 2^-10 (and -dmin = -2^-9) per super-block, the file's sub-block bytes
+    else:
         supers = weight.super_scales.view(torch.float16)
         values = torch.tensor([2.0**-10, -(2.0**-9)]).half()[: supers.shape[-1]]
         weight.super_scales = values.expand_as(supers).contiguous().view(torch.int16)
+    return weight
+
+
+@needs_int8
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rows", [1, 2, 5])  # 1 and 2 rows spread a block's dot products over several sums
+def test_int8_kernel_integer_sums_are_exact(case, rows):
+    """With activations whose blocks have amax 127 (dx = 1: the codes are the rounded x) and weights whose scales
+    are small powers of two, every float32 step is exact: the kernel must give the float64 result bit for bit,
+    which only exact integer dot products over every code bit (nibbles, fifth and sixth bits, signs) can."""
+    weight = with_power_of_two_scales(weight_of(case, 48, 512, seed=5))
     gen = torch.Generator().manual_seed(9)
     x = torch.randint(-127, 128, (5, 512), generator=gen).float()
     x.view(5, 16, 32)[:, :, 3] = 127.0  # amax 127 in every block: dx = 1 exactly
     x = x[:rows]
     got = kernels.block_panel_linear_int8(x, *weight.panels(), weight.format, 48, False)
+    want = x.double() @ weight.dequantize().double().T
+    assert torch.equal(got.double(), want)
+
+
+@needs_int8
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_int8_kernel_largest_sums_are_exact(case, rows):
+    """Every code at its largest magnitude (q8: -128; the others 15, 31 or 63) and every activation at 127 or
+    -127: the integer sums are at their bounds (a u8 x s8 pair of nibbles 2 * 15 * 127, which the AVX2 kernel adds in
+    int16 over a block's 8 steps), and must still be exact, so the result equals float64 bit for bit. The K
+    formats' sub-block scales are set to 1 to keep every float32 step exact."""
+    weight = with_power_of_two_scales(weight_of(case, 40, 256, seed=3))
+    weight.packed = torch.full_like(weight.packed, 0x80 if weight.format == "q8" else 0xFF)
+    weight.known_codes = None
+    if weight.super_scales is not None:
+        weight.scales = torch.ones_like(weight.scales)
+    signs = torch.tensor([[1.0] * 8, [-1.0] * 8, [1.0, -1.0] * 4, [-1.0, 1.0] * 4, [1.0, 1.0, -1.0, -1.0] * 2])
+    x = (127 * signs[:rows]).repeat_interleave(32, dim=1)  # a sign per block of 32
+    got = kernels.block_panel_linear_int8(x, *weight.panels(), weight.format, 40, False)
     want = x.double() @ weight.dequantize().double().T
     assert torch.equal(got.double(), want)
 

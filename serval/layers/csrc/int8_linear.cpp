@@ -233,7 +233,8 @@ struct F16 {
 };
 // Rows a pass over a panel's blocks, each block's bytes regrouped once for them: 4, though their sums and
 // accumulators outgrow the 16 registers (the accumulators, touched once a block, go to the stack), measured 1-10%
-// faster at 16 rows and 6-14% at 4 than 2 rows a pass on an AMD EPYC Zen 2 (benchmarks/README.md).
+// faster at 16 rows and 6-14% at 4 than 2 rows a pass on an AMD EPYC Zen 2 (benchmarks/README.md). Without VNNI
+// the nibble formats take panel_rows_prepared from 4 rows, panel_rows below that.
 constexpr int kTileRows = 4;
 constexpr int chains(int rows) { return rows == 1 ? 2 : 1; }  // 16 registers: two sums of two each at one row
 inline Group load_group(const uint8_t* p) {
@@ -268,6 +269,22 @@ inline Ints dot(Ints acc, Group w, int32_t word) {
   const __m256i x = _mm256_set1_epi32(word);
   return {dot8(acc.a, w.a, x), dot8(acc.b, w.b, x)};
 }
+#if !defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+// Without VNNI a step is vpmaddubsw, vpmaddwd and vpaddd, and the two multiplies share one port (Zen 2). The
+// nibble formats' codes are small, so a block's pair products are summed in int16 and widened once
+// (panel_rows_prepared): the same integers with about half the multiplies.
+#define SERVAL_INT8_INT16_SUMS
+using Sums16 = Group;
+inline Sums16 dot16(Sums16 acc, Group w, int32_t word) {  // pairs of u8 x s8 products added in int16
+  const __m256i x = _mm256_set1_epi32(word);
+  return {_mm256_add_epi16(acc.a, _mm256_maddubs_epi16(w.a, x)),
+          _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(w.b, x))};
+}
+inline Ints widen(Sums16 v, int16_t times) {  // times the int16 sums' pairs, added to int32
+  const __m256i k = _mm256_set1_epi16(times);
+  return {_mm256_madd_epi16(v.a, k), _mm256_madd_epi16(v.b, k)};
+}
+#endif
 // The same with signed bytes w: |w| times the word's bytes with w's signs (|w| <= 128, |x| <= 127: vpmaddubsw's
 // pairs stay under 2^15).
 constexpr bool offset_signed_dot = false;
@@ -347,6 +364,22 @@ inline void block_scales(const Panels& w, int64_t panel, int64_t g, F16& d0, F16
   }
 }
 
+// acc plus a block's terms: its integer sums (sums[1]: the second half's, q6) times the scales, as the header says.
+template <int F>
+inline F16 add_block(F16 acc, const Ints sums[2], F16 d0, F16 d1, const BlockActivations& b) {
+  const F16 dx = fset1(b.dx);
+  if constexpr (sub_blocks_of_16(F)) {
+    acc = ffma(fmul(d0, dx), to_float(sub_times(sums[0], 32, b.sum[0])), acc);
+    return ffma(fmul(d1, dx), to_float(sub_times(sums[1], 32, b.sum[1])), acc);
+  } else {
+    Ints sum = sums[0];
+    if constexpr (F == kQ8 && offset_signed_dot) sum = sub_times(sum, 128, b.sum[0] + b.sum[1]);
+    acc = ffma(fmul(d0, dx), to_float(sum), acc);
+    if constexpr (F != kQ8) acc = ffma(d1, fset1(b.dx_sum), acc);
+    return acc;
+  }
+}
+
 // R rows (words, blocks: theirs, row after row) times one 16-column panel, into y (row stride N). At few rows a
 // block's dot products go to C independent sums per row and half, added at the end. (The panels are read in memory
 // order, one stream, which the hardware prefetcher follows: asking for the next panel's blocks measured no faster.)
@@ -407,23 +440,99 @@ void panel_rows(const Panels& w, int64_t panel, const int32_t* words, const Bloc
       }
     F16 d0, d1;
     block_scales<F>(w, panel, g, d0, d1);
-    for (int r = 0; r < R; ++r) {
-      const BlockActivations& b = blocks[r * G + g];
-      const F16 dx = fset1(b.dx);
-      if constexpr (sub_blocks_of_16(F)) {
-        acc[r] = ffma(fmul(d0, dx), to_float(sub_times(sums[r][0], 32, b.sum[0])), acc[r]);
-        acc[r] = ffma(fmul(d1, dx), to_float(sub_times(sums[r][1], 32, b.sum[1])), acc[r]);
-      } else {
-        Ints sum = sums[r][0];
-        if constexpr (F == kQ8 && offset_signed_dot) sum = sub_times(sum, 128, b.sum[0] + b.sum[1]);
-        acc[r] = ffma(fmul(d0, dx), to_float(sum), acc[r]);
-        if constexpr (F != kQ8) acc[r] = ffma(d1, fset1(b.dx_sum), acc[r]);
-      }
-    }
+    for (int r = 0; r < R; ++r) acc[r] = add_block<F>(acc[r], sums[r], d0, d1, blocks[r * G + g]);
   }
   const int count = static_cast<int>(std::min<int64_t>(16, N - panel * 16));
   for (int r = 0; r < R; ++r) store_out(y + r * N + panel * 16, acc[r], count);
 }
+
+#if defined(SERVAL_INT8_INT16_SUMS)
+// Rows a pass of panel_rows_prepared: its accumulators (1 KiB) stay in L1.
+constexpr int64_t kPreparedRows = 16;
+
+// A block's codes as the unsigned bytes of its steps, ready for vpmaddubsw: out[i] holds step i's codes. The
+// nibbles (steps 0-7) as they are, or for q6 with their two extra bits put above them (the 6-bit codes, so the steps
+// 8-15 go unused); q5's fifth bits as 0 or 1 (steps 8-15, widened times 16).
+template <int F>
+inline void prepare_block(const uint8_t* q, Group* out) {
+  // q6: step (L, low) multiplies positions 8 L + 2 s, whose bits are 0-1 (s even) or 4-5 (s odd) of extra row
+  // 16 + 2 L + s / 2; (L, high) positions 8 L + 2 s + 1: bits 2-3 or 6-7. A lane of those rows' bytes as
+  // [e0, e0, e1, e1] gives them by two shifts and masks.
+  const __m256i rows01 = _mm256_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13,
+                                          0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13);
+  const __m256i rows23 = _mm256_add_epi8(rows01, _mm256_set1_epi8(2));
+  const __m256i even = _mm256_set1_epi32(0x00300030), odd = _mm256_set1_epi32(0x30003000);
+  for (int L = 0; L < 4; ++L) {
+    const Group v = load_group(q + 64 * L);
+    Group lo = mask(v, 0x0F), hi = mask(shift_right(v, 4), 0x0F);
+    if constexpr (extra_bits(F) == 2) {
+      const Group e = load_group(q + 256 + 64 * (L / 2));
+      const __m256i order = L % 2 ? rows23 : rows01;
+      for (int half = 0; half < 2; ++half) {
+        const __m256i d = _mm256_shuffle_epi8(half ? e.b : e.a, order);
+        const __m256i low_bits = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(d, 4), even),
+                                                 _mm256_and_si256(d, odd));
+        const __m256i high_bits = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(d, 2), even),
+                                                  _mm256_and_si256(_mm256_srli_epi32(d, 2), odd));
+        (half ? lo.b : lo.a) = _mm256_or_si256(half ? lo.b : lo.a, low_bits);
+        (half ? hi.b : hi.a) = _mm256_or_si256(half ? hi.b : hi.a, high_bits);
+      }
+    }
+    out[2 * L] = lo;
+    out[2 * L + 1] = hi;
+  }
+  if constexpr (extra_bits(F) == 1) {  // bit b of row 16 + s
+    const Group v = load_group(q + 256);
+    for (int b = 0; b < 8; ++b) out[8 + b] = mask(shift_right(v, b), 0x01);
+  }
+}
+
+// panel_rows for the nibble formats with int16 sums, each block's steps prepared once for up to kPreparedRows rows.
+// A u8 x s8 pair is at most 2 * 15 * 128 = 3,840 (4-bit codes), 2 * 1 * 128 (q5's fifth bits) or 2 * 63 * 128 =
+// 16,128 (q6's 6-bit codes), so int16 holds the sums of a block's 8 nibble steps, of its 8 fifth-bit steps, or of
+// 2 q6 steps: the same integers as panel_rows.
+template <int F>
+void panel_rows_prepared(const Panels& w, int64_t panel, int64_t rows, const int32_t* words,
+                         const BlockActivations* blocks, float* y, int64_t N) {
+  constexpr int S = steps(F);
+  const int64_t G = w.groups;
+  F16 acc[kPreparedRows];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = fzero();
+  alignas(32) Group prepared[extra_bits(F) == 1 ? 16 : 8];
+  for (int64_t g = 0; g < G; ++g) {
+    prepare_block<F>(w.packed + (panel * G + g) * block_rows(F) * 16, prepared);
+    F16 d0, d1;
+    block_scales<F>(w, panel, g, d0, d1);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* x = words + (r * G + g) * S;
+      Ints sums[2];
+      if constexpr (extra_bits(F) == 2) {
+        for (int h = 0; h < 2; ++h) {  // steps 4 h - 4 h + 3: the half's positions
+          const Sums16 a = dot16(dot16(int_zero(), prepared[4 * h], x[4 * h]), prepared[4 * h + 1], x[4 * h + 1]);
+          const Sums16 b = dot16(dot16(int_zero(), prepared[4 * h + 2], x[4 * h + 2]), prepared[4 * h + 3],
+                                 x[4 * h + 3]);
+          sums[h] = int_add(widen(a, 1), widen(b, 1));
+        }
+      } else {
+        Sums16 nibbles = int_zero();
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) nibbles = dot16(nibbles, prepared[i], x[i]);
+        sums[0] = widen(nibbles, 1);
+        if constexpr (extra_bits(F) == 1) {
+          Sums16 bits = int_zero();
+#pragma GCC unroll 8
+          for (int b = 0; b < 8; ++b) bits = dot16(bits, prepared[8 + b], x[8 + b]);
+          sums[0] = int_add(sums[0], widen(bits, 16));
+        }
+        sums[1] = sums[0];  // unused: one scale a block
+      }
+      acc[r] = add_block<F>(acc[r], sums, d0, d1, blocks[r * G + g]);
+    }
+  }
+  const int count = static_cast<int>(std::min<int64_t>(16, N - panel * 16));
+  for (int64_t r = 0; r < rows; ++r) store_out(y + r * N + panel * 16, acc[r], count);
+}
+#endif
 
 template <int F, int R>
 void rows_tail(int64_t rows, const Panels& w, int64_t panel, const int32_t* words, const BlockActivations* blocks,
@@ -637,6 +746,14 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N,
 #endif
     for (int64_t p = begin; p < end; ++p) {
       int64_t r0 = 0;
+#if defined(SERVAL_INT8_INT16_SUMS)
+      if constexpr (F != kQ8) {  // up to 3 rows left go to panel_rows: the same bits, no preparing per block
+        for (; M - r0 >= kTileRows; r0 += kPreparedRows)
+          panel_rows_prepared<F>(w, p, std::min(kPreparedRows, M - r0), words + r0 * G * steps(F), blocks + r0 * G,
+                                 y + r0 * N, N);
+        if (r0 >= M) continue;
+      }
+#endif
       for (; r0 + kTileRows <= M; r0 += kTileRows)
         panel_rows<F, kTileRows>(w, p, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
       rows_tail<F, kTileRows - 1>(M - r0, w, p, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
