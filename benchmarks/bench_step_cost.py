@@ -2,7 +2,7 @@
 decodes (speculation off), each part timed by the thread's CPU clock around it, medians of many steps.
 
     .venv/bin/python benchmarks/bench_step_cost.py [--batch 1 16] [--steps 200] [--threads 1] [--enforce-eager] \
-        [--model FILE] [--wall] [--layer-calls-ab]
+        [--model FILE] [--wall] [--layer-calls-ab] [--activation-quantization int8]
 
 One thread by default: on a shared machine, CPU time of one thread is what other processes disturb least.
 Parts: the block linears of the layers, the head (logits of the sampled rows), attention (KV write and attend),
@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--wall", action="store_true",
                         help="time by the wall clock, not the thread's CPU time (with more than one thread, the "
                              "main thread's CPU time leaves out what it waits for)")
+    parser.add_argument("--activation-quantization", default=EngineConfig.activation_quantization,
+                        help="EngineConfig.activation_quantization: none or int8")
     parser.add_argument("--layer-calls-ab", action="store_true",
                         help="whole steps with the layers in one call against one call per layer, alternated")
     args = parser.parse_args()
@@ -145,7 +147,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"machine: {describe_hardware()}", flush=True)
     engine = LLMEngine(EngineConfig(model=args.model, speculative=SpeculativeConfig(method=None),
-                                    enforce_eager=args.enforce_eager))
+                                    enforce_eager=args.enforce_eager,
+                                    activation_quantization=args.activation_quantization))
     if args.layer_calls_ab:
         measure(engine, 1, 8, None, clock)  # warm-up: builds the layers' one-call forms
         for batch in args.batch:
