@@ -748,10 +748,8 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const Panels& w, int64_t N,
       int64_t r0 = 0;
 #if defined(SERVAL_INT8_INT16_SUMS)
       if constexpr (F != kQ8) {  // up to 3 rows left go to panel_rows: the same bits, no preparing per block
-        for (; M - r0 >= kTileRows; r0 += kPreparedRows)
-          panel_rows_prepared<F>(w, p, std::min(kPreparedRows, M - r0), words + r0 * G * steps(F), blocks + r0 * G,
-                                 y + r0 * N, N);
-        if (r0 >= M) continue;
+        for (int64_t rows; (rows = std::min(kPreparedRows, M - r0)) >= kTileRows; r0 += rows)
+          panel_rows_prepared<F>(w, p, rows, words + r0 * G * steps(F), blocks + r0 * G, y + r0 * N, N);
       }
 #endif
       for (; r0 + kTileRows <= M; r0 += kTileRows)
