@@ -92,11 +92,16 @@ def run_chat(engine, params: SamplingParams, system: str | None = None) -> int:
     the prompt; at the prompt, Ctrl-C, Ctrl-D or an empty line quits."""
     messages = [{"role": "system", "content": system}] if system else []
     print("serval chat — Ctrl-C stops an answer; an empty line, Ctrl-C or Ctrl-D quits", file=sys.stderr)
+    # Ctrl-C is the chat's own control, however it was started: a process a script starts in the background
+    # (`cmd &`) inherits SIGINT ignored, and then Python never raises KeyboardInterrupt: Ctrl-C at the prompt was lost
+    previous_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:  # outside an answer, Ctrl-C quits wherever it lands: at the prompt or in the few lines around it
         with _StdinLines() as lines:
             _chat_turns(engine, params, messages, lines)
     except (EOFError, KeyboardInterrupt):
         print()  # the shell's prompt starts on a line of its own
+    finally:
+        signal.signal(signal.SIGINT, previous_sigint)
     return 0
 
 

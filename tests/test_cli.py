@@ -123,11 +123,13 @@ def test_ctrl_c_mid_answer_aborts_that_request_and_frees_its_blocks(make_llm, mo
 class ChatProcess:
     """`serval chat` in a subprocess, fed through a pipe; its stdout is collected as it streams."""
 
-    def __init__(self, tmp_path: Path, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, *flags: str, sigint: signal.Handlers = signal.SIG_DFL) -> None:
+        """``sigint``: the disposition the chat starts with (SIG_IGN is what a script's `cmd &` gives it)."""
         self.stderr_path = tmp_path / "chat.stderr"
         with open(self.stderr_path, "wb") as stderr:
             self.proc = subprocess.Popen([*SERVAL_MODULE, "chat", "--dtype", "float32", *flags], cwd=REPO,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                         preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
         self._out = b""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -163,8 +165,11 @@ class ChatProcess:
 
 @pytest.mark.slow
 @requires_model
-def test_chat_ctrl_c_stops_an_answer_then_ctrl_c_at_the_prompt_quits(tmp_path):
-    chat = ChatProcess(tmp_path, "--max-tokens", "400")
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigint-default", "sigint-ignored-at-start"])
+def test_chat_ctrl_c_stops_an_answer_then_ctrl_c_at_the_prompt_quits(tmp_path, sigint):
+    """Also when the chat starts with SIGINT ignored, as a script's `cmd &` starts it: the answer's Ctrl-C handler used
+    to restore that SIG_IGN, and the Ctrl-C at the prompt was then lost (the full suite, run in the background)."""
+    chat = ChatProcess(tmp_path, "--max-tokens", "400", sigint=sigint)
     try:
         chat.wait_for(lambda out: out.endswith("you> "))
         chat.send(STORY)
