@@ -239,7 +239,7 @@ class SchedulerConfig(DeviceDefaults):
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "int8", "fp8")
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the file's weights, or random ones of the model's shape
-ACTIVATION_QUANTIZATION_CHOICES = ("none", "int8")
+ACTIVATION_QUANTIZATION_CHOICES = ("auto", "none", "int8")
 BLOCK_DOT_PRODUCT_CHOICES = ("auto", "fma", "bf16", "amx")
 CONTEXT_POLICIES = ("error", "sliding_window")  # a chat longer than the context: refused, or its oldest turns dropped
 EARLY_EXIT_PREFIX = "self-layers:"
@@ -415,10 +415,13 @@ class EngineConfig:
         "weights, else none", choices=QUANTIZATION_CHOICES))
     # How the CPU kernel multiplies the file's blocks (serval/layers/csrc/int8_linear.cpp): "none", float32
     # activations (the file's weights exactly); "int8", activations quantized per row and block of 32, integer dot
-    # products (faster; the cost in perplexity is in benchmarks/README.md). Batch invariance holds for both.
-    activation_quantization: str = field(default="none", metadata=flag(
+    # products (faster; the cost in perplexity is in benchmarks/README.md); "auto", int8 where it measured faster
+    # than the float kernels on this CPU (serval/layers/linear.py: int8_activations_faster). Batch invariance holds
+    # for each.
+    activation_quantization: str = field(default="auto", metadata=flag(
         "with GGUF or GPTQ/AWQ blocks on the CPU: int8 quantizes the activations per block of 32 and multiplies "
-        "with integer dot products (VNNI or AVX2), as llama.cpp does; none keeps them float32",
+        "with integer dot products (VNNI or AVX2), as llama.cpp does; none keeps them float32; auto takes int8 where "
+        "it measured faster than the float kernels at one row and not slower at 16 on this CPU",
         choices=ACTIVATION_QUANTIZATION_CHOICES))
     # How the CPU kernel multiplies bfloat16 activations with q4, q4k, q6k and q8 blocks (Q4_0, Q4_1, Q4_K, Q6_K,
     # Q8_0): "fma", float32 FMAs on the decoded weights (csrc/panel_linear.cpp); "bf16", bfloat16 dot products on the

@@ -57,7 +57,8 @@ def smollm_fp32(smollm):
 @pytest.fixture(scope="session")
 def make_llm(smollm):
     """Builds an LLM on the shared weights of ``dtype`` (float32 unless asked) and ``quantization`` (the default
-    "auto" unless asked) with the given cache and scheduler settings."""
+    "auto" unless asked) with the given cache and scheduler settings; float32 activations unless asked (the
+    reference's numerics: a test against a server or core of the default flags passes "auto", as they do)."""
 
     def make(*, dtype: str = "float32", quantization: str = "auto", max_num_seqs: int = 64,
              max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,

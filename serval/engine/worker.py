@@ -95,7 +95,7 @@ class Worker:
         return {"model": path.name, "bytes": path.stat().st_size if path.is_file() else None,
                 "dtype": config.dtype, "quantization": config.quantization,
                 "kv_cache_dtype": config.cache.kv_cache_dtype,
-                "activation_quantization": config.activation_quantization, "dot_products": self.model.dot_products}
+                "activation_quantization": self.model.activation_quantization, "dot_products": self.model.dot_products}
 
     # -- the worker's side of the KV connectors ------------------------------------------------------------------
     def offload_store(self) -> BlockStore | None:

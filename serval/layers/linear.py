@@ -658,16 +658,23 @@ def largest_row_padding(model: nn.Module) -> int:
     return max(paddings)
 
 
-def use_activation_quantization(model: nn.Module, method: str) -> int:
+def use_activation_quantization(model: nn.Module, method: str) -> str:
     """Sets how ``model``'s block linears multiply (EngineConfig.activation_quantization): "none", float32
     activations; "int8", activations quantized per row and block of 32 and integer dot products, on a CPU with the
-    kernel (elsewhere the float path stays). Returns how many linears it set."""
+    kernel (elsewhere the float path stays); "auto", int8 where it measured faster here (``int8_activations_faster``).
+    Returns the choice made ("none" for "auto" where the model has no block linear on the CPU or the kernel was not
+    compiled)."""
     if method not in ACTIVATION_QUANTIZATION_CHOICES:
         raise ValueError(f"activation_quantization must be one of {ACTIVATION_QUANTIZATION_CHOICES}, got {method!r}")
     linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+    if method == "auto":
+        on_cpu = [m for m in linears if next(m.buffers()).is_cpu]
+        kernels = _panel_kernels(torch.device("cpu")) if on_cpu else None
+        available = kernels is not None and kernels.block_int8_kernel_available()
+        method = "int8" if available and int8_activations_faster() else "none"
     for linear in linears:
         linear.activation_quantization = method
-    return len(linears)
+    return method
 
 
 
@@ -774,6 +781,25 @@ def bf16_dot_products_faster() -> bool:
     return faster
 
 
+def int8_activations_faster() -> bool:
+    """Whether int8 activations (csrc/int8_linear.cpp) beat every float32-sum kernel timed here
+    (``dot_product_measurement``, the same q4 linear of 3072 x 576): at least MARGIN faster at one row and at most
+    MARGIN slower at 16, as ``bf16_dot_products_faster`` asks of the dot products. Their cost in quality, perplexity
+    within 0.3% of the float kernel's on both embedded models, is in benchmarks/README.md ("Int8 activations by
+    default where they measure faster")."""
+    measured = dot_product_measurement()
+    if "int8_1" not in measured:
+        return False
+    float_1 = min(measured[f"{way}_1"] for way in ("fma", "bf16", "amx") if f"{way}_1" in measured)
+    float_16 = min(measured["fma_16"], _bf16_16(measured) if "bf16_16" in measured else measured["fma_16"],
+                   measured.get("amx_16", measured["fma_16"]))
+    faster = float_1 >= DOT_PRODUCT_MARGIN * measured["int8_1"] and measured["int8_16"] <= DOT_PRODUCT_MARGIN * float_16
+    logger.info("block linears: %s (q4 3072 x 576, us a call, fastest float/int8: 1 row %.0f/%.0f, 16 rows %.0f/%.0f)",
+                "int8 activations" if faster else "float activations", float_1, measured["int8_1"], float_16,
+                measured["int8_16"])
+    return faster
+
+
 def _bf16_16(measured: dict) -> float:
     """The dot products' time at 16 rows by their faster path (the FMA path where it was timed)."""
     return min(measured["bf16_16"], measured.get("bf16_fmas_16") or measured["bf16_16"])
@@ -788,7 +814,7 @@ AMX_ONE_ROW_SLACK = 1.25
 # measured both kernels 75x slow and chose the FMAs for good: the main thread's CPU time went on spinning at the
 # kernels' OpenMP barrier while the other worker waited for a core. The dot products' FMA path and the AMX tiles
 # are timed too.
-DOT_PRODUCT_METHOD = "one thread; bf16 at 16 rows by either path; amx where the tiles are usable"
+DOT_PRODUCT_METHOD = "one thread; bf16 at 16 rows by either path; amx where the tiles are usable; int8 activations"
 # From how many rows the dot-product kernel may take its FMA path: past one pass of its 6-row register tile.
 BF16_DOT_FMA_ROWS = 7
 
@@ -812,11 +838,15 @@ def _time_dot_products(kernels) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     n, k = 3072, 576
     panels = random_q4_weight(n, k, generator).panels()
-    ways = [("fma", 0, kernels.block_panel_linear), ("bf16", 0, kernels.block_panel_linear_bf16_dot)]
-    if kernels.bf16_dot_is_two_fmas():  # the FMA path, timed from its first row
-        ways.append(("bf16_fmas", 1, kernels.block_panel_linear_bf16_dot))
-    if kernels.bf16_dot_tiles_available():
-        ways.append(("amx", 0, functools.partial(kernels.block_panel_linear_bf16_dot, tiles=True)))
+    ways = [("fma", 0, kernels.block_panel_linear)]
+    if kernels.block_bf16_dot_kernel_available():
+        ways.append(("bf16", 0, kernels.block_panel_linear_bf16_dot))
+        if kernels.bf16_dot_is_two_fmas():  # the FMA path, timed from its first row
+            ways.append(("bf16_fmas", 1, kernels.block_panel_linear_bf16_dot))
+        if kernels.bf16_dot_tiles_available():
+            ways.append(("amx", 0, functools.partial(kernels.block_panel_linear_bf16_dot, tiles=True)))
+    if kernels.block_int8_kernel_available():
+        ways.append(("int8", 0, kernels.block_panel_linear_int8))
     times: dict[str, list[float]] = {}
     try:
         for _ in range(7):

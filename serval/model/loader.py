@@ -63,14 +63,15 @@ def build_model(path: Path, config: EngineConfig, group: ParallelGroup | None = 
     """The one recipe for a model the engine runs (the target, a draft, every model-parallel rank's shard): loaded
     as ``config`` (settled) says, ``quantization`` and ``expert_parallel`` where they differ from it (a draft), on
     ``group``'s device when given (or ``loaded`` already, by the caller), then prepared for the runner: the CPU
-    block kernel's activation quantization and dot products, and the one-call CPU layers. The dot products chosen
-    ("auto" measured; what KV blocks computed by the model depend on) are its ``dot_products``."""
+    block kernel's activation quantization and dot products, and the one-call CPU layers. The activation quantization
+    and dot products chosen ("auto" measured; what KV blocks computed by the model depend on) are its
+    ``activation_quantization`` and ``dot_products``."""
     model = loaded if loaded is not None else load_model(
         path, config.torch_dtype, group.device if group is not None else config.device,
         config.quantization if quantization is None else quantization, group,
         config.enable_expert_parallel if expert_parallel is None else expert_parallel,
         config.load_format if quantization is None else "auto")  # (a draft's weights are its file's)
-    use_activation_quantization(model, config.activation_quantization)
+    model.activation_quantization = use_activation_quantization(model, config.activation_quantization)
     model.dot_products = use_dot_products(model, config.block_dot_products)
     use_cpu_layers(model, not config.enforce_eager)
     return model

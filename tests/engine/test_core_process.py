@@ -30,6 +30,7 @@ from serval.engine.messages import (
     decode,
     encode,
 )
+from serval.layers.linear import use_activation_quantization
 from serval.outputs import TokenLogprobs
 from serval.sampling_params import StructuredOutputsParams
 
@@ -69,8 +70,10 @@ async def _final(client, request_id, prompt, params):
 @requires_model
 def test_outputs_equal_the_in_process_engine_in_the_default_configuration(client, make_llm):
     config = _config()
-    llm = make_llm(dtype=str(config.torch_dtype).removeprefix("torch."), num_blocks=NUM_BLOCKS, max_model_len=512)
+    llm = make_llm(dtype=str(config.torch_dtype).removeprefix("torch."), num_blocks=NUM_BLOCKS, max_model_len=512,
+                   activation_quantization=config.activation_quantization)
     expected = [llm.generate(PROMPTS[i], params, use_tqdm=False)[0] for i, params in REQUESTS]
+    use_activation_quantization(llm.engine.model, "none")  # the shared weights back to make_llm's default
 
     async def run_all():
         return await asyncio.gather(*[_final(client, f"r{k}", PROMPTS[i], params)

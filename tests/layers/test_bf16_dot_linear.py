@@ -147,7 +147,8 @@ def test_auto_follows_the_measurement(monkeypatch):
     assert measured.pop("method") == linear_module.DOT_PRODUCT_METHOD and torch.get_num_threads() == threads
     fma_path = {"bf16_fmas_16"} if kernels.bf16_dot_is_two_fmas() else set()
     tiles = {"amx_1", "amx_16"} if kernels.bf16_dot_tiles_available() else set()
-    assert set(measured) == {"fma_1", "bf16_1", "fma_16", "bf16_16"} | fma_path | tiles
+    int8 = {"int8_1", "int8_16"} if kernels.block_int8_kernel_available() else set()
+    assert set(measured) == {"fma_1", "bf16_1", "fma_16", "bf16_16"} | fma_path | tiles | int8
     assert all(v > 0 for v in measured.values())
 
 

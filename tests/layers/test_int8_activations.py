@@ -6,6 +6,9 @@ activations is bounded. (The AVX2 build gives the same bits: test_avx2_build.py.
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +16,7 @@ from test_block_quant_linear import FORMATS, activations, random_blocks
 
 from serval.config import EngineConfig
 from serval.layers import cpu_kernels
+from serval.layers import linear as linear_module
 from serval.layers.linear import BlockQuantLinear, BlockWeight, use_activation_quantization
 
 kernels = cpu_kernels.load()
@@ -183,7 +187,7 @@ def test_the_setting_picks_the_kernel_per_linear():
     def kernel(linear) -> torch.Tensor:
         return torch.cat([linear(x, *p, part.format, part.out_features, False) for part, p in zip(parts, panels)], -1)
 
-    assert use_activation_quantization(model, "int8") == 1
+    assert use_activation_quantization(model, "int8") == "int8"
     assert torch.equal(layer(x), kernel(kernels.block_panel_linear_int8))
     assert torch.equal(layer(x[:1]), kernel(kernels.block_panel_linear_int8)[:1])
     use_activation_quantization(model, "none")
@@ -192,7 +196,54 @@ def test_the_setting_picks_the_kernel_per_linear():
         use_activation_quantization(model, "int4")
 
 
+@needs_int8
+def test_auto_follows_the_measurement(monkeypatch):
+    """"auto" is "int8" exactly where int8_activations_faster says so, and the linears take the choice made; the
+    measurement times the int8 kernel beside the float ones, on one thread."""
+    model = torch.nn.Sequential(BlockQuantLinear(random_blocks("q4", 32, 64)))
+    for faster, choice in ((True, "int8"), (False, "none")):
+        monkeypatch.setattr(linear_module, "int8_activations_faster", lambda faster=faster: faster)
+        assert use_activation_quantization(model, "auto") == choice and model[0].activation_quantization == choice
+    monkeypatch.undo()
+    measured = linear_module._measure_dot_products(kernels)
+    assert {"fma_1", "fma_16", "int8_1", "int8_16"} <= set(measured) and measured["int8_1"] > 0
+
+
+def test_auto_without_block_linears_is_none():
+    """A model with no block linear (dense weights) has nothing for int8 activations to speed up."""
+    assert use_activation_quantization(torch.nn.Sequential(torch.nn.Linear(4, 4)), "auto") == "none"
+
+
+@pytest.mark.parametrize(("measured", "faster"), [
+    # an AMD EPYC Zen 2 (AVX2 only): no bfloat16 dot products; int8 2x faster at one row, 1.5x at 16
+    ({"fma_1": 120.0, "fma_16": 700.0, "int8_1": 60.0, "int8_16": 460.0}, True),
+    # int8 only 1.05x faster at one row: not
+    ({"fma_1": 105.0, "fma_16": 700.0, "int8_1": 100.0, "int8_16": 460.0}, False),
+    # 1.08x slower at 16 rows: within the margin
+    ({"fma_1": 120.0, "fma_16": 700.0, "int8_1": 60.0, "int8_16": 756.0}, True),
+    # 1.2x slower at 16 rows: not
+    ({"fma_1": 120.0, "fma_16": 700.0, "int8_1": 60.0, "int8_16": 840.0}, False),
+    # against the bfloat16 dot products where they are the faster float kernel (an AMD Zen 4's fma and bf16)
+    ({"fma_1": 114.0, "bf16_1": 63.0, "fma_16": 688.0, "bf16_16": 419.0, "int8_1": 60.0, "int8_16": 300.0}, False),
+    # ... their FMA path at 16 rows, and AMX tiles (an Intel Xeon's fma, bf16 and amx)
+    ({"fma_1": 164.0, "bf16_1": 108.0, "amx_1": 101.0, "fma_16": 909.0, "bf16_16": 984.0, "bf16_fmas_16": 919.0,
+      "amx_16": 228.0, "int8_1": 50.0, "int8_16": 300.0}, False),
+    # no int8 timing (a build without the kernel)
+    ({"fma_1": 120.0, "fma_16": 700.0}, False),
+])
+def test_int8_needs_one_row_faster_and_sixteen_not_slower_than_every_float_kernel(monkeypatch, tmp_path, measured,
+                                                                                  faster):
+    """int8 activations where they are 1.1x faster at one row than the fastest float kernel timed and at most 1.1x
+    slower at 16 rows than the fastest there."""
+    record = tmp_path / "kernels.dot_products.json"
+    record.write_text(json.dumps({**measured, "method": linear_module.DOT_PRODUCT_METHOD}))
+    monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
+    monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
+        __file__=str(tmp_path / "kernels.so")))
+    assert linear_module.int8_activations_faster() is faster
+
+
 def test_the_config_validates_the_setting():
-    assert EngineConfig(device="cpu").activation_quantization == "none"
+    assert EngineConfig(device="cpu").activation_quantization == "auto"
     with pytest.raises(ValueError, match="--activation-quantization"):
         EngineConfig(device="cpu", activation_quantization="fp8")

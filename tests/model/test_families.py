@@ -102,6 +102,7 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
 def _llm(directory: Path, model: torch.nn.Module, tokenizer: Tokenizer, dtype: str = "float32",
          **scheduler) -> LLM:
     config = EngineConfig(model=str(directory), dtype=dtype, scheduler=SchedulerConfig(**scheduler),
+                          activation_quantization="none",  # transformers' float activations, as the dtype is theirs
                           cache=CacheConfig(num_blocks=128, enable_prefix_caching=False))
     return LLM.from_engine(LLMEngine(config, model=model, tokenizer=tokenizer))
 

@@ -181,6 +181,7 @@ def test_greedy_text_equals_transformers_generate(checkpoint, quantization):
     name, hf, on_blocks, directory = checkpoint
     tokenizer = Tokenizer.load(directory)
     config = EngineConfig(model=str(directory), dtype="float32", quantization=quantization,
+                          activation_quantization="none",  # transformers' float activations, as the dtype is theirs
                           cache=CacheConfig(num_blocks=64, enable_prefix_caching=False))
     llm = LLM.from_engine(LLMEngine(config, tokenizer=tokenizer))
     prompts = [random_ids(12, seed=7), random_ids(30, seed=8)]
@@ -257,7 +258,7 @@ def test_fused_parts_in_different_input_orders_stay_dense(checkpoint):
 
 def _engine(directory: Path, tokenizer: Tokenizer, **config) -> LLM:
     config = EngineConfig(model=str(directory), cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
-                          **config)
+                          **{"activation_quantization": "none", **config})
     return LLM.from_engine(LLMEngine(config, tokenizer=tokenizer))
 
 

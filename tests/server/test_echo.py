@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from serval.layers.linear import use_activation_quantization
 from serval.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -25,9 +26,12 @@ def tokenize(server, prompt: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine_scores(make_llm) -> list:
-    """The offline engine's prompt logprobs (top 5) of PROMPT, on the same float32 weights and settings."""
-    llm = make_llm()
-    return llm.generate([PROMPT], SamplingParams(max_tokens=0, prompt_logprobs=5), use_tqdm=False)[0].prompt_logprobs
+    """The offline engine's prompt logprobs (top 5) of PROMPT, on the same float32 weights and settings (the
+    server's activation quantization, "auto", included)."""
+    llm = make_llm(activation_quantization="auto")
+    scores = llm.generate([PROMPT], SamplingParams(max_tokens=0, prompt_logprobs=5), use_tqdm=False)[0].prompt_logprobs
+    use_activation_quantization(llm.engine.model, "none")  # the shared weights back to make_llm's default
+    return scores
 
 
 def stream_choice(stream) -> tuple[str, dict, str | None, object, int]:

@@ -14,6 +14,7 @@ from openai.types.chat.chat_completion_token_logprob import TopLogprob
 
 import serval
 from serval.config import auto_dtype
+from serval.layers.linear import use_activation_quantization
 from serval.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -344,9 +345,11 @@ def test_32_concurrent_streams_match_one_by_one(request, server_fixture, dtype, 
     for text, finish, num_tokens in together.values():
         assert finish in ("length", "stop") and text
         assert num_tokens == 16 or finish == "stop"
-    # Every stream equals the offline engine's greedy text for its prompt, on the same weights in the same dtype
-    # (the engine tests prove offline results do not depend on batching)...
-    offline = make_llm(dtype=dtype).generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    # Every stream equals the offline engine's greedy text for its prompt, on the same weights in the same dtype with
+    # the server's activation quantization, "auto" (the engine tests prove offline results do not depend on batching)...
+    llm = make_llm(dtype=dtype, activation_quantization="auto")
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    use_activation_quantization(llm.engine.model, "none")  # the shared weights back to make_llm's default
     for i, output in enumerate(offline):
         assert together[i][0] == output.outputs[0].text, f"prompt {i}: {together[i][0]!r} != {output.text!r}"
     # ...and, through the server itself, one by one (slow on two cores: every fourth prompt).
