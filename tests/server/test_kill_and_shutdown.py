@@ -65,12 +65,16 @@ def ipc_dirs(pid: int) -> set[str]:
     """The /tmp/serval-core-* folders whose sockets process ``pid`` holds (its engine core's ZeroMQ sockets)."""
     inodes = set()
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return set()
+    for fd in fds:
+        try:  # a file the process closed since the listing (one starting up opens and closes many) is skipped
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
     dirs = set()
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         parts = line.split()
