@@ -168,6 +168,15 @@ def test_a_record_of_another_method_is_measured_again(monkeypatch, tmp_path):
     assert json.loads(record.read_text()) == fresh
 
 
+def recorded_measurement(monkeypatch, tmp_path, measured: dict) -> None:
+    """Makes ``measured`` the record kept beside the build, as this build's method wrote it."""
+    record = tmp_path / "kernels.dot_products.json"
+    record.write_text(json.dumps({**measured, "method": linear_module.DOT_PRODUCT_METHOD}))
+    monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
+    monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
+        __file__=str(tmp_path / "kernels.so")))
+
+
 @pytest.mark.parametrize(("measured", "faster", "fma_rows"), [
     # an AMD Zen 4 (2026-11-27): faster at both
     ({"fma_1": 114.0, "bf16_1": 63.0, "fma_16": 688.0, "bf16_16": 419.0}, True, 0),
@@ -189,11 +198,7 @@ def test_a_record_of_another_method_is_measured_again(monkeypatch, tmp_path):
 def test_the_choice_needs_one_row_faster_and_sixteen_not_slower(monkeypatch, tmp_path, measured, faster, fma_rows):
     """bf16 where it is 1.1x faster at one row and at most 1.1x slower at 16 rows, there by its faster path; its FMA
     path from 7 rows where that path was timed (it has the dot products' bits on this CPU) and was the faster."""
-    record = tmp_path / "kernels.dot_products.json"
-    record.write_text(json.dumps({**measured, "method": linear_module.DOT_PRODUCT_METHOD}))
-    monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
-    monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
-        __file__=str(tmp_path / "kernels.so")))
+    recorded_measurement(monkeypatch, tmp_path, measured)
     assert linear_module.bf16_dot_products_faster() is faster
     assert linear_module.dot_product_measurement()["bf16_fma_rows"] == fma_rows
 
@@ -220,11 +225,7 @@ def test_the_choice_needs_one_row_faster_and_sixteen_not_slower(monkeypatch, tmp
 def test_the_tiles_need_sixteen_rows_faster_and_one_not_much_slower(monkeypatch, tmp_path, measured, tiles):
     """"auto" takes the tiles over its other choice where they were 1.1x faster at 16 rows and at most 1.25x slower
     at one row (AMX_ONE_ROW_SLACK)."""
-    record = tmp_path / "kernels.dot_products.json"
-    record.write_text(json.dumps({**measured, "method": linear_module.DOT_PRODUCT_METHOD}))
-    monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
-    monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
-        __file__=str(tmp_path / "kernels.so")))
+    recorded_measurement(monkeypatch, tmp_path, measured)
     other = "bf16" if linear_module.bf16_dot_products_faster() else "fma"
     assert linear_module.amx_tiles_faster(other) is tiles
     assert linear_module.auto_dot_products() == ("amx" if tiles else other)

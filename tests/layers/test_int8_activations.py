@@ -6,12 +6,10 @@ activations is bounded. (The AVX2 build gives the same bits: test_avx2_build.py.
 
 from __future__ import annotations
 
-import json
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
+from test_bf16_dot_linear import recorded_measurement
 from test_block_quant_linear import FORMATS, activations, random_blocks
 
 from serval.config import EngineConfig
@@ -235,11 +233,7 @@ def test_int8_needs_one_row_faster_and_sixteen_not_slower_than_every_float_kerne
                                                                                   faster):
     """int8 activations where they are 1.1x faster at one row than the fastest float kernel timed and at most 1.1x
     slower at 16 rows than the fastest there."""
-    record = tmp_path / "kernels.dot_products.json"
-    record.write_text(json.dumps({**measured, "method": linear_module.DOT_PRODUCT_METHOD}))
-    monkeypatch.setattr(linear_module, "_dot_product_measurement", {})
-    monkeypatch.setattr(linear_module, "_panel_kernels", lambda device: SimpleNamespace(
-        __file__=str(tmp_path / "kernels.so")))
+    recorded_measurement(monkeypatch, tmp_path, measured)
     assert linear_module.int8_activations_faster() is faster
 
 
