@@ -1,7 +1,8 @@
 """The CPU kernels' own worker threads (csrc/thread_pool.h), through the kernels that run on them: the block linears
-(bfloat16 dot products and float32 FMAs) and paged attention. Whichever thread takes a chunk, and however many
-threads there are, each output has the same bits; two callers at once (one runs inline while the other holds the
-pool) both get their own right answer; and a forked child, which has none of its parent's threads, gets its answer."""
+(bfloat16 dot products, float32 FMAs and int8 activations) and paged attention. Whichever thread takes a chunk, and
+however many threads there are, each output has the same bits; two callers at once (one runs inline while the other
+holds the pool) both get their own right answer; and a forked child, which has none of its parent's threads, gets
+its answer."""
 
 from __future__ import annotations
 
@@ -17,13 +18,19 @@ from serval.layers import cpu_kernels
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="needs the C++ kernels")
 FORMATS = ["Q4_K", "Q6_K", "q8"]
+WAYS = ["float", "int8"]
 
 
-def linear(fmt: str, rows: int, out_features: int = 1000, in_features: int = 512):
-    """A call of the kernel users get for bfloat16 rows (the dot products where compiled, else the FMAs)."""
+def linear(fmt: str, rows: int, way: str, out_features: int = 1000, in_features: int = 512):
+    """A call of a kernel for bfloat16 rows: "float" the float kernel users get (the dot products where compiled,
+    else the FMAs), "int8" int8 activations (the vector kernel)."""
     weight = random_blocks(fmt, out_features, in_features)
     panels = weight.panels()
     x = activations(rows, weight.in_features, torch.bfloat16)
+    if way == "int8":
+        if not kernels.block_int8_kernel_available():
+            pytest.skip("no int8 kernel in this build")
+        return lambda: kernels.block_panel_linear_int8(x, *panels, weight.format, out_features, True, "vector")
     dot = kernels.block_bf16_dot_kernel_available()
     kernel = kernels.block_panel_linear_bf16_dot if dot else kernels.block_panel_linear
     return lambda: kernel(x, *panels, weight.format, out_features, True)
@@ -40,8 +47,9 @@ def with_threads(threads: int, call):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 40])  # decoded in registers; decoded once per tile
-def test_linear_bits_do_not_depend_on_the_threads(fmt, rows):
-    call = linear(fmt, rows)
+@pytest.mark.parametrize("way", WAYS)
+def test_linear_bits_do_not_depend_on_the_threads(fmt, rows, way):
+    call = linear(fmt, rows, way)
     alone = with_threads(1, call)
     for threads in (2, 3, 4):
         for _ in range(3):  # chunks land on other threads each time
@@ -75,8 +83,9 @@ def test_attention_bits_do_not_depend_on_the_threads():
             assert torch.equal(with_threads(threads, call), alone)
 
 
-def test_two_callers_at_once_each_get_their_answer():
-    calls = [linear(fmt, rows) for fmt in FORMATS for rows in (1, 9)]
+@pytest.mark.parametrize("way", WAYS)
+def test_two_callers_at_once_each_get_their_answer(way):
+    calls = [linear(fmt, rows, way) for fmt in FORMATS for rows in (1, 9)]
     want = [call() for call in calls]
     failures: list[str] = []
 
@@ -99,10 +108,11 @@ def _in_child(call, want, queue) -> None:
     queue.put(torch.equal(call(), want))  # nothing else here: libgomp's own regions hang in a child forked after them
 
 
-def test_a_forked_child_gets_its_answer():
+@pytest.mark.parametrize("way", WAYS)
+def test_a_forked_child_gets_its_answer(way):
     """The parent's pool has its workers; the child's copy of it has none, and a call that waited for them would
     never return (the child makes a pool of its own)."""
-    call = linear("Q4_K", 1)
+    call = linear("Q4_K", 1, way)
     want = with_threads(1, call)
     assert torch.equal(call(), want)  # the parent's pool exists
     context = multiprocessing.get_context("fork")
