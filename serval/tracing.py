@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # Wall clock minus monotonic clock, read once: every instant converts with the same offset, so two spans that
-# start at one monotonic instant start at one epoch instant too.
+# start at one monotonic instant start at one epoch instant too. Every span's start and end go through it (never
+# OpenTelemetry's own wall-clock reads): a wall clock stepped after import (NTP, a resumed VM) would otherwise put
+# a child span before its parent.
 _EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
 
 
@@ -56,8 +58,13 @@ class Tracing:
             context = trace.set_span_in_context(parent)
         else:
             context = TraceContextTextMapPropagator().extract(carrier=dict(headers or {}))
-        start = epoch_ns(start_monotonic) if start_monotonic is not None else None
+        start = epoch_ns(time.monotonic() if start_monotonic is None else start_monotonic)
         return self.tracer.start_span(name, context=context, kind=getattr(trace.SpanKind, kind), start_time=start)
+
+    @staticmethod
+    def end(span) -> None:
+        """Ends ``span`` now, on the spans' one clock."""
+        span.end(end_time=epoch_ns(time.monotonic()))
 
     @staticmethod
     def inject(span, headers: dict) -> dict:

@@ -161,7 +161,7 @@ class ReplicaProxy:
         response = await self._route(request, started, span)
         if span is not None and not isinstance(response, StreamingResponse):  # refused: the route ends here
             span.set_attribute("http.status_code", response.status_code)
-            span.end()
+            Tracing.end(span)
         return response
 
     async def _route(self, request: Request, started: float, span):
@@ -249,7 +249,7 @@ class ReplicaProxy:
         except httpx.TransportError as exc:  # never reached the replica: another one may serve it
             if attempt is not None:
                 attempt.set_attribute("error.type", type(exc).__name__)
-                attempt.end()
+                Tracing.end(attempt)
             replica.outstanding -= 1
             replica.consecutive_failures += 1
             replica.healthy = False
@@ -269,7 +269,7 @@ class ReplicaProxy:
                     attempt.set_attribute("http.status_code", 503)
                 else:
                     attempt.set_attribute("error.type", failure)
-                attempt.end()
+                Tracing.end(attempt)
             await response.aclose()
             replica.outstanding -= 1
             if failure is not None:  # died: out until a health check passes
@@ -310,7 +310,7 @@ class ReplicaProxy:
                 for span in (attempt, call.span):  # the replica call, then the route
                     if span is not None:
                         span.set_attribute("http.status_code", response.status_code)
-                        span.end()
+                        Tracing.end(span)
 
         return StreamingResponse(body(), status_code=response.status_code, headers=headers)
 

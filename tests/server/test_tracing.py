@@ -14,6 +14,7 @@ import uvicorn
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from serverproc import Server
 
+from serval import tracing as tracing_module
 from serval.cluster.router import RouterConfig, create_router_app
 from serval.config import CacheConfig, EngineConfig
 from serval.engine.async_engine import AsyncEngine
@@ -45,8 +46,11 @@ def _serving(app):
         thread.join(30)
 
 
-def test_a_request_through_the_router_is_one_trace_down_to_its_decode(smollm_fp32, tmp_path):
+def test_a_request_through_the_router_is_one_trace_down_to_its_decode(smollm_fp32, tmp_path, monkeypatch):
     model, tokenizer = smollm_fp32
+    # The wall clock stepped 41 s forward since serval.tracing read it (as NTP did once in CI): the spans still nest,
+    # since every start and end is on the spans' one clock, not OpenTelemetry's own wall-clock reads.
+    monkeypatch.setattr(tracing_module, "_EPOCH_OFFSET_NS", tracing_module._EPOCH_OFFSET_NS - 41_000_000_000)
     router_spans, server_spans = InMemorySpanExporter(), InMemorySpanExporter()
     engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_model_len=512, cache=CacheConfig(num_blocks=64)),
                                    model=model, tokenizer=tokenizer))
