@@ -1,5 +1,6 @@
 """The CPU kernels' own worker threads (csrc/thread_pool.h), through the kernels that run on them: the block linears
-(bfloat16 dot products, float32 FMAs and int8 activations) and paged attention. Whichever thread takes a chunk, and
+(bfloat16 dot products, float32 FMAs and int8 activations), paged attention and the row ops between them (norms,
+activations, argmax). Whichever thread takes a chunk, and
 however many threads there are, each output has the same bits; two callers at once (one runs inline while the other
 holds the pool) both get their own right answer; and a forked child, which has none of its parent's threads, gets
 its answer."""
@@ -81,6 +82,36 @@ def test_attention_bits_do_not_depend_on_the_threads():
     for threads in (2, 4):
         for _ in range(3):
             assert torch.equal(with_threads(threads, call), alone)
+
+
+ROW_OPS = {
+    "add_rms_norm": lambda x, w: kernels.add_rms_norm(x, x.flip(0).contiguous(), w, 1e-6),
+    "gemma_rms_norm": lambda x, w: kernels.gemma_rms_norm(x, w, 1e-6, 8, x.flip(0).contiguous(), w.flip(0)),
+    "silu_and_mul": lambda x, w: kernels.silu_and_mul(x),
+    "gelu_tanh_and_mul": lambda x, w: kernels.gelu_tanh_and_mul(x, 8),
+    "argmax_rows": lambda x, w: kernels.argmax_rows(x.float()),
+}
+
+
+@pytest.mark.parametrize("op", list(ROW_OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_op_bits_do_not_depend_on_the_threads(op, dtype):
+    """64 rows of 2048: more than one piece, so that the workers take some (a decode step's batch of 8 rows of a
+    1B model's 2048 or 8192 already splits)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 2048, generator=generator).to(dtype)
+    weight = torch.randn(2048, generator=generator).to(dtype)
+
+    def call():
+        return ROW_OPS[op](x, weight)
+
+    alone = with_threads(1, call)
+    for threads in (2, 3, 4):
+        for _ in range(3):
+            got = with_threads(threads, call)
+            for a, b in zip(got if isinstance(got, tuple) else (got,), alone if isinstance(alone, tuple) else (alone,),
+                            strict=True):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("way", WAYS)

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "thread_pool.h"
 #include "vec_math.h"
 
 #include "kernels.h"  // fused_ops.cpp's silu_and_mul: every case silu_and_mul_v16 does not take
@@ -85,7 +86,7 @@ inline void store_bf16_partial(bf16* p, V16 x, int64_t count) {
 // fused_ops.cpp's silu_and_mul_rows for bfloat16: the same vector silu on 16 gates at a time (the last ones padded
 // with zeros), rounded, times up, rounded.
 void silu_and_mul_rows(const bf16* x, bf16* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const bf16* gate = x + row * 2 * n;
       const bf16* up = gate + n;

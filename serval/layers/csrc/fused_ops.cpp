@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "thread_pool.h"
 #include "vec_math.h"
 #if defined(SERVAL_V16)
 #include <sleef.h>  // the tanh PyTorch's gelu takes (libtorch_cpu exports it)
@@ -26,7 +27,7 @@ inline float round_to(float v) {
 template <typename T>
 void add_rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t rows,
                        int64_t n, float eps) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / n), [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, rows, std::max<int64_t>(1, 4096 / n), [&](int64_t begin, int64_t end) {
     std::vector<float> r(n);
     for (int64_t row = begin; row < end; ++row) {
       const T* xr = x + row * n;
@@ -54,7 +55,7 @@ template <typename T>
 void rotate_rows(T* x, int64_t token_stride, const int64_t* positions, const float* cos, const float* sin,
                  int64_t tokens, int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim);
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + positions[t] * dim;
@@ -85,7 +86,7 @@ inline float silu(float g) {
 // PyTorch lines (F.silu(gate) * up) round them.
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* gate = x + row * 2 * n;
       const T* up = gate + n;
@@ -178,7 +179,7 @@ template <typename T>
 void gemma_rms_norm_rows(const T* x, int64_t heads, int64_t token_stride, const T* weight, T* out,
                          const T* residual, T* residual_out, const T* next_weight, int64_t rows, int64_t n,
                          float eps, int64_t lanes) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / n), [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, rows, std::max<int64_t>(1, 4096 / n), [&](int64_t begin, int64_t end) {
     std::vector<float> r(n);
     std::vector<T> normed(residual ? n : 0);
     for (int64_t row = begin; row < end; ++row) {
@@ -247,7 +248,7 @@ inline void gelu_tanh16(float* s) {
 template <typename T>
 void gelu_tanh_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t vector_values) {
   const int64_t vectorized = n - n % vector_values;
-  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, rows, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* gate = x + row * 2 * n;
       const T* up = gate + n;
@@ -377,7 +378,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* data = x.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* v = data + row * n;
       float best = v[0];

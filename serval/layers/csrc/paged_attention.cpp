@@ -761,7 +761,7 @@ void attend_any(const Inputs<scalar_t, Rows>& in) {
 template <typename Rows, typename scalar_t>
 void quantize_rows(const scalar_t* x, uint8_t* cache, const int64_t* slots, int64_t num_rows, int64_t num_kv_heads,
                    int64_t head_dim) {
-  at::parallel_for(0, num_rows, 64, [&](int64_t begin, int64_t end) {
+  serval::parallel_for(0, num_rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {  // row r: token r / num_kv_heads, head r % num_kv_heads
       const scalar_t* src = x + r * head_dim;
       uint8_t* dst = cache + (slots[r / num_kv_heads] * num_kv_heads + r % num_kv_heads) * (head_dim + 4);

@@ -575,7 +575,7 @@ at::Tensor block_panel_rows(const at::Tensor& panels, const at::Tensor& scales, 
   float* y = out.data_ptr<float>();
   auto decode = [&](auto format) {
     constexpr int F = decltype(format)::value;
-    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    serval::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
       alignas(64) float block[kBlock * kCols];
       for (int64_t r = begin; r < end; ++r) {
         const int64_t tile = id[r] / kCols, column = id[r] % kCols;
