@@ -1,6 +1,6 @@
 """The CPU kernels' own worker threads (csrc/thread_pool.h), through the kernels that run on them: the block linears
 (bfloat16 dot products, float32 FMAs and int8 activations), paged attention and the row ops between them (norms,
-activations, argmax). Whichever thread takes a chunk, and
+RoPE, activations, argmax). Whichever thread takes a chunk, and
 however many threads there are, each output has the same bits; two callers at once (one runs inline while the other
 holds the pool) both get their own right answer; and a forked child, which has none of its parent's threads, gets
 its answer."""
@@ -84,7 +84,16 @@ def test_attention_bits_do_not_depend_on_the_threads():
             assert torch.equal(with_threads(threads, call), alone)
 
 
+def _rotated(x: torch.Tensor) -> torch.Tensor:
+    """x [64, 2048] as 64 tokens of 32 heads of 64, each rotated in place by its position."""
+    out = x.clone().view(64, 32, 64)
+    angles = torch.arange(64 * 64, dtype=torch.float32).view(64, 64) / 1000
+    kernels.rotary_embedding_(out, torch.arange(64), angles.cos(), angles.sin())
+    return out
+
+
 ROW_OPS = {
+    "rotary_embedding_": lambda x, w: _rotated(x),
     "add_rms_norm": lambda x, w: kernels.add_rms_norm(x, x.flip(0).contiguous(), w, 1e-6),
     "gemma_rms_norm": lambda x, w: kernels.gemma_rms_norm(x, w, 1e-6, 8, x.flip(0).contiguous(), w.flip(0)),
     "silu_and_mul": lambda x, w: kernels.silu_and_mul(x),

@@ -1,7 +1,7 @@
 // The CPU kernels' own worker threads for their hot loops (the block linears, attention and the row ops between
-// them: norms, activations, argmax), in place of OpenMP's. One pool for all of a step's calls: while the linears ran
-// here and the row ops on OpenMP, each of the two pools' waiting workers held the core the other's needed, and a
-// 1B model's decode step of 8 rows took 1.6x as long (benchmarks/README.md, 2026-12-03).
+// them: norms, RoPE, activations, argmax), in place of OpenMP's. One pool for all of a step's calls: while the
+// linears ran here and the row ops on OpenMP, each of the two pools' waiting workers held the core the other's
+// needed, and a 1B model's decode step of 8 rows took 1.6x as long (benchmarks/README.md, 2026-12-03).
 //
 // A one-row decode step of a 1B model makes about 100 parallel calls of 30-300 microseconds each, with a little
 // serial work between them. libgomp's workers spin GOMP_SPINCOUNT times and then sleep; a sleeping worker's wake-up
