@@ -2,6 +2,7 @@
 of this thread (time.thread_time), the two builds alternated so that a slow spell of a shared machine hits both.
 
     .venv/bin/python benchmarks/bench_kernel_ab.py --base main [--model F.gguf] [--rows 1,2,4,16] [--rounds 5]
+        [--settings bf16,fma,int8] [--no-decode]
 
 The base revision's csrc/ is built (or loaded from the build cache) under its own name beside this checkout's.
 1. Each distinct linear shape of the model (SmolLM2 by default: fused q/k/v, o, gate/up, down, the tied Q8_0 head),
@@ -114,7 +115,8 @@ def thread_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_linears(model, builds: dict, rows_list: list[int], dtype: torch.dtype, rounds: int) -> None:
+def bench_linears(model, builds: dict, rows_list: list[int], dtype: torch.dtype, rounds: int,
+                  settings: list[str]) -> None:
     shapes: dict[tuple[int, int], list[BlockQuantLinear]] = {}
     for module in model.modules():
         if isinstance(module, BlockQuantLinear) and module.kernel is not None:
@@ -122,7 +124,7 @@ def bench_linears(model, builds: dict, rows_list: list[int], dtype: torch.dtype,
     print(f"{'N x K':>12}{'layers':>7}{'act':>6}" + "".join(f"{r:>20}" for r in rows_list)
           + "   (us a call, base -> new)")
     for (n, k), layers in shapes.items():
-        for setting in ("bf16", "fma", "int8"):
+        for setting in settings:
             cells = []
             for rows in rows_list:
                 x = torch.randn(rows, k).to(dtype)
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,16")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--settings", default="bf16,fma,int8", help="the ways of multiplying to time (comma-separated)")
     parser.add_argument("--no-linears", action="store_true")
     parser.add_argument("--no-decode", action="store_true")
     args = parser.parse_args()
@@ -190,7 +193,7 @@ def main() -> None:
     with torch.inference_mode():
         if not args.no_linears:
             bench_linears(engine.model, builds, [int(r) for r in args.rows.split(",")], config.torch_dtype,
-                          args.rounds)
+                          args.rounds, args.settings.split(","))
     if not args.no_decode:
         for setting in ("none", "int8"):
             bench_decode(engine, builds, setting, args.steps, args.rounds)
