@@ -521,13 +521,19 @@ template <int F>
   static_assert(extra_bits(F) == 0);
   constexpr int R = kRowsTogether;
   Sums16 nibbles[R];
-  for (int r = 0; r < R; ++r) nibbles[r] = int_zero();
+  const int32_t* x[R];
+  for (int r = 0; r < R; ++r) {
+    nibbles[r] = int_zero();
+    x[r] = words + r * stride;
+    // an opaque pointer a row: read at x[r] + 4 i (GCC kept all 32 row-and-step offsets on the stack instead)
+    asm volatile("" : "+r"(x[r]));
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
     const Group v = prepared[i];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      nibbles[r] = dot16(nibbles[r], v, words[r * stride + i]);
+      nibbles[r] = dot16(nibbles[r], v, x[r][i]);
       in_registers(nibbles[r]);
     }
   }
