@@ -235,7 +235,8 @@ struct F16 {
 // Rows a pass over a panel's blocks, each block's bytes regrouped once for them: 4, though their sums and
 // accumulators outgrow the 16 registers (the accumulators, touched once a block, go to the stack), measured 1-10%
 // faster at 16 rows and 6-14% at 4 than 2 rows a pass on an AMD EPYC Zen 2 (benchmarks/README.md). Without VNNI
-// the nibble formats take panel_rows_prepared from 4 rows, panel_rows below that.
+// the nibble formats take panel_rows_prepared from 4 rows, panel_rows below that (4-bit and q6 blocks with int16
+// sums, int16_block).
 constexpr int kTileRows = 4;
 constexpr int chains(int rows) { return rows == 1 ? 2 : 1; }  // 16 registers: two sums of two each at one row
 inline Group load_group(const uint8_t* p) {
@@ -393,6 +394,41 @@ __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* block) 
     _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + i), _MM_HINT_T0);
 }
 
+#if defined(SERVAL_INT8_INT16_SUMS)
+// panel_rows's integer sums of a 4-bit or q6 block, at fewer rows than panel_rows_prepared takes, with the pair
+// products added in int16 and widened once (vpmaddubsw and vpaddw a step instead of vpmaddubsw, vpmaddwd and vpaddd).
+// A pair is at most 2 * 15 * 128 = 3,840 (nibbles) or 2 * 48 * 128 = 12,288 (q6's two high bits, times 16), so int16
+// holds the sum of 8 nibble steps (a 4-bit block), of 4 (a q6 half), or of 2 bit steps: the same integers.
+template <int F, int R>
+[[gnu::always_inline]] inline void int16_block(const uint8_t* q, const int32_t* const* x, Ints (&part)[R][2][chains(R)]) {
+  static_assert(extra_bits(F) != 1);
+  constexpr int H = extra_bits(F) == 2 ? 2 : 1;  // q6: each half (positions 0-15, 16-31) summed on its own
+#pragma GCC unroll 2
+  for (int h = 0; h < H; ++h) {
+    Sums16 nibbles[R];
+    for (int r = 0; r < R; ++r) nibbles[r] = int_zero();
+#pragma GCC unroll 4
+    for (int L = 4 / H * h; L < 4 / H * (h + 1); ++L) {
+      const Group v = load_group(q + 64 * L);
+      const Group lo = mask(v, 0x0F), hi = mask(shift_right(v, 4), 0x0F);
+      for (int r = 0; r < R; ++r) nibbles[r] = dot16(dot16(nibbles[r], lo, x[r][2 * L]), hi, x[r][2 * L + 1]);
+    }
+    for (int r = 0; r < R; ++r) part[r][h][0] = widen(nibbles[r], 1);
+    if constexpr (extra_bits(F) == 2) {  // bits 2t, 2t + 1 of rows 16 + 4 h + s, times 16, two steps a sum
+      const Group v = load_group(q + 256 + 64 * h);
+#pragma GCC unroll 2
+      for (int t = 0; t < 4; t += 2) {
+        const Group b0 = mask(t < 2 ? shift_left(v, 4 - 2 * t) : shift_right(v, 2 * t - 4), 0x30);
+        const Group b1 = mask(t + 1 < 2 ? shift_left(v, 4 - 2 * (t + 1)) : shift_right(v, 2 * (t + 1) - 4), 0x30);
+        for (int r = 0; r < R; ++r)
+          part[r][h][0] = int_add(part[r][h][0], widen(dot16(dot16(int_zero(), b0, x[r][8 + 4 * h + t]), b1,
+                                                             x[r][8 + 4 * h + t + 1]), 1));
+      }
+    }
+  }
+}
+#endif
+
 // R rows (words, blocks: theirs, row after row) times one 16-column panel, into y (row stride N). At few rows a
 // block's dot products go to C independent sums per row and half, added at the end.
 template <int F, int R>
@@ -416,6 +452,10 @@ void panel_rows(const Panels& w, int64_t panel, const int32_t* words, const Bloc
         const Group v = load_group(q + 64 * L);
         for (int r = 0; r < R; ++r) part[r][0][L % C] = dot_signed(part[r][0][L % C], v, x[r][L]);
       }
+#if defined(SERVAL_INT8_INT16_SUMS)
+    } else if constexpr (extra_bits(F) != 1) {
+      int16_block<F, R>(q, x, part);
+#endif
     } else {
 #pragma GCC unroll 4
       for (int L = 0; L < 4; ++L) {
