@@ -26,13 +26,17 @@ exited. Servers:
 
 Only ratios from one run mean anything: a shared machine's speed drifts between runs.
 
-`--paired-rounds N` runs one stream only, with every server up at once (the others idle while one is asked) and one
-request to each in turn, N rounds: each round's servers run in the same minute, and the ratio is the median of the
-rounds' ratios (`paired.json`). On this VM a server alone after another could land in a minute whose memory read
-half as fast.
+`--paired-rounds N` runs one workload only (`--paired-workload`, one stream by default), with every server up at
+once (the others idle while one is asked) and the workload run on each in turn, N rounds: each round's servers run
+in the same minute, and the ratio is the median of the rounds' ratios (`paired.json`). On this VM a server alone
+after another could land in a minute whose memory read half as fast. One stream sends one request a round and
+compares decode tok/s (1000 / TPOT); any other workload runs whole each round and compares its first metric (mixed:
+the wall, where a ratio below 1 is Serval's lead).
 
     .venv/bin/python benchmarks/run_peers.py --model ../models/Llama-3.2-1B/Llama-3.2-1B-Q4_K_M.gguf \
         --servers serval,llama.cpp --paired-rounds 8 --output-tokens 128
+    .venv/bin/python benchmarks/run_peers.py --model ../models/Llama-3.2-1B/Llama-3.2-1B-Q4_K_M.gguf \
+        --servers serval,llama.cpp --paired-rounds 3 --paired-workload mixed --num-requests 8 --output-tokens 128
 
 Two versions of Serval, paired: `--serval-checkout NAME=DIR` runs the variant NAME from another checkout (its code
 and its own CPU kernels), e.g. a worktree of the previous revision (`git worktree add ../base HEAD~1`):
@@ -298,11 +302,11 @@ def run_server(server: Server, workloads: list[Workload], log_dir: Path, timeout
 
 def run_paired(server_list: list[Server], workload: Workload, rounds: int, log_dir: Path,
                timeout_s: float) -> dict[str, list[float]]:
-    """One stream with every server up at once and one request to each in turn, round after round (who goes first
+    """``workload`` with every server up at once and run on each in turn, round after round (who goes first
     alternating): a round's requests run in the same minute, the other servers idle, so that one round's ratio
     compares like with like where the machine's memory rate drifts by half from one minute to the next (one server
-    alone after another can land in another regime). Each round sends every server the same prompt. Returns each
-    server's decode rate per round (tok/s: 1000 / the request's TPOT)."""
+    alone after another can land in another regime). Each round sends every server the same requests. Returns each
+    server's paired_value per round."""
     running: dict[str, tuple[subprocess.Popen, int]] = {}
     rates: dict[str, list[float]] = {s.name: [] for s in server_list}
     try:
@@ -313,29 +317,48 @@ def run_paired(server_list: list[Server], workload: Workload, rounds: int, log_d
         for i in range(rounds):
             order = server_list if i % 2 == 0 else server_list[::-1]
             for server in order:
+                requests = 1 if workload.concurrency == 1 else workload.workload.num_requests
                 config = ServeBenchConfig(
                     endpoint=Endpoint(base_url=f"http://127.0.0.1:{running[server.name][1]}/v1", model=MODEL_NAME,
                                       ignore_eos=workload.ignore_eos, chat=workload.chat),
-                    workload=replace(workload.workload, num_requests=1, seed=workload.workload.seed + i),
-                    load=LoadConfig(concurrency=1, seed=workload.workload.seed + i), warmup_requests=2 if i == 0 else 0)
+                    workload=replace(workload.workload, num_requests=requests, seed=workload.workload.seed + i),
+                    load=LoadConfig(concurrency=workload.concurrency, seed=workload.workload.seed + i),
+                    warmup_requests=2 if i == 0 else 0)
                 summary = run_serve_benchmark(config, progress=False)["summary"]
-                tpot = _value(summary, "tpot_ms.p50")
-                rates[server.name].append(1000.0 / tpot if tpot else float("nan"))
+                rates[server.name].append(paired_value(workload, summary))
             print(f"   round {i + 1}: " + ", ".join(f"{s.name} {rates[s.name][-1]:.1f}" for s in server_list)
-                  + " decode tok/s", flush=True)
+                  + f" {paired_metric(workload)[0]}", flush=True)
     finally:
         for proc, _ in running.values():
             stop(proc)
     return rates
 
 
+def paired_metric(workload: Workload) -> tuple[str, bool]:
+    """What a paired round compares (label, higher is better): one stream's decode rate, else the workload's first
+    metric."""
+    if workload.concurrency == 1:
+        return "decode tok/s", True
+    label, _, higher_is_better = workload.metrics[0]
+    return label, higher_is_better
+
+
+def paired_value(workload: Workload, summary: dict) -> float:
+    """A round's value of paired_metric: 1000 / TPOT p50 for one stream, else the first metric's."""
+    if workload.concurrency == 1:
+        tpot = _value(summary, "tpot_ms.p50")
+        return 1000.0 / tpot if tpot else float("nan")
+    value = _value(summary, workload.metrics[0][1])
+    return float("nan") if value is None else value
+
+
 def paired_ratios(rates: dict[str, list[float]], base: str) -> dict[str, dict]:
-    """Per server: the median of its rounds' decode rates, and the median over rounds of its rate / base's in the
-    same round (a ratio of medians would pair a fast minute of one with a slow minute of the other)."""
+    """Per server: the median of its rounds' values (paired_value), and the median over rounds of its value / base's
+    in the same round (a ratio of medians would pair a fast minute of one with a slow minute of the other)."""
     out = {}
     for name, values in rates.items():
         ratios = [v / b for v, b in zip(values, rates[base]) if b == b and v == v and b > 0]
-        out[name] = {"decode_tok_s": statistics.median(values), "min": min(values), "max": max(values),
+        out[name] = {"median": statistics.median(values), "min": min(values), "max": max(values),
                      f"ratio_to_{base}": statistics.median(ratios) if ratios else None,
                      "round_ratios": ratios}
     return out
@@ -528,13 +551,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vLLM's --gpu-memory-utilization: on CPU, the share of RAM it reserves")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--paired-rounds", type=int, default=None,
-                        help="instead of the workloads: one stream, every server up at once and one request to each "
+                        help="instead of the workloads: --paired-workload with every server up at once, run on each "
                         "in turn, this many rounds (run_paired); for ratios on a machine whose memory rate drifts")
+    parser.add_argument("--paired-workload", default="single",
+                        help="the workload --paired-rounds runs (single: one request a round, decode tok/s; others "
+                        "whole, their first metric)")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"),
                         help="peers.json, peers.png and the servers' logs go here")
     args = parser.parse_args(argv)
     if args.paired_rounds is not None and args.paired_rounds < 1:
         parser.error(f"--paired-rounds must be at least 1, not {args.paired_rounds}")
+    if not [w for w in suite(argparse.Namespace(**{**vars(args), "workloads": args.paired_workload}))
+            if w.name == args.paired_workload]:
+        parser.error(f"--paired-workload {args.paired_workload!r}: not a workload of the suite")
     for checkout in args.serval_checkout:
         name, _, directory = checkout.partition("=")
         if not (Path(directory) / "serval" / "__init__.py").is_file():
@@ -564,19 +593,22 @@ def main() -> None:
           f"{bandwidth['threads']} threads)", flush=True)
     print("servers: " + ", ".join(s.name for s in server_list), flush=True)
     if args.paired_rounds:
-        (single,) = suite(argparse.Namespace(**{**vars(args), "workloads": "single"}))  # sized as the flags say
+        (paired_workload,) = suite(argparse.Namespace(**{**vars(args), "workloads": args.paired_workload}))
         server_list = [s for s in server_list if s.variant_of is None]
-        rates = run_paired(server_list, single, args.paired_rounds, out_dir, args.startup_timeout)
+        rates = run_paired(server_list, paired_workload, args.paired_rounds, out_dir, args.startup_timeout)
         base = "llama.cpp" if "llama.cpp" in rates else server_list[-1].name
         paired = paired_ratios(rates, base)
-        print(f"\none stream, {args.paired_rounds} paired rounds, decode tok/s (1000 / TPOT): median (min-max), "
-              f"median of the rounds' ratios to {base}")
+        label, higher_is_better = paired_metric(paired_workload)
+        print(f"\n{paired_workload.name}, {args.paired_rounds} paired rounds, {label}: median (min-max), "
+              f"median of the rounds' ratios to {base} ({'higher' if higher_is_better else 'lower'} is better)")
         for name, row in paired.items():
             ratio = row[f"ratio_to_{base}"]
-            print(f"   {name:<24}{row['decode_tok_s']:7.1f} ({row['min']:.1f}-{row['max']:.1f})   "
+            print(f"   {name:<24}{row['median']:7.1f} ({row['min']:.1f}-{row['max']:.1f})   "
                   + (f"{ratio:.3f}x" if ratio is not None else "-"))
-        report = {"machine": machine, "cpu": cpu, "model": str(model_path), "workload": asdict(single.workload),
-                  "paired_rounds": args.paired_rounds, "rates": rates, "paired": paired, "bandwidth": bandwidth}
+        report = {"machine": machine, "cpu": cpu, "model": str(model_path), "workload_name": paired_workload.name,
+                  "workload": asdict(paired_workload.workload), "concurrency": paired_workload.concurrency,
+                  "metric": label, "higher_is_better": higher_is_better, "paired_rounds": args.paired_rounds,
+                  "rates": rates, "paired": paired, "bandwidth": bandwidth}
         (out_dir / "paired.json").write_text(json.dumps(report, indent=2))
         print(f"wrote {out_dir / 'paired.json'}")
         return

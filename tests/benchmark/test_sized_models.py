@@ -116,7 +116,24 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
     assert paired["serval"]["round_ratios"] == [1.0, 1.0, pytest.approx(1.1), pytest.approx(1.1)]
     assert paired["serval"]["ratio_to_llama.cpp"] == pytest.approx(1.05)
     assert paired["llama.cpp"]["ratio_to_llama.cpp"] == 1.0
-    assert (paired["serval"]["decode_tok_s"], paired["serval"]["min"], paired["serval"]["max"]) == (31.0, 20.0, 44.0)
+    assert (paired["serval"]["median"], paired["serval"]["min"], paired["serval"]["max"]) == (31.0, 20.0, 44.0)
+
+
+def test_a_paired_workload_compares_its_own_metric():
+    """--paired-workload: one stream compares decode tok/s (1000 / TPOT p50); the others their first metric, the
+    mixed workload its wall (lower is better); a name outside the suite is refused."""
+    peers = load_script("run_peers")
+    workloads = {w.name: w for w in peers.suite(peers.parse_args(["--workloads", "single,decode-heavy,mixed"]))}
+    summary = {"tpot_ms": {"p50": 40.0}, "output_throughput": 75.0, "duration_s": 31.5, "itl_ms": {"p99": 900.0}}
+    assert peers.paired_metric(workloads["single"]) == ("decode tok/s", True)
+    assert peers.paired_value(workloads["single"], summary) == 25.0
+    assert peers.paired_metric(workloads["decode-heavy"]) == ("output tok/s", True)
+    assert peers.paired_value(workloads["decode-heavy"], summary) == 75.0
+    assert peers.paired_metric(workloads["mixed"]) == ("wall s", False)
+    assert peers.paired_value(workloads["mixed"], summary) == 31.5
+    assert peers.parse_args(["--paired-rounds", "2", "--paired-workload", "mixed"]).paired_workload == "mixed"
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--paired-rounds", "2", "--paired-workload", "no-such-workload"])
 
 
 def test_a_serval_variant_runs_from_the_checkout_it_is_given(tmp_path):
