@@ -561,8 +561,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.paired_rounds is not None and args.paired_rounds < 1:
         parser.error(f"--paired-rounds must be at least 1, not {args.paired_rounds}")
-    if not [w for w in suite(argparse.Namespace(**{**vars(args), "workloads": args.paired_workload}))
-            if w.name == args.paired_workload]:
+    named = suite(argparse.Namespace(**{**vars(args), "workloads": args.paired_workload}))
+    if [w.name for w in named] != [args.paired_workload]:  # one workload of the suite, not a list
         parser.error(f"--paired-workload {args.paired_workload!r}: not a workload of the suite")
     for checkout in args.serval_checkout:
         name, _, directory = checkout.partition("=")

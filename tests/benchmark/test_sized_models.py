@@ -134,6 +134,8 @@ def test_a_paired_workload_compares_its_own_metric():
     assert peers.parse_args(["--paired-rounds", "2", "--paired-workload", "mixed"]).paired_workload == "mixed"
     with pytest.raises(SystemExit):
         peers.parse_args(["--paired-rounds", "2", "--paired-workload", "no-such-workload"])
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--paired-rounds", "2", "--paired-workload", "single,mixed"])
 
 
 def test_a_serval_variant_runs_from_the_checkout_it_is_given(tmp_path):
